@@ -1,0 +1,1 @@
+//! The control plane. (In progress.)

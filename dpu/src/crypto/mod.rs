@@ -1,0 +1,1 @@
+//! Per-tenant AES-XTS encryption of volumes. (In progress.)

@@ -1,0 +1,1 @@
+//! Fabric initiators toward remote NVMe-oF storage. (Not yet: see the README.)

@@ -1,0 +1,7 @@
+//! Frontends: what a host sees. Each turns a wire protocol into [`crate::volume::IoRequest`]s.
+//!
+//! * [`vhost_user_blk`] — virtio-blk (virtio 1.2 §5.2) served over vhost-user.
+//! * [`nvmf_tcp`] — an NVMe-oF target over TCP (NVMe/TCP Transport Specification 1.0).
+
+pub mod nvmf_tcp;
+pub mod vhost_user_blk;

@@ -1,0 +1,1 @@
+//! NVMe-oF/TCP target. (In progress.)

@@ -1,0 +1,1 @@
+//! virtio-blk over vhost-user. (In progress.)

@@ -1,0 +1,18 @@
+//! nacred's library: the data path and the control plane of the nacre DPU daemon.
+//!
+//! ```text
+//!  frontend ──▶ volume ──▶ crypto ──▶ (local backend | fabric initiator)
+//!  (vhost-user-blk,        (AES-XTS     (ram, file, null | NVMe-oF)
+//!   NVMe-oF target)         per tenant)
+//!                 control plane (JSON-RPC) creates, persists and wires them
+//! ```
+//!
+//! Each layer is a module with the small [`volume::BlockDevice`] trait between it and the
+//! next, so a new transport or frontend is one new module.
+
+pub mod config;
+pub mod control;
+pub mod crypto;
+pub mod fabric;
+pub mod frontend;
+pub mod volume;

@@ -1,0 +1,111 @@
+//! `volume_*` methods: named block devices with a size, a logical block size and a backend.
+
+use serde::{Deserialize, Serialize};
+
+/// Where a volume's blocks live.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// Process memory; contents are lost when nacred exits. For tests and scratch space.
+    Ram,
+    /// A sparse file in nacred's state directory (or at a given path). The default.
+    #[default]
+    File,
+    /// Completes every request at once without touching data (SPDK's null bdev): benchmarks.
+    Null,
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BackendKind::Ram => "ram",
+            BackendKind::File => "file",
+            BackendKind::Null => "null",
+        })
+    }
+}
+
+/// Logical block sizes a volume may have (bytes).
+pub const BLOCK_SIZES: [u32; 2] = [512, 4096];
+pub const DEFAULT_BLOCK_SIZE: u32 = 4096;
+
+/// `volume_create`
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeCreate {
+    pub name: String,
+    /// Size in bytes; must be a positive multiple of `block_size`.
+    pub size: u64,
+    #[serde(default = "default_block_size")]
+    pub block_size: u32,
+    #[serde(default)]
+    pub backend: BackendKind,
+    /// For `file`: the backing file. Default `<state-dir>/volumes/<name>.img`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// The tenant that owns the volume (see `tenant_create`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    /// Encrypt with a fresh per-volume AES-XTS key wrapped by the tenant's KEK.
+    #[serde(default)]
+    pub encrypt: bool,
+}
+
+fn default_block_size() -> u32 {
+    DEFAULT_BLOCK_SIZE
+}
+
+/// `volume_delete`, and any method that names one volume.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeName {
+    pub name: String,
+}
+
+/// `volume_delete`
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeDelete {
+    pub name: String,
+    /// Also delete the backing file of a file volume (default: keep it).
+    #[serde(default)]
+    pub delete_data: bool,
+}
+
+/// `volume_resize`: grow or shrink. Shrinking refuses while the volume is exported.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeResize {
+    pub name: String,
+    pub size: u64,
+}
+
+/// `volume_list` element.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VolumeInfo {
+    pub name: String,
+    pub size: u64,
+    pub block_size: u32,
+    pub backend: BackendKind,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    /// The serial that devices report (virtio-blk GET_ID, NVMe serial/NGUID source).
+    pub serial: String,
+    /// Stable identity; NVMe NGUID/UUID derive from it.
+    pub uuid: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    #[serde(default)]
+    pub encrypted: bool,
+    /// Names of devices (vhost-user-blk, NVMe-oF namespaces) exporting this volume.
+    #[serde(default)]
+    pub exported_by: Vec<String>,
+}
+
+/// `volume_list` parameters (all optional).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeList {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}

@@ -1,0 +1,11 @@
+//! Types that both sides of nacre speak.
+//!
+//! * [`rpc`] — the JSON-RPC 2.0 envelope of nacred's control plane and its error codes.
+//! * [`api`] — the parameters and results of every control-plane method, one module per
+//!   object family (volumes, vhost-user-blk devices, …), so the `nacre` CLI, tests and any
+//!   other client build requests from the same definitions nacred parses them with.
+//! * [`size`] — human-readable sizes (`1G`, `512M`, `4096`) as operators write them.
+
+pub mod api;
+pub mod rpc;
+pub mod size;

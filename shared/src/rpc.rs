@@ -1,0 +1,97 @@
+//! JSON-RPC 2.0 envelope of nacred's control plane.
+//!
+//! The transport is a Unix stream socket (mode 0600). Requests are JSON objects; they may be
+//! separated by newlines or simply concatenated, as SPDK's `rpc.py` sends them. Each response
+//! is one JSON object followed by a newline. Error codes follow the JSON-RPC 2.0
+//! specification section 5.1; nacre's own codes sit in the implementation-defined
+//! server-error range (-32000 to -32099).
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+pub const JSONRPC_VERSION: &str = "2.0";
+
+/// JSON-RPC 2.0 §5.1: invalid JSON was received.
+pub const PARSE_ERROR: i64 = -32700;
+/// JSON-RPC 2.0 §5.1: the JSON sent is not a valid request object.
+pub const INVALID_REQUEST: i64 = -32600;
+/// JSON-RPC 2.0 §5.1: the method does not exist.
+pub const METHOD_NOT_FOUND: i64 = -32601;
+/// JSON-RPC 2.0 §5.1: invalid method parameters.
+pub const INVALID_PARAMS: i64 = -32602;
+/// JSON-RPC 2.0 §5.1: internal error.
+pub const INTERNAL_ERROR: i64 = -32603;
+/// nacre: the named object does not exist.
+pub const NOT_FOUND: i64 = -32001;
+/// nacre: an object with that name already exists.
+pub const ALREADY_EXISTS: i64 = -32002;
+/// nacre: the object is in use (e.g. a volume exported by a device).
+pub const BUSY: i64 = -32003;
+/// nacre: the request is well-formed but the daemon could not carry it out (I/O, resources).
+pub const OPERATION_FAILED: i64 = -32004;
+/// nacre: a security rule refused the request (policy, key checks).
+pub const REFUSED: i64 = -32005;
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Request {
+    pub jsonrpc: String,
+    pub method: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub params: Option<Value>,
+    /// Absent for notifications (no response is sent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<Value>,
+}
+
+impl Request {
+    pub fn new(method: &str, params: Option<Value>, id: u64) -> Self {
+        Request {
+            jsonrpc: JSONRPC_VERSION.into(),
+            method: method.into(),
+            params,
+            id: Some(Value::from(id)),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ErrorObject {
+    pub code: i64,
+    pub message: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<Value>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Response {
+    pub jsonrpc: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorObject>,
+    pub id: Value,
+}
+
+impl Response {
+    pub fn ok(id: Value, result: Value) -> Self {
+        Response {
+            jsonrpc: JSONRPC_VERSION.into(),
+            result: Some(result),
+            error: None,
+            id,
+        }
+    }
+
+    pub fn err(id: Value, code: i64, message: impl Into<String>) -> Self {
+        Response {
+            jsonrpc: JSONRPC_VERSION.into(),
+            result: None,
+            error: Some(ErrorObject {
+                code,
+                message: message.into(),
+                data: None,
+            }),
+            id,
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! Shared helpers for nacre's end-to-end tests.
