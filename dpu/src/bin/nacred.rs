@@ -155,7 +155,7 @@ fn print_attach_hints(d: &Daemon) {
             "nacred: vhost-blk {:?} serves volume {:?} ({}, {}) on {}\n\
              nacred: attach it to a QEMU VM with:\n  \
              qemu-system-x86_64 ... -object memory-backend-memfd,id=mem,size=2G,share=on -numa node,memdev=mem \\\n    \
-             -chardev socket,id={name},path={sock},reconnect=1 \\\n    \
+             -chardev socket,id={name},path={sock},reconnect-ms=1000 \\\n    \
              -device vhost-user-blk-pci,chardev={name},num-queues={q}",
             dev.name,
             vol.name,
