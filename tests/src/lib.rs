@@ -1,1 +1,3 @@
 //! Shared helpers for nacre's end-to-end tests.
+
+pub mod blkio_client;
