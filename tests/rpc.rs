@@ -36,7 +36,9 @@ fn fresh_daemon_has_the_embedded_default() {
         devs[0]["socket"],
         n.run_dir.join("vhost-default.sock").display().to_string()
     );
-    assert!(n.log_text().contains("vhost-user-blk-pci,chardev=nacre-default"));
+    assert!(n
+        .log_text()
+        .contains("vhost-user-blk-pci,chardev=nacre-default"));
 }
 
 #[test]
@@ -50,7 +52,10 @@ fn rpc_socket_is_private() {
     let n = Nacred::start();
     let mode = std::fs::metadata(&n.rpc).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o600);
-    let mode = std::fs::metadata(&n.state_dir).unwrap().permissions().mode();
+    let mode = std::fs::metadata(&n.state_dir)
+        .unwrap()
+        .permissions()
+        .mode();
     assert_eq!(mode & 0o777, 0o700);
 }
 
@@ -68,7 +73,10 @@ fn every_method_round_trips() {
         "vhost_blk_list",
         "vhost_blk_delete",
     ] {
-        assert!(methods.as_array().unwrap().contains(&json!(m)), "{m} missing");
+        assert!(
+            methods.as_array().unwrap().contains(&json!(m)),
+            "{m} missing"
+        );
     }
     let verbose = n.ok("rpc_get_methods", json!({"verbose": true}));
     assert!(verbose[0]["help"].as_str().unwrap().len() > 10);
@@ -107,7 +115,11 @@ fn every_method_round_trips() {
     assert_eq!(r["size"], 16 << 20);
     n.ok("vhost_blk_delete", json!({"name": "d"}));
     assert!(!sock.exists(), "socket removed with the device");
-    assert!(n.ok("vhost_blk_list", Value::Null).as_array().unwrap().is_empty());
+    assert!(n
+        .ok("vhost_blk_list", Value::Null)
+        .as_array()
+        .unwrap()
+        .is_empty());
     n.ok("volume_resize", json!({"name": "r", "size": 4 << 20}));
 
     let f_img = n.state_dir.join("volumes/f.img");
@@ -122,34 +134,134 @@ fn every_method_round_trips() {
 fn bad_params_say_what_to_fix() {
     let n = Nacred::start_args(&["--no-default"]);
     let cases: Vec<(&str, Value, i64, &str)> = vec![
-        ("volume_create", json!({"name": "a"}), rpc::INVALID_PARAMS, "missing field `size`"),
-        ("volume_create", json!({"name": "a", "size": 4096, "colour": 1}), rpc::INVALID_PARAMS, "unknown field `colour`"),
-        ("volume_create", json!({"name": "a", "size": "1G"}), rpc::INVALID_PARAMS, "invalid type"),
-        ("volume_create", json!({"name": "a/b", "size": 4096}), rpc::INVALID_PARAMS, "name \"a/b\" is invalid"),
-        ("volume_create", json!({"name": "a", "size": 0}), rpc::INVALID_PARAMS, "positive multiple"),
-        ("volume_create", json!({"name": "a", "size": 4097}), rpc::INVALID_PARAMS, "multiple of the block size 4096"),
-        ("volume_create", json!({"name": "a", "size": 4096, "block_size": 1024}), rpc::INVALID_PARAMS, "512 or 4096"),
-        ("volume_create", json!({"name": "a", "size": 4096, "backend": "tape"}), rpc::INVALID_PARAMS, "unknown variant `tape`"),
-        ("volume_create", json!({"name": "a", "size": 4096, "backend": "ram", "path": "/x"}), rpc::INVALID_PARAMS, "only applies to file"),
-        ("volume_create", json!({"name": "a", "size": 4096, "path": "rel.img"}), rpc::INVALID_PARAMS, "must be absolute"),
-        ("volume_delete", json!({"name": "nope"}), rpc::NOT_FOUND, "volume \"nope\" does not exist"),
-        ("volume_resize", json!({"name": "nope", "size": 4096}), rpc::NOT_FOUND, "does not exist"),
-        ("volume_list", json!({"name": "nope"}), rpc::NOT_FOUND, "does not exist"),
-        ("vhost_blk_create", json!({"name": "d", "volume": "nope"}), rpc::NOT_FOUND, "volume \"nope\""),
-        ("vhost_blk_delete", json!({"name": "nope"}), rpc::NOT_FOUND, "does not exist"),
-        ("vhost_blk_list", json!({"name": "x"}), rpc::INVALID_PARAMS, "unknown field"),
-        ("no_such_method", Value::Null, rpc::METHOD_NOT_FOUND, "rpc_get_methods"),
+        (
+            "volume_create",
+            json!({"name": "a"}),
+            rpc::INVALID_PARAMS,
+            "missing field `size`",
+        ),
+        (
+            "volume_create",
+            json!({"name": "a", "size": 4096, "colour": 1}),
+            rpc::INVALID_PARAMS,
+            "unknown field `colour`",
+        ),
+        (
+            "volume_create",
+            json!({"name": "a", "size": "1G"}),
+            rpc::INVALID_PARAMS,
+            "invalid type",
+        ),
+        (
+            "volume_create",
+            json!({"name": "a/b", "size": 4096}),
+            rpc::INVALID_PARAMS,
+            "name \"a/b\" is invalid",
+        ),
+        (
+            "volume_create",
+            json!({"name": "a", "size": 0}),
+            rpc::INVALID_PARAMS,
+            "positive multiple",
+        ),
+        (
+            "volume_create",
+            json!({"name": "a", "size": 4097}),
+            rpc::INVALID_PARAMS,
+            "multiple of the block size 4096",
+        ),
+        (
+            "volume_create",
+            json!({"name": "a", "size": 4096, "block_size": 1024}),
+            rpc::INVALID_PARAMS,
+            "512 or 4096",
+        ),
+        (
+            "volume_create",
+            json!({"name": "a", "size": 4096, "backend": "tape"}),
+            rpc::INVALID_PARAMS,
+            "unknown variant `tape`",
+        ),
+        (
+            "volume_create",
+            json!({"name": "a", "size": 4096, "backend": "ram", "path": "/x"}),
+            rpc::INVALID_PARAMS,
+            "only applies to file",
+        ),
+        (
+            "volume_create",
+            json!({"name": "a", "size": 4096, "path": "rel.img"}),
+            rpc::INVALID_PARAMS,
+            "must be absolute",
+        ),
+        (
+            "volume_delete",
+            json!({"name": "nope"}),
+            rpc::NOT_FOUND,
+            "volume \"nope\" does not exist",
+        ),
+        (
+            "volume_resize",
+            json!({"name": "nope", "size": 4096}),
+            rpc::NOT_FOUND,
+            "does not exist",
+        ),
+        (
+            "volume_list",
+            json!({"name": "nope"}),
+            rpc::NOT_FOUND,
+            "does not exist",
+        ),
+        (
+            "vhost_blk_create",
+            json!({"name": "d", "volume": "nope"}),
+            rpc::NOT_FOUND,
+            "volume \"nope\"",
+        ),
+        (
+            "vhost_blk_delete",
+            json!({"name": "nope"}),
+            rpc::NOT_FOUND,
+            "does not exist",
+        ),
+        (
+            "vhost_blk_list",
+            json!({"name": "x"}),
+            rpc::INVALID_PARAMS,
+            "unknown field",
+        ),
+        (
+            "no_such_method",
+            Value::Null,
+            rpc::METHOD_NOT_FOUND,
+            "rpc_get_methods",
+        ),
     ];
     for (method, params, code, needle) in cases {
         let (c, m) = n.err(method, params.clone());
         assert_eq!(c, code, "{method} {params}: {m}");
-        assert!(m.contains(needle), "{method} {params}: {m:?} lacks {needle:?}");
+        assert!(
+            m.contains(needle),
+            "{method} {params}: {m:?} lacks {needle:?}"
+        );
     }
-    n.ok("volume_create", json!({"name": "v", "size": 1 << 20, "backend": "ram"}));
+    n.ok(
+        "volume_create",
+        json!({"name": "v", "size": 1 << 20, "backend": "ram"}),
+    );
     for (params, needle) in [
-        (json!({"name": "d", "volume": "v", "queues": 0}), "queues must be between 1 and"),
-        (json!({"name": "d", "volume": "v", "queue_size": 1000}), "power of two"),
-        (json!({"name": "d", "volume": "v", "socket": "x.sock"}), "absolute path"),
+        (
+            json!({"name": "d", "volume": "v", "queues": 0}),
+            "queues must be between 1 and",
+        ),
+        (
+            json!({"name": "d", "volume": "v", "queue_size": 1000}),
+            "power of two",
+        ),
+        (
+            json!({"name": "d", "volume": "v", "socket": "x.sock"}),
+            "absolute path",
+        ),
     ] {
         let (c, m) = n.err("vhost_blk_create", params);
         assert_eq!(c, rpc::INVALID_PARAMS);
@@ -167,7 +279,13 @@ fn bad_params_say_what_to_fix() {
     assert_eq!(c, rpc::ALREADY_EXISTS);
     // Nothing half-created: the failed calls left exactly what the good ones made.
     assert_eq!(volume_names(&n), ["v"]);
-    assert_eq!(n.ok("vhost_blk_list", Value::Null).as_array().unwrap().len(), 1);
+    assert_eq!(
+        n.ok("vhost_blk_list", Value::Null)
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
 }
 
 /// Raw protocol: what a hand-written client (or SPDK's rpc.py style) sends.
@@ -219,7 +337,10 @@ fn state_survives_orderly_restart_and_crash() {
         "volume_create",
         json!({"name": "keep", "size": 2 << 20, "block_size": 512}),
     );
-    n.ok("vhost_blk_create", json!({"name": "kd", "volume": "keep", "queues": 3}));
+    n.ok(
+        "vhost_blk_create",
+        json!({"name": "kd", "volume": "keep", "queues": 3}),
+    );
     let before = n.ok("volume_list", Value::Null);
     n.restart();
     assert_eq!(n.ok("volume_list", Value::Null), before);

@@ -94,8 +94,15 @@ impl Nacred {
                     return;
                 }
             }
-            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
-                panic!("nacred exited during start ({status}):\n{}", self.log_text());
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!(
+                    "nacred exited during start ({status}):\n{}",
+                    self.log_text()
+                );
             }
             assert!(
                 Instant::now() < deadline,
@@ -170,7 +177,11 @@ impl Nacred {
 
     /// Orderly stop and start again over the same directories.
     pub fn restart(&mut self) {
-        assert!(self.stop(), "nacred did not stop cleanly:\n{}", self.log_text());
+        assert!(
+            self.stop(),
+            "nacred did not stop cleanly:\n{}",
+            self.log_text()
+        );
         self.spawn();
     }
 
