@@ -12,6 +12,7 @@
 
 pub mod server;
 pub mod state;
+pub mod tenant;
 pub mod vhost;
 pub mod volume;
 
@@ -99,6 +100,7 @@ pub fn methods() -> impl Iterator<Item = &'static Method> {
         .iter()
         .chain(volume::METHODS)
         .chain(vhost::METHODS)
+        .chain(tenant::METHODS)
 }
 
 const META_METHODS: &[Method] = &[Method {
@@ -139,6 +141,8 @@ pub struct DaemonConfig {
 pub struct Live {
     pub volumes: HashMap<String, Arc<dyn BlockDevice>>,
     pub vhost_blk: HashMap<String, VhostBlkServer>,
+    /// Tenants' unlocked KEKs (zeroized when dropped); see `tenant`.
+    pub keks: HashMap<String, Arc<crate::crypto::tenant::UnlockedKek>>,
 }
 
 /// The persisted state and the live objects built from it, under the control lock.
@@ -180,7 +184,7 @@ impl Daemon {
     fn replay(&self, state: &State) {
         let mut inner = self.lock();
         for rec in state.volumes.values() {
-            match volume::open_volume(self, rec) {
+            match tenant::open_existing(self, &mut inner, rec) {
                 Ok(dev) => {
                     inner.live.volumes.insert(rec.name.clone(), dev);
                 }
