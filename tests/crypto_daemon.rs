@@ -352,7 +352,7 @@ fn tenant_workflow_with_vhost_user_blk_and_no_key_bytes_left_behind() {
     let mut scanned = 0;
     for f in files(&n.state_dir)
         .into_iter()
-        .filter(|f| !f.extension().is_some_and(|e| e == "img"))
+        .filter(|f| f.extension().is_none_or(|e| e != "img"))
         .chain([n.log.clone()])
     {
         let hay = std::fs::read(&f).unwrap();
