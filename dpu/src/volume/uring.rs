@@ -60,6 +60,9 @@ pub struct Uring {
     reaper: Option<JoinHandle<()>>,
 }
 
+/// Runs a request synchronously: (kind, offset, length, segments).
+pub type RedoFn = dyn Fn(IoKind, u64, usize, &[Segment]) -> IoResult + Send + Sync;
+
 /// Whether the ring took a request; `Busy` means the caller must run it synchronously.
 pub enum Submitted {
     Queued,
@@ -68,10 +71,7 @@ pub enum Submitted {
 
 impl Uring {
     /// `redo` re-runs a request synchronously (short transfers, EAGAIN) on the reaper thread.
-    pub fn new(
-        fd: RawFd,
-        redo: Arc<dyn Fn(IoKind, u64, usize, &[Segment]) -> IoResult + Send + Sync>,
-    ) -> std::io::Result<Self> {
+    pub fn new(fd: RawFd, redo: Arc<RedoFn>) -> std::io::Result<Self> {
         let ring = Arc::new(IoUring::new(DEPTH)?);
         let empty = libc::iovec {
             iov_base: std::ptr::null_mut(),
@@ -166,12 +166,7 @@ impl Uring {
     }
 }
 
-fn reap(
-    ring: &IoUring,
-    slots: &Mutex<Slots>,
-    stopping: &AtomicBool,
-    redo: &(dyn Fn(IoKind, u64, usize, &[Segment]) -> IoResult + Send + Sync),
-) {
+fn reap(ring: &IoUring, slots: &Mutex<Slots>, stopping: &AtomicBool, redo: &RedoFn) {
     loop {
         // SAFETY: plain io_uring_enter: submit nothing, wait for one completion.
         let r = unsafe {
