@@ -54,7 +54,7 @@ wait_host() {
 # wait_until SECONDS CMD...: poll CMD every 0.2 s until it succeeds
 wait_until() {
     local t=$1 i=0; shift
-    while ! "$@" 2>/dev/null; do
+    while ! "$@" >/dev/null 2>&1; do
         i=$((i + 1)); [ $i -lt $((t * 5)) ] || return 1
         sleep 0.2
     done
@@ -109,3 +109,21 @@ nvme_ctrl_for() {
 
 # nvme_io_queues nvmeN: I/O queues of a fabrics controller (queue_count counts the admin queue too)
 nvme_io_queues() { echo $(($(cat "/sys/class/nvme/$1/queue_count") - 1)); }
+
+# nvme_ns_devs NQN: the namespace block devices (nvmeXnY, multipath heads or plain) of subsystem NQN
+nvme_ns_devs() {
+    local d
+    for d in /sys/block/nvme*n*; do
+        case ${d##*/} in nvme*c*) continue ;; esac
+        [ "$(cat "$d/device/subsysnqn" 2>/dev/null)" = "$1" ] && echo "${d##*/}"
+    done
+    return 0
+}
+# nvme_ns_dev NQN NSID: the block device of namespace NSID of subsystem NQN (fails if absent)
+nvme_ns_dev() {
+    local d
+    for d in $(nvme_ns_devs "$1"); do
+        [ "$(cat "/sys/block/$d/nsid")" = "$2" ] && { echo "$d"; return 0; }
+    done
+    return 1
+}
