@@ -1,7 +1,9 @@
 # virtio-blk over vhost-user: a host-side backend serves /dev/vda; data survives a guest reboot
 # Boot with tb.phase=write, then again (same backend) with tb.phase=verify tb.sha256=<from the first>.
-# Params: phase, bytes (expected disk size), queues (expected virtqueues), mib (pattern size, default 8),
-# offset_mib (where the pattern goes, default 1), sha256 (verify phase).
+# Params: phase, bytes (expected size of vda), queues (expected virtqueues), lbs (expected logical
+# block size, default 512), mib (pattern size, default 8), offset_mib (where the pattern goes,
+# default 1), sha256 (verify phase). Facts: bytes, queues, logical_block_size of vda and
+# <vdX>_bytes of every virtio disk, sha256, verified.
 phase=$(param phase)
 mib=$(param mib 8)
 [ "$mib" -ge 4 ] || fail "mib must be at least 4"
@@ -11,6 +13,8 @@ wait_until 20 test -b /dev/vda || fail "no /dev/vda"
 fact bytes "$(blk_bytes vda)"
 fact queues "$(ls /sys/block/vda/mq | wc -l)"
 fact logical_block_size "$(cat /sys/block/vda/queue/logical_block_size)"
+for d in /sys/block/vd*; do fact "${d##*/}_bytes" "$(blk_bytes "${d##*/}")"; done
+[ "$(cat /sys/block/vda/queue/logical_block_size)" = "$(param lbs 512)" ] || fail "/dev/vda has the wrong block size"
 [ "$(blk_bytes vda)" = "$(param bytes)" ] || fail "/dev/vda has $(blk_bytes vda) bytes, want $(param bytes)"
 [ "$(ls /sys/block/vda/mq | wc -l)" = "$(param queues)" ] || fail "/dev/vda has the wrong number of queues"
 case $phase in

@@ -441,19 +441,25 @@ impl Outcome {
     }
 }
 
-/// QEMU arguments that attach a vhost-user-blk socket as a virtio-blk-pci device (the guest's
-/// memory must be a shared memfd so the backend can map it).
-pub fn vhost_user_blk_args(sock: &Path, num_queues: u32, mem: &str) -> Vec<String> {
-    vec![
+/// QEMU arguments that attach vhost-user-blk sockets as virtio-blk-pci devices (vda, vdb, ... in
+/// this order), each `(socket, num_queues)`; the guest's memory becomes a shared memfd so the
+/// backend can map it (`mem` must equal the guest's memory size, default 1G).
+pub fn vhost_user_blk_args(devices: &[(&Path, u32)], mem: &str) -> Vec<String> {
+    let mut args = vec![
         "-object".into(),
         format!("memory-backend-memfd,id=mem,size={mem},share=on"),
         "-numa".into(),
         "node,memdev=mem".into(),
-        "-chardev".into(),
-        format!("socket,id=vub0,path={}", sock.display()),
-        "-device".into(),
-        format!("vhost-user-blk-pci,chardev=vub0,num-queues={num_queues}"),
-    ]
+    ];
+    for (i, (sock, queues)) in devices.iter().enumerate() {
+        args.push("-chardev".into());
+        args.push(format!("socket,id=vub{i},path={}", sock.display()));
+        args.push("-device".into());
+        args.push(format!(
+            "vhost-user-blk-pci,chardev=vub{i},num-queues={queues}"
+        ));
+    }
+    args
 }
 
 /// QEMU arguments for user networking that reaches nothing but `guest_addr:guest_port` ->
@@ -542,29 +548,6 @@ impl Drop for HostProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-/// qemu-storage-daemon exporting a raw file as vhost-user-blk (the comparison peer).
-pub fn qsd_vhost_user_blk(
-    image: &Path,
-    sock: &Path,
-    num_queues: u32,
-    log: &Path,
-) -> Result<HostProcess> {
-    let mut cmd = Command::new("qemu-storage-daemon");
-    cmd.arg("--blockdev")
-        .arg(format!(
-            "driver=file,node-name=file0,filename={},cache.direct=off",
-            image.display()
-        ))
-        .arg("--export")
-        .arg(format!(
-            "type=vhost-user-blk,id=exp0,node-name=file0,addr.type=unix,addr.path={},writable=on,num-queues={num_queues}",
-            sock.display()
-        ));
-    let mut p = HostProcess::spawn("qemu-storage-daemon", cmd, log)?;
-    p.wait_for_path(sock, Duration::from_secs(20))?;
-    Ok(p)
 }
 
 /// sha256 of `len` bytes of `path` at `offset`, with the host's `sha256sum` (an independent check).
