@@ -557,12 +557,67 @@ pub fn sha256_of_range(path: &Path, offset: u64, len: u64) -> Result<String> {
     f.seek(SeekFrom::Start(offset))?;
     let mut buf = vec![0u8; len as usize];
     f.read_exact(&mut buf)?;
+    sha256(&buf)
+}
+
+/// sha256 of `data` (hex), with the host's `sha256sum`.
+pub fn sha256(data: &[u8]) -> Result<String> {
     let mut child = Command::new("sha256sum")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()?;
-    child.stdin.take().unwrap().write_all(&buf)?;
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    let data = data.to_vec();
+    let writer = thread::spawn(move || stdin.write_all(&data));
     let out = child.wait_with_output()?;
+    writer.join().expect("writer thread")?;
     let s = String::from_utf8_lossy(&out.stdout);
     Ok(s.split_whitespace().next().unwrap_or_default().to_string())
+}
+
+/// `scripts/testbed.d/xts-oracle.py`: the independent AES-XTS (dm-crypt plain64) oracle.
+pub fn xts_oracle() -> PathBuf {
+    repo_root().join("scripts/testbed.d/xts-oracle.py")
+}
+
+/// Encrypt (or decrypt) `input` into `output` with the XTS oracle: `sector_size`-byte data units
+/// numbered from `first_sector`, tweak = the unit number in `sector_size` units (cryptsetup's
+/// `--iv-large-sectors`).
+pub fn xts_oracle_run(
+    op: &str,
+    key: &Path,
+    input: &Path,
+    output: &Path,
+    sector_size: u32,
+    first_sector: u64,
+) -> Result<()> {
+    let out = Command::new("python3")
+        .arg(xts_oracle())
+        .arg(op)
+        .arg(key)
+        .arg(input)
+        .arg(output)
+        .arg("--sector-size")
+        .arg(sector_size.to_string())
+        .arg("--iv-sector-size")
+        .arg(sector_size.to_string())
+        .arg("--first-sector")
+        .arg(first_sector.to_string())
+        .output()
+        .context("running python3 xts-oracle.py")?;
+    if !out.status.success() {
+        bail!(
+            "xts-oracle.py {op} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// `n` random bytes from the kernel.
+pub fn random_bytes(n: usize) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let mut buf = vec![0u8; n];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;
+    Ok(buf)
 }
