@@ -3,3 +3,4 @@
 pub mod blkio_client;
 pub mod daemon;
 pub mod testbed;
+pub mod xts_oracle;
