@@ -4,3 +4,4 @@ pub mod blkio_client;
 pub mod daemon;
 pub mod testbed;
 pub mod xts_oracle;
+pub mod nvmf_host;
