@@ -29,6 +29,17 @@ pub struct KekParams {
     pub argon2_t_cost: Option<u32>,
 }
 
+/// The passphrase is overwritten when the params are dropped (copies the JSON layers made
+/// before parsing are outside this type's reach).
+impl Drop for KekParams {
+    fn drop(&mut self) {
+        use zeroize::Zeroize;
+        if let Some(p) = self.passphrase.as_mut() {
+            p.zeroize();
+        }
+    }
+}
+
 impl std::fmt::Debug for KekParams {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KekParams")
