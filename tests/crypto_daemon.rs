@@ -374,3 +374,126 @@ fn tenant_workflow_with_vhost_user_blk_and_no_key_bytes_left_behind() {
         "{state}"
     );
 }
+
+#[test]
+fn tenant_rpc_refuses_bad_input_with_clear_errors() {
+    let n = Nacred::start_args(&["--no-default"]);
+    let dir = tempfile::tempdir().unwrap();
+    let kek = dir.path().join("t.kek");
+    std::fs::write(&kek, random(32)).unwrap();
+    let k = kek.to_str().unwrap();
+    for (params, needle) in [
+        (json!({"name": "t", "kek": {}}), "exactly one KEK source"),
+        (
+            json!({"name": "t", "kek": {"key_file": k, "passphrase": "x"}}),
+            "exactly one KEK source",
+        ),
+        (
+            json!({"name": "t", "kek": {"key_file": "rel.kek"}}),
+            "absolute",
+        ),
+        (
+            json!({"name": "t", "kek": {"key_file": k}, "policy": {"tweak": "be32"}}),
+            "plain64 or be64",
+        ),
+        (
+            json!({"name": "t", "kek": {"key_file": k}, "policy": {"data_unit": 1024}}),
+            "512 or 4096",
+        ),
+        (
+            json!({"name": "t", "kek": {"key_file": k}, "policy": {"cipher": "des"}}),
+            "aes-xts-256",
+        ),
+        (json!({"name": "../t", "kek": {"key_file": k}}), "invalid"),
+        (
+            json!({"name": "t", "kek": {"key_file": dir.path().join("missing").to_str()}}),
+            "key file",
+        ),
+    ] {
+        let (_, msg) = n.err("tenant_create", params.clone());
+        assert!(msg.contains(needle), "{params}: {msg}");
+    }
+    assert!(n
+        .ok("tenant_list", json!({}))
+        .as_array()
+        .unwrap()
+        .is_empty());
+
+    // A 31-byte key file, and a good one.
+    std::fs::write(&kek, random(31)).unwrap();
+    let (_, msg) = n.err(
+        "tenant_create",
+        json!({"name": "t", "kek": {"key_file": k}}),
+    );
+    assert!(msg.contains("exactly 32"), "{msg}");
+    std::fs::write(&kek, random(32)).unwrap();
+    n.ok(
+        "tenant_create",
+        json!({"name": "t", "kek": {"key_file": k}}),
+    );
+    let (_, msg) = n.err(
+        "tenant_create",
+        json!({"name": "t", "kek": {"key_file": k}}),
+    );
+    assert!(msg.contains("already exists"), "{msg}");
+
+    // Encryption needs an existing tenant; a plaintext volume of t blocks require-encryption.
+    let (_, msg) = n.err(
+        "volume_create",
+        json!({"name": "v", "size": 1 << 20, "backend": "ram", "tenant": "nobody", "encrypt": true}),
+    );
+    assert!(msg.contains("does not exist"), "{msg}");
+    let (_, msg) = n.err(
+        "volume_create",
+        json!({"name": "v", "size": 1 << 20, "backend": "ram", "encrypt": true}),
+    );
+    assert!(msg.contains("needs a tenant"), "{msg}");
+    n.ok(
+        "volume_create",
+        json!({"name": "p", "size": 1 << 20, "backend": "ram", "tenant": "t"}),
+    );
+    let (_, msg) = n.err(
+        "tenant_policy_set",
+        json!({"name": "t", "require_encryption": true}),
+    );
+    assert!(msg.contains("unencrypted volumes (p)"), "{msg}");
+    let pol = n.ok(
+        "tenant_policy_set",
+        json!({"name": "t", "tweak": "be64", "data_unit": 512}),
+    );
+    assert_eq!(pol["tweak"], "be64");
+    // Key operations need an encrypted volume and explicit confirmation.
+    let (_, msg) = n.err("volume_crypto_erase", json!({"name": "p"}));
+    assert!(msg.contains("confirm"), "{msg}");
+    let (_, msg) = n.err("volume_crypto_erase", json!({"name": "p", "confirm": true}));
+    assert!(msg.contains("not encrypted"), "{msg}");
+    n.ok(
+        "volume_create",
+        json!({"name": "e", "size": 1 << 20, "block_size": 512, "backend": "ram", "tenant": "t", "encrypt": true}),
+    );
+    let out = dir.path().join("e.key");
+    let (_, msg) = n.err(
+        "volume_export_key",
+        json!({"name": "e", "path": out.to_str(), "confirm": false}),
+    );
+    assert!(msg.contains("confirmation"), "{msg}");
+    assert!(!out.exists());
+    let (_, msg) = n.err(
+        "volume_export_key",
+        json!({"name": "e", "path": "e.key", "confirm": true}),
+    );
+    assert!(msg.contains("absolute"), "{msg}");
+    // The volume was created with the be64/512 policy in force at the time.
+    let show = n.ok("tenant_show", json!({"name": "t"}));
+    assert_eq!(show["volumes"][0]["tweak"], "be64", "{show}");
+    assert_eq!(show["volumes"][0]["data_unit"], 512, "{show}");
+    // Deletion: refused with volumes, allowed with force.
+    let (_, msg) = n.err("tenant_delete", json!({"name": "t"}));
+    assert!(msg.contains("--force"), "{msg}");
+    n.ok("tenant_delete", json!({"name": "t", "force": true}));
+    assert!(n
+        .ok("tenant_list", json!({}))
+        .as_array()
+        .unwrap()
+        .is_empty());
+}
