@@ -142,7 +142,7 @@ fn main() -> Result<()> {
         *t = Instant::now();
         submit(&mut q, slot, next_off(&mut rng));
     }
-    let mut comps = vec![MaybeUninit::<Completion>::uninit(); qd];
+    let mut comps: Vec<MaybeUninit<Completion>> = (0..qd).map(|_| MaybeUninit::uninit()).collect();
     let mut hist = Hist::new();
     let t0 = Instant::now();
     let measure_at = t0 + Duration::from_secs_f64(warmup);
