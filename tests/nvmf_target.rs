@@ -158,30 +158,24 @@ fn io_round_trip(digests: Digests, bs: u32, vol: Arc<dyn BlockDevice>) {
     h.write(0, 1, 0, &small, bs_us).unwrap();
     h.write(1, 1, (64 * 1024 / bs) as u64, &large, bs_us)
         .unwrap();
-    assert_eq!(h.read(1, 1, 0, (4096 / bs) as u32, bs_us).unwrap(), small);
+    assert_eq!(h.read(1, 1, 0, 4096 / bs, bs_us).unwrap(), small);
     assert_eq!(
-        h.read(
-            0,
-            1,
-            (64 * 1024 / bs) as u64,
-            (128 * 1024 / bs) as u32,
-            bs_us
-        )
-        .unwrap(),
+        h.read(0, 1, (64 * 1024 / bs) as u64, 128 * 1024 / bs, bs_us)
+            .unwrap(),
         large
     );
     h.flush(0, 1).unwrap();
     // Write Zeroes and Deallocate read back as zeros, neighbours untouched.
-    h.write_zeroes(0, 1, (64 * 1024 / bs) as u64, (8192 / bs) as u32)
+    h.write_zeroes(0, 1, (64 * 1024 / bs) as u64, 8192 / bs)
         .unwrap();
     let back = h
-        .read(0, 1, (64 * 1024 / bs) as u64, (16384 / bs) as u32, bs_us)
+        .read(0, 1, (64 * 1024 / bs) as u64, 16384 / bs, bs_us)
         .unwrap();
     assert!(back[..8192].iter().all(|&b| b == 0));
     assert_eq!(&back[8192..], &large[8192..16384]);
-    h.deallocate(1, 1, &[(0, (4096 / bs) as u32)]).unwrap();
+    h.deallocate(1, 1, &[(0, 4096 / bs)]).unwrap();
     assert!(h
-        .read(1, 1, 0, (4096 / bs) as u32, bs_us)
+        .read(1, 1, 0, 4096 / bs, bs_us)
         .unwrap()
         .iter()
         .all(|&b| b == 0));
