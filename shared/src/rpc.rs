@@ -95,3 +95,74 @@ impl Response {
         }
     }
 }
+
+/// A blocking JSON-RPC client for nacred's Unix socket, for the CLI, tests and tools.
+pub struct Client {
+    reader: std::io::BufReader<std::os::unix::net::UnixStream>,
+    writer: std::os::unix::net::UnixStream,
+    next_id: u64,
+}
+
+/// Why a call failed: the transport, or an error object from nacred.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("cannot reach nacred at {path}: {source} (is nacred running? set --rpc or NACRE_RPC)")]
+    Connect {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("lost the connection to nacred: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("nacred sent an invalid reply: {0}")]
+    BadReply(String),
+    #[error("{message}")]
+    Rpc { code: i64, message: String },
+}
+
+impl Client {
+    pub fn connect(path: &std::path::Path) -> Result<Self, ClientError> {
+        let s = std::os::unix::net::UnixStream::connect(path).map_err(|source| {
+            ClientError::Connect {
+                path: path.display().to_string(),
+                source,
+            }
+        })?;
+        Ok(Client {
+            reader: std::io::BufReader::new(s.try_clone()?),
+            writer: s,
+            next_id: 1,
+        })
+    }
+
+    /// Call `method` and return its result, or nacred's error.
+    pub fn call(&mut self, method: &str, params: Value) -> Result<Value, ClientError> {
+        use std::io::{BufRead, Write};
+        let id = self.next_id;
+        self.next_id += 1;
+        let params = (!params.is_null()).then_some(params);
+        let mut line = serde_json::to_vec(&Request::new(method, params, id))
+            .map_err(|e| ClientError::BadReply(e.to_string()))?;
+        line.push(b'\n');
+        self.writer.write_all(&line)?;
+        let mut reply = String::new();
+        if self.reader.read_line(&mut reply)? == 0 {
+            return Err(ClientError::BadReply("connection closed".into()));
+        }
+        let r: Response =
+            serde_json::from_str(&reply).map_err(|e| ClientError::BadReply(e.to_string()))?;
+        if r.id != id {
+            return Err(ClientError::BadReply(format!(
+                "reply id {} for request {id}",
+                r.id
+            )));
+        }
+        match (r.result, r.error) {
+            (_, Some(e)) => Err(ClientError::Rpc {
+                code: e.code,
+                message: e.message,
+            }),
+            (Some(v), None) => Ok(v),
+            (None, None) => Err(ClientError::BadReply("neither result nor error".into())),
+        }
+    }
+}

@@ -1,2 +1,7 @@
 //! Shared helpers for nacre's end-to-end tests.
+
+pub mod blkio_client;
+pub mod daemon;
+pub mod testbed;
+pub mod xts_oracle;
 pub mod nvmf_host;

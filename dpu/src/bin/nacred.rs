@@ -1,1 +1,170 @@
-fn main() {}
+//! nacred: the nacre DPU daemon.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Parser;
+use nacre_dpu::config;
+use nacre_dpu::control::{server::RpcServer, vhost, volume, Daemon, DaemonConfig};
+use nacre_shared::api::vhost::VhostBlkCreate;
+use nacre_shared::api::volume::{BackendKind, VolumeCreate};
+use nacre_shared::size::format_size;
+use tracing::info;
+
+const EXAMPLES: &str = "\
+Examples:
+  # Start with the embedded default: a 1 GiB file volume \"default\" served over
+  # vhost-user-blk on /run/nacre/vhost-default.sock (state in /var/lib/nacre).
+  nacred
+
+  # Keep everything under one directory, as the tests do.
+  nacred --state-dir /tmp/nacre/state --run-dir /tmp/nacre/run
+
+  # Then drive it with the CLI:
+  nacre volume create scratch --size 4G --backend ram
+  nacre vhost-blk create scratch0 --volume scratch --queues 4
+
+nacred replays its state directory on start: volumes, devices and their sockets come back
+as they were, so a VM whose vhost-user-blk backend restarted reconnects and finds its data.
+Stop it with SIGTERM or SIGINT.";
+
+/// nacre's DPU daemon: serves encrypted, per-tenant volumes to hosts as vhost-user-blk
+/// devices (and NVMe-oF), driven over a JSON-RPC socket by the `nacre` CLI.
+#[derive(Parser, Debug)]
+#[command(name = "nacred", version, about, after_help = EXAMPLES)]
+struct Args {
+    /// Persistent state: state.json, file volumes, wrapped keys (mode 0700).
+    #[arg(long, env = config::ENV_STATE_DIR, default_value = config::DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
+
+    /// Sockets: the RPC socket and vhost-user sockets.
+    #[arg(long, env = config::ENV_RUN_DIR, default_value = config::DEFAULT_RUN_DIR)]
+    run_dir: PathBuf,
+
+    /// RPC socket path [default: <run-dir>/nacred.sock].
+    #[arg(long, env = config::ENV_RPC)]
+    rpc: Option<PathBuf>,
+
+    /// Do not create the embedded default volume and device on a fresh state directory.
+    #[arg(long)]
+    no_default: bool,
+
+    /// Log filter (tracing's EnvFilter syntax), e.g. info, debug, nacre_dpu=trace.
+    #[arg(long, env = "NACRE_LOG", default_value = "info")]
+    log: String,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_new(&args.log)
+                .with_context(|| format!("invalid --log filter {:?}", args.log))?,
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+
+    // Block the stop signals in every thread (threads inherit the mask), so that only the
+    // main thread's sigwait sees them and can shut down in order.
+    let signals = stop_signals();
+    // SAFETY: pthread_sigmask with a valid, initialised set.
+    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &signals, std::ptr::null_mut()) };
+
+    let (daemon, existed) = Daemon::open(DaemonConfig {
+        state_dir: args.state_dir.clone(),
+        run_dir: args.run_dir.clone(),
+    })?;
+    let rpc_path = args
+        .rpc
+        .clone()
+        .unwrap_or_else(|| args.run_dir.join(config::RPC_SOCKET_NAME));
+    if !existed && !args.no_default {
+        embedded_default(&daemon).context("cannot set up the embedded default")?;
+    }
+    // Last: a client that reaches the RPC socket finds every device already serving.
+    let server = RpcServer::start(daemon.clone(), &rpc_path)?;
+    print_attach_hints(&daemon);
+    info!(rpc = %rpc_path.display(), state_dir = %args.state_dir.display(), "nacred ready");
+    eprintln!("nacred: ready; RPC on {}", rpc_path.display());
+
+    let mut sig: libc::c_int = 0;
+    // SAFETY: sigwait with the same valid set; sig is a valid out pointer.
+    unsafe { libc::sigwait(&signals, &mut sig) };
+    info!(signal = sig, "stopping");
+    drop(server);
+    daemon.shutdown();
+    eprintln!("nacred: stopped");
+    Ok(())
+}
+
+fn stop_signals() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data; sigemptyset initialises it before use.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        set
+    }
+}
+
+/// A fresh nacred with nothing configured serves a 1 GiB file volume `default` (reopening
+/// `<state-dir>/volumes/default.img` if it is there) on `<run-dir>/vhost-default.sock`.
+fn embedded_default(d: &Daemon) -> anyhow::Result<()> {
+    let name = config::DEFAULT_VOLUME_NAME;
+    volume::create(
+        d,
+        &VolumeCreate {
+            name: name.into(),
+            size: config::DEFAULT_VOLUME_SIZE,
+            block_size: 4096,
+            backend: BackendKind::File,
+            path: None,
+            tenant: None,
+            encrypt: false,
+        },
+    )?;
+    vhost::create(
+        d,
+        &VhostBlkCreate {
+            name: name.into(),
+            volume: name.into(),
+            queues: DEFAULT_DEVICE_QUEUES,
+            queue_size: nacre_shared::api::vhost::DEFAULT_QUEUE_SIZE,
+            socket: None,
+            read_only: false,
+        },
+    )?;
+    Ok(())
+}
+
+/// Queues of the embedded default device: QEMU refuses a vhost-user-blk-pci whose
+/// num-queues exceeds the backend's, and defaults num-queues to the vCPU count, so offer
+/// enough for a typical small VM.
+const DEFAULT_DEVICE_QUEUES: u16 = 4;
+
+fn print_attach_hints(d: &Daemon) {
+    let inner = d.lock();
+    for dev in inner.state.vhost_blk.values() {
+        let Some(vol) = inner.state.volumes.get(&dev.volume) else {
+            continue;
+        };
+        eprintln!(
+            "nacred: vhost-blk {:?} serves volume {:?} ({}, {}) on {}\n\
+             nacred: attach it to a QEMU VM with:\n  \
+             qemu-system-x86_64 ... -object memory-backend-memfd,id=mem,size=2G,share=on -numa node,memdev=mem \\\n    \
+             -chardev socket,id={name},path={sock},reconnect-ms=1000 \\\n    \
+             -device vhost-user-blk-pci,chardev={name},num-queues={q}",
+            dev.name,
+            vol.name,
+            format_size(vol.size),
+            vol.backend,
+            dev.socket.display(),
+            name = format!("nacre-{}", dev.name),
+            sock = dev.socket.display(),
+            q = dev.queues,
+        );
+    }
+}

@@ -1,1 +1,266 @@
-//! The control plane. (In progress.)
+//! The control plane: JSON-RPC 2.0 methods that create, list and delete nacre's objects, the
+//! persistent state they live in, and the Unix-socket server that carries them.
+//!
+//! Each object family has its own module with a `METHODS` table (`volume`, `vhost`, …);
+//! [`methods`] chains them. Handlers run under the daemon's one control lock: control-plane
+//! operations are rare and short, and serialising them makes "change live objects, persist,
+//! commit" atomic with respect to each other. The data path never takes this lock.
+//!
+//! A handler that changes state follows one pattern: validate; build the live object; write
+//! the new state with [`state::save`]; only then commit it in memory. If persisting fails the
+//! live object is torn down again, so what runs and what would be replayed never diverge.
+
+pub mod server;
+pub mod state;
+pub mod vhost;
+pub mod volume;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use nacre_shared::rpc;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use thiserror::Error;
+use tracing::{info, warn};
+
+use crate::frontend::vhost_user_blk::VhostBlkServer;
+use crate::volume::BlockDevice;
+use state::State;
+
+/// A JSON-RPC error: a code from [`nacre_shared::rpc`] and a message that says what to fix.
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+#[error("{message}")]
+pub struct RpcError {
+    pub code: i64,
+    pub message: String,
+}
+
+impl RpcError {
+    pub fn new(code: i64, message: impl Into<String>) -> Self {
+        RpcError {
+            code,
+            message: message.into(),
+        }
+    }
+    pub fn invalid_params(message: impl Into<String>) -> Self {
+        Self::new(rpc::INVALID_PARAMS, message)
+    }
+    pub fn not_found(kind: &str, name: &str) -> Self {
+        Self::new(rpc::NOT_FOUND, format!("{kind} {name:?} does not exist"))
+    }
+    pub fn exists(kind: &str, name: &str) -> Self {
+        Self::new(
+            rpc::ALREADY_EXISTS,
+            format!("{kind} {name:?} already exists"),
+        )
+    }
+    pub fn busy(message: impl Into<String>) -> Self {
+        Self::new(rpc::BUSY, message)
+    }
+    pub fn failed(message: impl Into<String>) -> Self {
+        Self::new(rpc::OPERATION_FAILED, message)
+    }
+    pub fn refused(message: impl Into<String>) -> Self {
+        Self::new(rpc::REFUSED, message)
+    }
+}
+
+/// Parse a method's params into its typed struct; `null`/absent means `{}`.
+pub fn parse_params<T: DeserializeOwned>(params: Value) -> Result<T, RpcError> {
+    let params = if params.is_null() {
+        Value::Object(Default::default())
+    } else {
+        params
+    };
+    serde_json::from_value(params)
+        .map_err(|e| RpcError::invalid_params(format!("invalid params: {e}")))
+}
+
+/// Turn any serializable result into the JSON-RPC result value.
+pub fn to_value<T: serde::Serialize>(v: T) -> Result<Value, RpcError> {
+    serde_json::to_value(v).map_err(|e| RpcError::new(rpc::INTERNAL_ERROR, e.to_string()))
+}
+
+pub type Handler = fn(&Daemon, Value) -> Result<Value, RpcError>;
+
+/// One control-plane method.
+pub struct Method {
+    pub name: &'static str,
+    pub handler: Handler,
+    /// One line, shown by `rpc_get_methods` with `"verbose": true` and by `nacre methods`.
+    pub help: &'static str,
+}
+
+/// Every method nacred answers.
+pub fn methods() -> impl Iterator<Item = &'static Method> {
+    META_METHODS
+        .iter()
+        .chain(volume::METHODS)
+        .chain(vhost::METHODS)
+}
+
+const META_METHODS: &[Method] = &[Method {
+    name: "rpc_get_methods",
+    handler: rpc_get_methods,
+    help: "List the methods nacred answers (\"verbose\": true adds a line of help each).",
+}];
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GetMethods {
+    #[serde(default)]
+    verbose: bool,
+}
+
+fn rpc_get_methods(_d: &Daemon, params: Value) -> Result<Value, RpcError> {
+    let p: GetMethods = parse_params(params)?;
+    if p.verbose {
+        to_value(
+            methods()
+                .map(|m| serde_json::json!({"name": m.name, "help": m.help}))
+                .collect::<Vec<_>>(),
+        )
+    } else {
+        to_value(methods().map(|m| m.name).collect::<Vec<_>>())
+    }
+}
+
+/// Where nacred keeps things.
+#[derive(Debug, Clone)]
+pub struct DaemonConfig {
+    pub state_dir: PathBuf,
+    pub run_dir: PathBuf,
+}
+
+/// Objects that exist only while nacred runs: opened volumes and running devices.
+#[derive(Default)]
+pub struct Live {
+    pub volumes: HashMap<String, Arc<dyn BlockDevice>>,
+    pub vhost_blk: HashMap<String, VhostBlkServer>,
+}
+
+/// The persisted state and the live objects built from it, under the control lock.
+pub struct Inner {
+    pub state: State,
+    pub live: Live,
+}
+
+pub struct Daemon {
+    pub config: DaemonConfig,
+    inner: Mutex<Inner>,
+}
+
+impl Daemon {
+    /// Create the daemon over its directories, and replay the persisted state: volumes are
+    /// reopened and devices restarted. An object that fails to come back is logged and left
+    /// in the state (so a missing backing file does not silently drop its configuration);
+    /// the other objects still start. Returns the daemon and whether state existed before.
+    pub fn open(config: DaemonConfig) -> anyhow::Result<(Arc<Daemon>, bool)> {
+        for dir in [&config.state_dir, &config.run_dir] {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
+        }
+        restrict_dir(&config.state_dir)?;
+        let loaded = state::load(&config.state_dir)?;
+        let existed = loaded.is_some();
+        let state = loaded.unwrap_or_default();
+        let daemon = Arc::new(Daemon {
+            config,
+            inner: Mutex::new(Inner {
+                state: state.clone(),
+                live: Live::default(),
+            }),
+        });
+        daemon.replay(&state);
+        Ok((daemon, existed))
+    }
+
+    fn replay(&self, state: &State) {
+        let mut inner = self.lock();
+        for rec in state.volumes.values() {
+            match volume::open_volume(self, rec) {
+                Ok(dev) => {
+                    inner.live.volumes.insert(rec.name.clone(), dev);
+                }
+                Err(e) => warn!(volume = %rec.name, error = %e, "volume not reopened"),
+            }
+        }
+        for rec in state.vhost_blk.values() {
+            if let Err(e) = vhost::start_device(&mut inner, rec) {
+                warn!(device = %rec.name, error = %e, "vhost-user-blk device not restarted");
+            }
+        }
+        info!(
+            volumes = inner.live.volumes.len(),
+            vhost_blk = inner.live.vhost_blk.len(),
+            "state replayed"
+        );
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Run `f` under the control lock.
+    pub fn with_inner<T>(
+        &self,
+        f: impl FnOnce(&mut Inner) -> Result<T, RpcError>,
+    ) -> Result<T, RpcError> {
+        f(&mut self.lock())
+    }
+
+    /// Persist `next` atomically. Call before committing it to `Inner::state`.
+    pub fn persist(&self, next: &State) -> Result<(), RpcError> {
+        state::save(&self.config.state_dir, next).map_err(|e| {
+            RpcError::failed(format!(
+                "cannot write state to {}: {e}",
+                self.config.state_dir.display()
+            ))
+        })
+    }
+
+    /// Dispatch one method call.
+    pub fn call(&self, method: &str, params: Value) -> Result<Value, RpcError> {
+        let m = methods().find(|m| m.name == method).ok_or_else(|| {
+            RpcError::new(
+                rpc::METHOD_NOT_FOUND,
+                format!("method {method:?} not found; rpc_get_methods lists them"),
+            )
+        })?;
+        (m.handler)(self, params)
+    }
+
+    /// Stop every device (clients are disconnected, sockets removed). Volumes close as
+    /// their last reference drops.
+    pub fn shutdown(&self) {
+        let mut inner = self.lock();
+        for (name, dev) in inner.live.vhost_blk.drain() {
+            info!(device = %name, "stopping vhost-user-blk device");
+            dev.stop();
+        }
+        inner.live.volumes.clear();
+    }
+
+    pub fn state_dir(&self) -> &Path {
+        &self.config.state_dir
+    }
+
+    pub fn run_dir(&self) -> &Path {
+        &self.config.run_dir
+    }
+}
+
+/// The state directory holds wrapped keys and tenant names: owner only.
+fn restrict_dir(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+        .map_err(|e| anyhow::anyhow!("cannot restrict {} to mode 0700: {e}", dir.display()))
+}
+
+/// Params of methods that take none: anything but `{}`/null is an error, so a misspelt
+/// filter is not silently ignored.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoParams {}

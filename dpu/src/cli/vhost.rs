@@ -1,0 +1,96 @@
+//! `nacre vhost-blk ...`
+
+use anyhow::Result;
+use clap::Subcommand;
+use serde_json::{json, Value};
+
+use super::table::Table;
+use super::Ctx;
+
+#[derive(Subcommand, Debug)]
+pub enum VhostBlkCmd {
+    /// Serve a volume as a vhost-user-blk device on a Unix socket.
+    #[command(
+        after_help = "Examples:\n  nacre vhost-blk create vm1 --volume data --queues 4\n  nacre vhost-blk create ro --volume golden --read-only --socket /run/vm/golden.sock\n\nAttach in QEMU with a shared-memory backend:\n  -object memory-backend-memfd,id=mem,size=4G,share=on -numa node,memdev=mem\n  -chardev socket,id=c0,path=SOCKET -device vhost-user-blk-pci,chardev=c0,num-queues=N\n(num-queues must not exceed --queues.)"
+    )]
+    Create {
+        /// Device name.
+        name: String,
+        /// The volume to serve.
+        #[arg(long)]
+        volume: String,
+        /// Virtqueues (VIRTIO_BLK_F_MQ), each served by its own thread.
+        #[arg(long, default_value_t = 1)]
+        queues: u16,
+        /// Largest virtqueue size accepted (power of two).
+        #[arg(long, default_value_t = 1024)]
+        queue_size: u16,
+        /// Socket path [default: <run-dir>/vhost-NAME.sock].
+        #[arg(long)]
+        socket: Option<String>,
+        /// Offer VIRTIO_BLK_F_RO; writes fail with VIRTIO_BLK_S_IOERR.
+        #[arg(long)]
+        read_only: bool,
+    },
+    /// List vhost-user-blk devices.
+    List,
+    /// Stop a device and remove its socket.
+    Delete { name: String },
+}
+
+pub fn run(ctx: &mut Ctx, cmd: VhostBlkCmd) -> Result<()> {
+    match cmd {
+        VhostBlkCmd::Create {
+            name,
+            volume,
+            queues,
+            queue_size,
+            socket,
+            read_only,
+        } => {
+            let mut p = json!({"name": name, "volume": volume, "queues": queues,
+                               "queue_size": queue_size, "read_only": read_only});
+            if let Some(s) = socket {
+                p["socket"] = json!(s);
+            }
+            let v = ctx.call("vhost_blk_create", p)?;
+            ctx.print(&v, |v| {
+                println!(
+                    "vhost-blk {} serves volume {} on {}",
+                    v["name"].as_str().unwrap_or(""),
+                    v["volume"].as_str().unwrap_or(""),
+                    v["socket"].as_str().unwrap_or("")
+                )
+            });
+        }
+        VhostBlkCmd::List => {
+            let v = ctx.call("vhost_blk_list", Value::Null)?;
+            ctx.print(&v, |v| {
+                let mut t = Table::new(&["NAME", "VOLUME", "QUEUES", "RO", "CONNECTED", "SOCKET"]);
+                for d in v.as_array().into_iter().flatten() {
+                    let b = |k: &str| {
+                        if d[k].as_bool().unwrap_or(false) {
+                            "yes"
+                        } else {
+                            "no"
+                        }
+                    };
+                    t.row(vec![
+                        d["name"].as_str().unwrap_or("").into(),
+                        d["volume"].as_str().unwrap_or("").into(),
+                        d["queues"].to_string(),
+                        b("read_only").into(),
+                        b("connected").into(),
+                        d["socket"].as_str().unwrap_or("").into(),
+                    ]);
+                }
+                t.print();
+            });
+        }
+        VhostBlkCmd::Delete { name } => {
+            let v = ctx.call("vhost_blk_delete", json!({ "name": name }))?;
+            ctx.print(&v, |_| println!("deleted vhost-blk {name}"));
+        }
+    }
+    Ok(())
+}

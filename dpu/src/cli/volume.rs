@@ -1,0 +1,175 @@
+//! `nacre volume ...`
+
+use anyhow::Result;
+use clap::{Args, Subcommand};
+use nacre_shared::api::volume::BackendKind;
+use nacre_shared::size::{format_size, parse_size};
+use serde_json::{json, Value};
+
+use super::table::Table;
+use super::Ctx;
+
+#[derive(Subcommand, Debug)]
+pub enum VolumeCmd {
+    /// Create a volume.
+    #[command(
+        after_help = "Examples:\n  nacre volume create data --size 10G\n  nacre volume create fast --size 2G --backend ram --block-size 512\n  nacre volume create ext --size 100G --path /srv/nacre/ext.img"
+    )]
+    Create(CreateArgs),
+    /// List volumes.
+    List {
+        /// Only this volume.
+        name: Option<String>,
+    },
+    /// Delete a volume that no device exports.
+    Delete {
+        name: String,
+        /// Also remove the backing file of a file volume.
+        #[arg(long)]
+        delete_data: bool,
+    },
+    /// Grow (or, when unexported, shrink) a volume.
+    Resize {
+        name: String,
+        /// New size, e.g. 20G.
+        #[arg(long, value_parser = size_arg)]
+        size: u64,
+    },
+}
+
+#[derive(Args, Debug)]
+pub struct CreateArgs {
+    /// Volume name: letters, digits, '_', '-', '.'.
+    pub name: String,
+    /// Size with an optional binary suffix: 512M, 1G, 2T.
+    #[arg(long, value_parser = size_arg)]
+    pub size: u64,
+    /// Logical block size in bytes: 512 or 4096.
+    #[arg(long, default_value_t = 4096, value_parser = block_size_arg)]
+    pub block_size: u32,
+    /// Where the blocks live: file (sparse file, default), ram (lost on exit), null (benchmarks).
+    #[arg(long, default_value = "file", value_parser = backend_arg)]
+    pub backend: BackendKind,
+    /// Backing file for a file volume [default: <state-dir>/volumes/NAME.img].
+    #[arg(long)]
+    pub path: Option<String>,
+    /// Owning tenant.
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// Encrypt with a per-volume AES-XTS key wrapped by the tenant's KEK.
+    #[arg(long, requires = "tenant")]
+    pub encrypt: bool,
+}
+
+pub fn size_arg(s: &str) -> Result<u64, String> {
+    parse_size(s).map_err(|e| e.to_string())
+}
+
+fn block_size_arg(s: &str) -> Result<u32, String> {
+    match s {
+        "512" => Ok(512),
+        "4096" => Ok(4096),
+        _ => Err(format!("block size must be 512 or 4096 (got {s})")),
+    }
+}
+
+fn backend_arg(s: &str) -> Result<BackendKind, String> {
+    match s {
+        "file" => Ok(BackendKind::File),
+        "ram" => Ok(BackendKind::Ram),
+        "null" => Ok(BackendKind::Null),
+        _ => Err(format!("unknown backend {s:?}: use file, ram or null")),
+    }
+}
+
+pub fn run(ctx: &mut Ctx, cmd: VolumeCmd) -> Result<()> {
+    match cmd {
+        VolumeCmd::Create(a) => {
+            let mut p = json!({
+                "name": a.name, "size": a.size, "block_size": a.block_size, "backend": a.backend,
+            });
+            if let Some(path) = a.path {
+                p["path"] = json!(path);
+            }
+            if let Some(t) = a.tenant {
+                p["tenant"] = json!(t);
+            }
+            if a.encrypt {
+                p["encrypt"] = json!(true);
+            }
+            let v = ctx.call("volume_create", p)?;
+            ctx.print(&v, |v| {
+                println!(
+                    "created volume {} ({}, {}, serial {})",
+                    v["name"].as_str().unwrap_or(""),
+                    format_size(v["size"].as_u64().unwrap_or(0)),
+                    v["backend"].as_str().unwrap_or(""),
+                    v["serial"].as_str().unwrap_or("")
+                )
+            });
+        }
+        VolumeCmd::List { name } => {
+            let p = name.map(|n| json!({ "name": n })).unwrap_or(Value::Null);
+            let v = ctx.call("volume_list", p)?;
+            ctx.print(&v, print_volumes);
+        }
+        VolumeCmd::Delete { name, delete_data } => {
+            let v = ctx.call(
+                "volume_delete",
+                json!({"name": name, "delete_data": delete_data}),
+            )?;
+            ctx.print(&v, |_| println!("deleted volume {name}"));
+        }
+        VolumeCmd::Resize { name, size } => {
+            let v = ctx.call("volume_resize", json!({"name": name, "size": size}))?;
+            ctx.print(&v, |v| {
+                println!(
+                    "volume {name} is now {}",
+                    format_size(v["size"].as_u64().unwrap_or(0))
+                )
+            });
+        }
+    }
+    Ok(())
+}
+
+fn print_volumes(v: &Value) {
+    let mut t = Table::new(&[
+        "NAME",
+        "SIZE",
+        "BLOCK",
+        "BACKEND",
+        "TENANT",
+        "ENCRYPTED",
+        "SERIAL",
+        "EXPORTED BY",
+    ]);
+    for vol in v.as_array().into_iter().flatten() {
+        let s = |k: &str| vol[k].as_str().unwrap_or("").to_string();
+        t.row(vec![
+            s("name"),
+            format_size(vol["size"].as_u64().unwrap_or(0)),
+            vol["block_size"].to_string(),
+            s("backend"),
+            vol["tenant"].as_str().unwrap_or("-").to_string(),
+            if vol["encrypted"].as_bool().unwrap_or(false) {
+                "yes"
+            } else {
+                "no"
+            }
+            .into(),
+            s("serial"),
+            vol["exported_by"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(Value::as_str)
+                        .collect::<Vec<_>>()
+                        .join(",")
+                })
+                .filter(|s| !s.is_empty())
+                .unwrap_or_else(|| "-".into()),
+        ]);
+    }
+    t.print();
+}

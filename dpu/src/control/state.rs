@@ -1,0 +1,160 @@
+//! nacred's persistent state: every control-plane object, as one JSON document.
+//!
+//! Every change is written to `<state-dir>/state.json` atomically — a temporary file is
+//! written and fsynced, renamed over the old one, and the directory is fsynced — so a crash at
+//! any point leaves either the old or the new state, never a torn one. nacred replays the
+//! document on start. Fields default when absent so a state file written by an older nacred
+//! still loads.
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+
+use nacre_shared::api::volume::BackendKind;
+use serde::{Deserialize, Serialize};
+
+/// Bumped when the layout changes incompatibly.
+pub const STATE_FORMAT: u32 = 1;
+pub const STATE_FILE: &str = "state.json";
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct State {
+    #[serde(default)]
+    pub format: u32,
+    #[serde(default)]
+    pub volumes: BTreeMap<String, VolumeRecord>,
+    #[serde(default)]
+    pub vhost_blk: BTreeMap<String, VhostBlkRecord>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VolumeRecord {
+    pub name: String,
+    pub size: u64,
+    pub block_size: u32,
+    pub backend: BackendKind,
+    /// Backing file of a `file` volume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    pub uuid: String,
+    pub serial: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    #[serde(default)]
+    pub encrypted: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VhostBlkRecord {
+    pub name: String,
+    pub volume: String,
+    pub socket: PathBuf,
+    pub queues: u16,
+    pub queue_size: u16,
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+/// Load the state document, or `None` when there is none yet (a fresh state directory).
+pub fn load(dir: &Path) -> std::io::Result<Option<State>> {
+    let path = dir.join(STATE_FILE);
+    let text = match fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let state: State = serde_json::from_str(&text).map_err(|e| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{} is not a valid nacre state file: {e}", path.display()),
+        )
+    })?;
+    if state.format > STATE_FORMAT {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "{} was written by a newer nacred (format {}, this one reads {STATE_FORMAT})",
+                path.display(),
+                state.format
+            ),
+        ));
+    }
+    Ok(Some(state))
+}
+
+/// Write the state document atomically (write, fsync, rename, fsync the directory).
+/// The file is private (0600): it names tenants and holds wrapped keys.
+pub fn save(dir: &Path, state: &State) -> std::io::Result<()> {
+    let mut state = state.clone();
+    state.format = STATE_FORMAT;
+    let text = serde_json::to_vec_pretty(&state).map_err(std::io::Error::other)?;
+    let tmp = dir.join(format!(".{STATE_FILE}.tmp"));
+    {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(&text)?;
+        f.write_all(b"\n")?;
+        f.sync_all()?;
+    }
+    fs::rename(&tmp, dir.join(STATE_FILE))?;
+    File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    #[test]
+    fn save_load_round_trip_and_absent() {
+        let d = tempfile::tempdir().unwrap();
+        assert_eq!(load(d.path()).unwrap(), None);
+        let mut s = State::default();
+        s.volumes.insert(
+            "v".into(),
+            VolumeRecord {
+                name: "v".into(),
+                size: 1 << 20,
+                block_size: 512,
+                backend: BackendKind::Ram,
+                path: None,
+                uuid: "u".into(),
+                serial: "s".into(),
+                tenant: None,
+                encrypted: false,
+            },
+        );
+        save(d.path(), &s).unwrap();
+        let back = load(d.path()).unwrap().unwrap();
+        assert_eq!(back.volumes, s.volumes);
+        assert_eq!(back.format, STATE_FORMAT);
+        use std::os::unix::fs::PermissionsExt;
+        let mode = fs::metadata(d.path().join(STATE_FILE))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+
+    #[test]
+    fn corrupt_or_newer_state_is_refused_with_a_reason() {
+        let d = tempfile::tempdir().unwrap();
+        fs::write(d.path().join(STATE_FILE), "{not json").unwrap();
+        let e = load(d.path()).unwrap_err();
+        assert!(
+            e.to_string().contains("not a valid nacre state file"),
+            "{e}"
+        );
+        fs::write(d.path().join(STATE_FILE), r#"{"format": 99}"#).unwrap();
+        let e = load(d.path()).unwrap_err();
+        assert!(e.to_string().contains("newer nacred"), "{e}");
+        // Unknown future fields and missing ones are tolerated.
+        fs::write(d.path().join(STATE_FILE), r#"{"format": 1, "whatever": 3}"#).unwrap();
+        assert!(load(d.path()).unwrap().is_some());
+    }
+}

@@ -1,0 +1,300 @@
+//! `volume_*` methods.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use nacre_shared::api::volume::{
+    BackendKind, VolumeCreate, VolumeDelete, VolumeInfo, VolumeList, VolumeResize, BLOCK_SIZES,
+};
+use nacre_shared::api::{validate_name, Ack};
+use serde_json::Value;
+use tracing::info;
+
+use super::state::VolumeRecord;
+use super::{parse_params, to_value, Daemon, Inner, Method, RpcError};
+use crate::volume::{file::FileVolume, null::NullVolume, ram::RamVolume, BlockDevice};
+
+pub const METHODS: &[Method] = &[
+    Method {
+        name: "volume_create",
+        handler: volume_create,
+        help: "Create a volume: name, size (bytes), block_size (512|4096), backend (ram|file|null), path, tenant, encrypt.",
+    },
+    Method {
+        name: "volume_list",
+        handler: volume_list,
+        help: "List volumes (optionally one: name).",
+    },
+    Method {
+        name: "volume_delete",
+        handler: volume_delete,
+        help: "Delete an unexported volume: name; delete_data also removes a file volume's backing file.",
+    },
+    Method {
+        name: "volume_resize",
+        handler: volume_resize,
+        help: "Change a volume's size: name, size (bytes). Shrinking an exported volume is refused.",
+    },
+];
+
+/// Where a file volume lives unless told otherwise.
+pub fn default_volume_path(d: &Daemon, name: &str) -> PathBuf {
+    d.state_dir().join("volumes").join(format!("{name}.img"))
+}
+
+/// Open the data path of a volume record.
+pub fn open_volume(d: &Daemon, rec: &VolumeRecord) -> Result<Arc<dyn BlockDevice>, RpcError> {
+    if rec.encrypted {
+        return Err(RpcError::refused(format!(
+            "volume {:?} is encrypted, and this nacred has no encryption support yet",
+            rec.name
+        )));
+    }
+    let dev: Arc<dyn BlockDevice> = match rec.backend {
+        BackendKind::Ram => Arc::new(
+            RamVolume::new(rec.size, rec.block_size)
+                .map_err(|e| RpcError::failed(format!("cannot allocate RAM volume: {e}")))?,
+        ),
+        BackendKind::Null => Arc::new(NullVolume::new(rec.size, rec.block_size)),
+        BackendKind::File => {
+            let path = rec
+                .path
+                .clone()
+                .unwrap_or_else(|| default_volume_path(d, &rec.name));
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent).map_err(|e| {
+                    RpcError::failed(format!("cannot create {}: {e}", parent.display()))
+                })?;
+            }
+            Arc::new(
+                FileVolume::open(&path, rec.size, rec.block_size, true).map_err(|e| {
+                    RpcError::failed(format!("cannot open backing file {}: {e}", path.display()))
+                })?,
+            )
+        }
+    };
+    Ok(dev)
+}
+
+/// Validate and normalise a `volume_create` request into a record.
+pub fn new_record(d: &Daemon, p: &VolumeCreate) -> Result<VolumeRecord, RpcError> {
+    validate_name("volume", &p.name).map_err(RpcError::invalid_params)?;
+    if !BLOCK_SIZES.contains(&p.block_size) {
+        return Err(RpcError::invalid_params(format!(
+            "block_size must be 512 or 4096 (got {})",
+            p.block_size
+        )));
+    }
+    check_size(p.size, p.block_size)?;
+    if p.path.is_some() && p.backend != BackendKind::File {
+        return Err(RpcError::invalid_params(format!(
+            "path only applies to file volumes (backend is {})",
+            p.backend
+        )));
+    }
+    let path = match (p.backend, &p.path) {
+        (BackendKind::File, Some(path)) => {
+            let path = PathBuf::from(path);
+            if !path.is_absolute() {
+                return Err(RpcError::invalid_params(format!(
+                    "path must be absolute (got {path:?})"
+                )));
+            }
+            Some(path)
+        }
+        (BackendKind::File, None) => Some(default_volume_path(d, &p.name)),
+        _ => None,
+    };
+    let uuid = uuid::Uuid::new_v4();
+    Ok(VolumeRecord {
+        name: p.name.clone(),
+        size: p.size,
+        block_size: p.block_size,
+        backend: p.backend,
+        path,
+        serial: serial_from_uuid(&uuid),
+        uuid: uuid.to_string(),
+        tenant: p.tenant.clone(),
+        encrypted: p.encrypt,
+    })
+}
+
+/// The serial devices report: 20 ASCII characters, the NVMe Identify Controller SN width and
+/// the virtio-blk GET_ID length, so both frontends show the same string.
+pub fn serial_from_uuid(uuid: &uuid::Uuid) -> String {
+    let hex = uuid.simple().to_string().to_ascii_uppercase();
+    format!("NACRE{}", &hex[..15])
+}
+
+fn check_size(size: u64, block_size: u32) -> Result<(), RpcError> {
+    if size == 0 || size % block_size as u64 != 0 {
+        return Err(RpcError::invalid_params(format!(
+            "size must be a positive multiple of the block size {block_size} (got {size})"
+        )));
+    }
+    Ok(())
+}
+
+fn volume_create(d: &Daemon, params: Value) -> Result<Value, RpcError> {
+    let p: VolumeCreate = parse_params(params)?;
+    create(d, &p).and_then(to_value)
+}
+
+/// `volume_create`, callable from the embedded default too.
+pub fn create(d: &Daemon, p: &VolumeCreate) -> Result<VolumeInfo, RpcError> {
+    let rec = new_record(d, p)?;
+    d.with_inner(|inner| {
+        if inner.state.volumes.contains_key(&rec.name) {
+            return Err(RpcError::exists("volume", &rec.name));
+        }
+        if let Some(path) = &rec.path {
+            if let Some(other) = inner
+                .state
+                .volumes
+                .values()
+                .find(|v| v.path.as_ref() == Some(path))
+            {
+                return Err(RpcError::busy(format!(
+                    "{} already backs volume {:?}",
+                    path.display(),
+                    other.name
+                )));
+            }
+        }
+        let dev = open_volume(d, &rec)?;
+        let mut next = inner.state.clone();
+        next.volumes.insert(rec.name.clone(), rec.clone());
+        d.persist(&next)?;
+        inner.state = next;
+        inner.live.volumes.insert(rec.name.clone(), dev);
+        info!(volume = %rec.name, size = rec.size, backend = %rec.backend, "volume created");
+        Ok(info_of(inner, &rec))
+    })
+}
+
+/// The names of devices exporting a volume.
+pub fn exporters(inner: &Inner, volume: &str) -> Vec<String> {
+    inner
+        .state
+        .vhost_blk
+        .values()
+        .filter(|v| v.volume == volume)
+        .map(|v| format!("vhost-blk:{}", v.name))
+        .collect()
+}
+
+pub fn info_of(inner: &Inner, rec: &VolumeRecord) -> VolumeInfo {
+    VolumeInfo {
+        name: rec.name.clone(),
+        size: rec.size,
+        block_size: rec.block_size,
+        backend: rec.backend,
+        path: rec.path.as_ref().map(|p| p.display().to_string()),
+        serial: rec.serial.clone(),
+        uuid: rec.uuid.clone(),
+        tenant: rec.tenant.clone(),
+        encrypted: rec.encrypted,
+        exported_by: exporters(inner, &rec.name),
+    }
+}
+
+fn volume_list(d: &Daemon, params: Value) -> Result<Value, RpcError> {
+    let p: VolumeList = parse_params(params)?;
+    d.with_inner(|inner| {
+        if let Some(name) = &p.name {
+            let rec = inner
+                .state
+                .volumes
+                .get(name)
+                .ok_or_else(|| RpcError::not_found("volume", name))?;
+            return to_value(vec![info_of(inner, rec)]);
+        }
+        to_value(
+            inner
+                .state
+                .volumes
+                .values()
+                .map(|r| info_of(inner, r))
+                .collect::<Vec<_>>(),
+        )
+    })
+}
+
+fn volume_delete(d: &Daemon, params: Value) -> Result<Value, RpcError> {
+    let p: VolumeDelete = parse_params(params)?;
+    d.with_inner(|inner| {
+        let rec = inner
+            .state
+            .volumes
+            .get(&p.name)
+            .cloned()
+            .ok_or_else(|| RpcError::not_found("volume", &p.name))?;
+        let users = exporters(inner, &p.name);
+        if !users.is_empty() {
+            return Err(RpcError::busy(format!(
+                "volume {:?} is exported by {}; delete those first",
+                p.name,
+                users.join(", ")
+            )));
+        }
+        let mut next = inner.state.clone();
+        next.volumes.remove(&p.name);
+        d.persist(&next)?;
+        inner.state = next;
+        inner.live.volumes.remove(&p.name);
+        if p.delete_data {
+            if let Some(path) = &rec.path {
+                if let Err(e) = std::fs::remove_file(path) {
+                    if e.kind() != std::io::ErrorKind::NotFound {
+                        return Err(RpcError::failed(format!(
+                            "volume deleted, but its backing file {} could not be removed: {e}",
+                            path.display()
+                        )));
+                    }
+                }
+            }
+        }
+        info!(volume = %p.name, "volume deleted");
+        to_value(Ack { ok: true })
+    })
+}
+
+fn volume_resize(d: &Daemon, params: Value) -> Result<Value, RpcError> {
+    let p: VolumeResize = parse_params(params)?;
+    d.with_inner(|inner| {
+        let rec = inner
+            .state
+            .volumes
+            .get(&p.name)
+            .cloned()
+            .ok_or_else(|| RpcError::not_found("volume", &p.name))?;
+        check_size(p.size, rec.block_size)?;
+        let users = exporters(inner, &p.name);
+        if p.size < rec.size && !users.is_empty() {
+            return Err(RpcError::busy(format!(
+                "volume {:?} is exported by {}; shrinking it under a host would lose data the host thinks it has",
+                p.name,
+                users.join(", ")
+            )));
+        }
+        let dev = inner
+            .live
+            .volumes
+            .get(&p.name)
+            .cloned()
+            .ok_or_else(|| RpcError::failed(format!("volume {:?} is not open", p.name)))?;
+        dev.resize(p.size)
+            .map_err(|e| RpcError::failed(format!("cannot resize volume {:?}: {e}", p.name)))?;
+        let mut next = inner.state.clone();
+        next.volumes.get_mut(&p.name).expect("checked above").size = p.size;
+        if let Err(e) = d.persist(&next) {
+            // Keep what runs and what would be replayed in step.
+            let _ = dev.resize(rec.size);
+            return Err(e);
+        }
+        inner.state = next;
+        info!(volume = %p.name, size = p.size, "volume resized");
+        let rec = inner.state.volumes[&p.name].clone();
+        to_value(info_of(inner, &rec))
+    })
+}

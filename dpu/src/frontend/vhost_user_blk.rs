@@ -1,1 +1,0 @@
-//! virtio-blk over vhost-user. (In progress.)

@@ -1,0 +1,153 @@
+//! The `nacre` CLI as an operator meets it: help that teaches, one-line errors, tables and
+//! JSON that match what nacred holds.
+
+use nacre_tests::daemon::{bin, Nacred};
+use serde_json::Value;
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn help_teaches_with_examples() {
+    for args in [
+        vec!["--help"],
+        vec!["volume", "create", "--help"],
+        vec!["vhost-blk", "create", "--help"],
+    ] {
+        let out = std::process::Command::new(bin("nacre"))
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}");
+        let s = text(&out.stdout);
+        assert!(s.contains("Examples:"), "{args:?}: {s}");
+    }
+    let out = std::process::Command::new(bin("nacred"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    let s = text(&out.stdout);
+    assert!(s.contains("--state-dir") && s.contains("NACRE_STATE_DIR") && s.contains("Examples:"));
+}
+
+#[test]
+fn unreachable_daemon_is_one_clear_line() {
+    let out = std::process::Command::new(bin("nacre"))
+        .args(["--rpc", "/nonexistent/nacred.sock", "volume", "list"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let e = text(&out.stderr);
+    assert_eq!(e.lines().count(), 1, "{e}");
+    assert!(
+        e.contains("cannot reach nacred at /nonexistent/nacred.sock"),
+        "{e}"
+    );
+    assert!(e.contains("NACRE_RPC"), "{e}");
+}
+
+#[test]
+fn volume_and_device_workflow() {
+    let n = Nacred::start_args(&["--no-default"]);
+    let out = n.cli(&[
+        "volume",
+        "create",
+        "data",
+        "--size",
+        "64M",
+        "--block-size",
+        "512",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("created volume data (64M, file"));
+    let v = n.ok("volume_list", Value::Null);
+    assert_eq!(v[0]["size"], 64 << 20);
+    assert_eq!(v[0]["block_size"], 512);
+
+    let out = n.cli(&[
+        "vhost-blk",
+        "create",
+        "d0",
+        "--volume",
+        "data",
+        "--queues",
+        "2",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let out = n.cli(&["volume", "list"]);
+    let s = text(&out.stdout);
+    let header = s.lines().next().unwrap();
+    assert!(
+        header.starts_with("NAME") && header.contains("EXPORTED BY"),
+        "{s}"
+    );
+    assert!(s.lines().nth(1).unwrap().contains("vhost-blk:d0"), "{s}");
+
+    let out = n.cli(&["--json", "vhost-blk", "list"]);
+    let j: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j[0]["queues"], 2);
+
+    let out = n.cli(&["volume", "delete", "data"]);
+    assert_eq!(out.status.code(), Some(1));
+    let e = text(&out.stderr);
+    assert_eq!(e.lines().count(), 1);
+    assert!(
+        e.starts_with("nacre: error: volume \"data\" is exported by vhost-blk:d0"),
+        "{e}"
+    );
+
+    let out = n.cli(&["volume", "resize", "data", "--size", "128M"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(n.ok("volume_list", Value::Null)[0]["size"], 128 << 20);
+
+    let out = n.cli(&["rpc", "volume_list", r#"{"name": "data"}"#]);
+    let j: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j[0]["name"], "data");
+    let out = n.cli(&["rpc", "volume_list", "{oops"]);
+    assert!(text(&out.stderr).contains("params are not valid JSON"));
+}
+
+#[test]
+fn bad_arguments_are_refused_before_any_rpc() {
+    let n = Nacred::start_args(&["--no-default"]);
+    for (args, needle) in [
+        (
+            vec!["volume", "create", "x", "--size", "12Q"],
+            "invalid size",
+        ),
+        (
+            vec![
+                "volume",
+                "create",
+                "x",
+                "--size",
+                "1G",
+                "--block-size",
+                "1024",
+            ],
+            "512 or 4096",
+        ),
+        (
+            vec!["volume", "create", "x", "--size", "1G", "--backend", "tape"],
+            "unknown backend",
+        ),
+        (
+            vec!["volume", "create", "x", "--size", "1G", "--encrypt"],
+            "--tenant",
+        ),
+    ] {
+        let out = n.cli(&args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        assert!(
+            text(&out.stderr).contains(needle),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+    assert!(n
+        .ok("volume_list", Value::Null)
+        .as_array()
+        .unwrap()
+        .is_empty());
+}

@@ -1,0 +1,207 @@
+//! Run the real `nacred` and `nacre` binaries in tests.
+//!
+//! The binaries belong to the nacre-dpu package, so they are found next to the test
+//! executable's `deps/` directory (`target/<profile>/nacred`); the README's test command
+//! builds them first (`cargo build --workspace --bins`).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use nacre_shared::rpc::{Client, ClientError};
+use serde_json::Value;
+
+/// Path of a workspace binary built for the same profile as the running test.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/<profile>/deps/<test>-<hash>  ->  target/<profile>/<name>
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let p = dir.join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: build the binaries first (cargo build --workspace --bins)",
+        p.display()
+    );
+    p
+}
+
+/// A nacred process over its own temporary state and run directories.
+pub struct Nacred {
+    child: Option<Child>,
+    _tmp: Option<tempfile::TempDir>,
+    pub state_dir: PathBuf,
+    pub run_dir: PathBuf,
+    pub rpc: PathBuf,
+    pub log: PathBuf,
+    extra_args: Vec<String>,
+}
+
+impl Nacred {
+    /// A fresh nacred with the embedded default.
+    pub fn start() -> Self {
+        Self::start_args(&[])
+    }
+
+    /// A fresh nacred with extra command-line arguments (e.g. `--no-default`).
+    pub fn start_args(args: &[&str]) -> Self {
+        let tmp = tempfile::Builder::new()
+            .prefix("nacre-test-")
+            .tempdir()
+            .expect("tempdir");
+        let root = tmp.path().to_path_buf();
+        let mut n = Nacred {
+            child: None,
+            _tmp: Some(tmp),
+            state_dir: root.join("state"),
+            run_dir: root.join("run"),
+            rpc: root.join("run").join("nacred.sock"),
+            log: root.join("nacred.log"),
+            extra_args: args.iter().map(|s| s.to_string()).collect(),
+        };
+        n.spawn();
+        n
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("log file");
+        let child = Command::new(bin("nacred"))
+            .arg("--state-dir")
+            .arg(&self.state_dir)
+            .arg("--run-dir")
+            .arg(&self.run_dir)
+            .arg("--log")
+            .arg("debug")
+            .args(&self.extra_args)
+            .env_remove("NACRE_RPC")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn nacred");
+        self.child = Some(child);
+        self.wait_ready();
+    }
+
+    fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(mut c) = Client::connect(&self.rpc) {
+                if c.call("rpc_get_methods", Value::Null).is_ok() {
+                    return;
+                }
+            }
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!(
+                    "nacred exited during start ({status}):\n{}",
+                    self.log_text()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "nacred did not answer on {} within 30 s:\n{}",
+                self.rpc.display(),
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    pub fn client(&self) -> Client {
+        Client::connect(&self.rpc).expect("connect to nacred")
+    }
+
+    pub fn call(&self, method: &str, params: Value) -> Result<Value, ClientError> {
+        self.client().call(method, params)
+    }
+
+    /// Call and expect success.
+    pub fn ok(&self, method: &str, params: Value) -> Value {
+        self.call(method, params)
+            .unwrap_or_else(|e| panic!("{method} failed: {e}\n{}", self.log_text()))
+    }
+
+    /// Call and expect a JSON-RPC error; returns (code, message).
+    pub fn err(&self, method: &str, params: Value) -> (i64, String) {
+        match self.call(method, params) {
+            Err(ClientError::Rpc { code, message }) => (code, message),
+            other => panic!("{method}: expected an RPC error, got {other:?}"),
+        }
+    }
+
+    /// SIGKILL: a crash, nothing is cleaned up.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait for an orderly exit; returns whether it exited successfully.
+    pub fn stop(&mut self) -> bool {
+        let Some(mut c) = self.child.take() else {
+            return true;
+        };
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(Some(st)) = c.try_wait() {
+                return st.success();
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                let _ = c.wait();
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Crash (SIGKILL) and start again over the same directories.
+    pub fn crash_restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// Orderly stop and start again over the same directories.
+    pub fn restart(&mut self) {
+        assert!(
+            self.stop(),
+            "nacred did not stop cleanly:\n{}",
+            self.log_text()
+        );
+        self.spawn();
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Run the `nacre` CLI against this daemon.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        Command::new(bin("nacre"))
+            .arg("--rpc")
+            .arg(&self.rpc)
+            .args(args)
+            .output()
+            .expect("run nacre")
+    }
+}
+
+impl Drop for Nacred {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

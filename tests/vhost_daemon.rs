@@ -1,0 +1,136 @@
+//! The real nacred daemon serving vhost-user-blk to libblkio: the embedded default, devices
+//! made over RPC, and acknowledged writes that survive a crash of nacred.
+
+use nacre_tests::blkio_client::{read, write, BlkioClient, ClientOptions};
+use nacre_tests::daemon::Nacred;
+use serde_json::json;
+
+/// A pattern unique to (queue, offset) so misplaced blocks cannot compare equal.
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+const CHUNK: usize = 64 << 10;
+
+/// Write a distinct chunk from each queue at spread offsets; return (offset, data).
+fn write_spread(c: &mut BlkioClient, round: u64) -> Vec<(u64, Vec<u8>)> {
+    let mut queues = c.take_queues();
+    let mem = c.mem();
+    let mut written = Vec::new();
+    for (qi, q) in queues.iter_mut().enumerate() {
+        for k in 0..8u64 {
+            let off = (k * 127 + qi as u64 * 31 + round * 7) % 16_000 * 65536;
+            let data = pattern(round << 32 | (qi as u64) << 16 | k, CHUNK);
+            let buf = &mut mem[qi * CHUNK..(qi + 1) * CHUNK];
+            buf.copy_from_slice(&data);
+            assert_eq!(write(q, off, buf).unwrap(), 0, "write q{qi} @{off}");
+            written.retain(|(o, _): &(u64, Vec<u8>)| *o != off);
+            written.push((off, data));
+        }
+    }
+    c.queues = queues;
+    written
+}
+
+fn verify(c: &mut BlkioClient, expect: &[(u64, Vec<u8>)]) {
+    let mut queues = c.take_queues();
+    let mem = c.mem();
+    for (i, (off, data)) in expect.iter().enumerate() {
+        let qi = i % queues.len();
+        let buf = &mut mem[qi * CHUNK..(qi + 1) * CHUNK];
+        buf.fill(0xEE);
+        assert_eq!(read(&mut queues[qi], *off, buf).unwrap(), 0);
+        assert!(buf[..] == data[..], "data at {off} differs after reconnect");
+    }
+    c.queues = queues;
+}
+
+fn opts(queues: usize) -> ClientOptions {
+    ClientOptions {
+        queues,
+        ..Default::default()
+    }
+}
+
+#[test]
+fn embedded_default_survives_a_crash_of_nacred() {
+    let mut n = Nacred::start();
+    let sock = n.run_dir.join("vhost-default.sock");
+    let mut c = BlkioClient::connect(&sock, &opts(4)).unwrap();
+    assert_eq!(c.capacity().unwrap(), 1 << 30);
+    let written = write_spread(&mut c, 1);
+    // No flush: an acknowledged write must survive a crash of the daemon.
+    n.crash_restart();
+    drop(c);
+    let mut c = BlkioClient::connect(&sock, &opts(4))
+        .unwrap_or_else(|e| panic!("reconnect: {e}\n{}", n.log_text()));
+    verify(&mut c, &written);
+    // And an orderly restart while a client is connected.
+    let more = write_spread(&mut c, 2);
+    n.restart();
+    drop(c);
+    let mut c = BlkioClient::connect(&sock, &opts(2)).unwrap();
+    let mut all = written;
+    for (o, d) in more {
+        all.retain(|(x, _)| *x != o);
+        all.push((o, d));
+    }
+    verify(&mut c, &all);
+}
+
+#[test]
+fn devices_made_over_rpc_serve_and_come_back() {
+    let mut n = Nacred::start_args(&["--no-default"]);
+    n.ok(
+        "volume_create",
+        json!({"name": "f", "size": 1 << 30, "block_size": 512}),
+    );
+    n.ok(
+        "vhost_blk_create",
+        json!({"name": "d", "volume": "f", "queues": 2}),
+    );
+    n.ok(
+        "vhost_blk_create",
+        json!({"name": "ro", "volume": "f", "queues": 1, "read_only": true}),
+    );
+    let sock = n.run_dir.join("vhost-d.sock");
+    let mut c = BlkioClient::connect(&sock, &opts(2)).unwrap();
+    let devs = n.ok("vhost_blk_list", json!({}));
+    let d = devs
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["name"] == "d")
+        .unwrap();
+    assert_eq!(d["connected"], true, "{devs}");
+    let written = write_spread(&mut c, 3);
+    drop(c);
+    // The read-only device sees the same data and refuses writes.
+    let mut ro = BlkioClient::connect(
+        &n.run_dir.join("vhost-ro.sock"),
+        &ClientOptions {
+            queues: 1,
+            read_only: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    verify(&mut ro, &written[..4]);
+    drop(ro);
+    n.crash_restart();
+    let mut c = BlkioClient::connect(&sock, &opts(2)).unwrap();
+    verify(&mut c, &written);
+    drop(c);
+    // Deleting the device disconnects nothing else and removes the socket.
+    n.ok("vhost_blk_delete", json!({"name": "d"}));
+    assert!(!sock.exists());
+    assert!(BlkioClient::connect(&sock, &opts(1)).is_err());
+}
