@@ -292,7 +292,19 @@ fn nvmf_subsystem_delete(d: &Daemon, params: Value) -> Result<Value, RpcError> {
 fn nvmf_subsystem_add_ns(d: &Daemon, params: Value) -> Result<Value, RpcError> {
     let p: NvmfSubsystemAddNs = parse_params(params)?;
     d.with_inner(|inner| {
-        record(inner, &p.nqn)?;
+        if let Some(nsid) = record(inner, &p.nqn)?
+            .namespaces
+            .iter()
+            .find(|(_, v)| **v == p.volume)
+            .map(|(n, _)| *n)
+        {
+            // Two namespaces of one subsystem with the same NGUID confuse hosts (Linux
+            // refuses the second).
+            return Err(RpcError::busy(format!(
+                "volume {:?} is already namespace {nsid} of {}",
+                p.volume, p.nqn
+            )));
+        }
         let dev = inner
             .live
             .volumes

@@ -263,6 +263,8 @@ struct Conn {
     max_inline: usize,
     h2c: HashMap<u16, H2cPending>,
     next_ttag: u16,
+    /// `q` as the completion handle requests carry (made once, not per request).
+    done: Arc<dyn volume::Completion>,
 }
 
 /// Serve one accepted connection until it closes.
@@ -322,6 +324,7 @@ pub(crate) fn serve(target: &Arc<TargetInner>, sock: TcpStream, listener: Socket
         max_inline: limits::ADMIN_INLINE_DATA,
         h2c: HashMap::new(),
         next_ttag: 0,
+        done: q.clone(),
     };
     let end = c.run();
     if let Err(End::Fatal { fes, fei, hdr }) = end {
@@ -437,7 +440,8 @@ impl Conn {
         loop {
             self.need(tcp::CH_LEN)?;
             let ch = CommonHeader::decode(&self.rbuf[self.rstart..]);
-            let chb = self.rbuf[self.rstart..self.rstart + tcp::CH_LEN].to_vec();
+            let mut chb = [0u8; tcp::CH_LEN];
+            chb.copy_from_slice(&self.rbuf[self.rstart..self.rstart + tcp::CH_LEN]);
             match ch.pdu_type {
                 pdu_type::CAPSULE_CMD | pdu_type::H2C_DATA => {}
                 pdu_type::H2C_TERM_REQ => {
@@ -971,8 +975,7 @@ impl Conn {
             unsafe { Segment::new(s.buf.as_mut_ptr(), len) }
         };
         let req = IoRequest::new(kind, offset, len as u64, tag as u64).with_segments([seg]);
-        let done: Arc<dyn volume::Completion> = self.q.clone();
-        ns.volume.submit(req, &done);
+        ns.volume.submit(req, &self.done);
         None
     }
 
@@ -995,8 +998,7 @@ impl Conn {
             s.read_len = 0;
         }
         let req = IoRequest::new(kind, offset, len, tag as u64);
-        let done: Arc<dyn volume::Completion> = self.q.clone();
-        ns.volume.submit(req, &done);
+        ns.volume.submit(req, &self.done);
         None
     }
 }
