@@ -355,3 +355,34 @@ fn random_garbage_never_takes_the_target_down() {
     }
     still_serves(addr);
 }
+
+#[test]
+fn more_writes_awaiting_data_than_queue_entries_is_fatal() {
+    let (_t, addr) = target();
+    let opts = HostOptions {
+        queue_size: 32,
+        ..Default::default()
+    };
+    let mut h = NvmfHost::connect(addr, NQN, opts).unwrap();
+    // 33 writes announcing 64 KiB each through R2T, never followed by data: the target
+    // answers 32 R2Ts, then refuses to pin more buffers than the queue has entries.
+    let mut b = Vec::new();
+    for cid in 0..33u16 {
+        let cmd = Command::rw(
+            io_opcode::WRITE,
+            cid,
+            1,
+            0,
+            128,
+            SglDescriptor::transport(65536),
+        );
+        tcp::encode_capsule_cmd(&mut b, &cmd, &[], Digests::NONE, 0);
+    }
+    h.io[0].send_raw(&b).unwrap();
+    for _ in 0..32 {
+        let p = h.io[0].recv_pdu_raw().unwrap();
+        assert_eq!(p[0], pdu_type::R2T);
+    }
+    assert_eq!(expect_term(&mut h.io[0]).0, fes::DATA_LIMIT_EXCEEDED);
+    still_serves(addr);
+}
