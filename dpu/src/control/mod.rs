@@ -10,6 +10,7 @@
 //! the new state with [`state::save`]; only then commit it in memory. If persisting fails the
 //! live object is torn down again, so what runs and what would be replayed never diverge.
 
+pub mod nvmf;
 pub mod server;
 pub mod state;
 pub mod vhost;
@@ -99,6 +100,7 @@ pub fn methods() -> impl Iterator<Item = &'static Method> {
         .iter()
         .chain(volume::METHODS)
         .chain(vhost::METHODS)
+        .chain(nvmf::METHODS)
 }
 
 const META_METHODS: &[Method] = &[Method {
@@ -139,6 +141,7 @@ pub struct DaemonConfig {
 pub struct Live {
     pub volumes: HashMap<String, Arc<dyn BlockDevice>>,
     pub vhost_blk: HashMap<String, VhostBlkServer>,
+    pub nvmf: Option<Arc<crate::frontend::nvmf_tcp::NvmfTarget>>,
 }
 
 /// The persisted state and the live objects built from it, under the control lock.
@@ -192,6 +195,7 @@ impl Daemon {
                 warn!(device = %rec.name, error = %e, "vhost-user-blk device not restarted");
             }
         }
+        nvmf::replay(&mut inner);
         info!(
             volumes = inner.live.volumes.len(),
             vhost_blk = inner.live.vhost_blk.len(),
@@ -240,6 +244,7 @@ impl Daemon {
             info!(device = %name, "stopping vhost-user-blk device");
             dev.stop();
         }
+        inner.live.nvmf = None;
         inner.live.volumes.clear();
     }
 

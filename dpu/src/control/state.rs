@@ -27,6 +27,8 @@ pub struct State {
     pub volumes: BTreeMap<String, VolumeRecord>,
     #[serde(default)]
     pub vhost_blk: BTreeMap<String, VhostBlkRecord>,
+    #[serde(default)]
+    pub nvmf: super::nvmf::NvmfState,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]

@@ -180,6 +180,7 @@ pub fn exporters(inner: &Inner, volume: &str) -> Vec<String> {
         .values()
         .filter(|v| v.volume == volume)
         .map(|v| format!("vhost-blk:{}", v.name))
+        .chain(super::nvmf::exporters(inner, volume))
         .collect()
 }
 
