@@ -21,6 +21,11 @@ fn prepare(test: &str) -> Option<std::sync::MutexGuard<'static, ()>> {
     Some(guard)
 }
 
+fn log_tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
 /// The bed itself: kernel nvmet-tcp target and nvme-tcp host inside one guest on 127.0.0.1.
 #[test]
 fn kernel_selftest() {
@@ -101,7 +106,12 @@ fn vhost_user_blk_nacred_survives_reboot() {
             .timeout(Duration::from_secs(180))
     };
     let first = boot("write").run().expect("first boot");
-    first.assert_success();
+    assert!(
+        first.success(),
+        "{}\nnacred log tail:\n{}",
+        first.tail(40),
+        log_tail(&d.log_text(), 40)
+    );
     assert_eq!(first.fact("bytes"), size.to_string());
     assert_eq!(first.fact("queues"), queues.to_string());
     assert_eq!(first.fact("logical_block_size"), "4096");
