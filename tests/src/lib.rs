@@ -3,3 +3,5 @@
 pub mod blkio_client;
 pub mod daemon;
 pub mod testbed;
+pub mod xts_oracle;
+pub mod nvmf_host;
