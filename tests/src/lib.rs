@@ -2,6 +2,6 @@
 
 pub mod blkio_client;
 pub mod daemon;
+pub mod nvmf_host;
 pub mod testbed;
 pub mod xts_oracle;
-pub mod nvmf_host;
