@@ -7,6 +7,10 @@
 
 use std::time::Duration;
 
+use std::sync::Arc;
+
+use nacre_dpu::crypto::{volume::EncryptedVolume, EncryptionPolicy, XtsKey};
+use nacre_dpu::volume::{file::FileVolume, BlockDevice, IoKind, IoRequest};
 use nacre_tests::daemon::Nacred;
 use nacre_tests::testbed::{self, Boot};
 
@@ -177,38 +181,38 @@ struct EncryptedDisk {
     plaintext: Vec<u8>,
 }
 
-/// HOOK for the crypto work: today the ciphertext comes from the Python oracle; once nacred's
-/// encrypted volumes land, make it with nacred instead (create a tenant and an encrypted 8 MiB
-/// volume with 4 KiB data units and the plain64 little-endian tweak, write `plaintext` through the
-/// vhost-user-blk device, stop nacred, take the volume's backing file and the test-only export of
-/// its data key), keeping the oracle as the second opinion in `dm_crypt_opens_xts_disk`.
+/// An 8 MiB file volume encrypted by nacre's crypto layer (`EncryptedVolume`, AES-256-XTS,
+/// 4 KiB data units, plain64 tweak — the default policy): 4 MiB of random plaintext then zeros
+/// written through it. The data key goes to a file in the test's temporary directory because
+/// cryptsetup must read it (a throw-away test key; nacred itself never writes a key unwrapped).
 fn encrypted_disk(dir: &std::path::Path) -> EncryptedDisk {
-    let key_bytes = loop {
-        let k = testbed::random_bytes(64).unwrap();
-        if k[..32] != k[32..] {
-            break k;
-        }
-    };
-    let key = dir.join("xts.key");
-    std::fs::write(&key, &key_bytes).unwrap();
-    // 4 MiB of random data, then 4 MiB of zeros (the guest writes there)
+    let key = XtsKey::generate(64).unwrap();
+    let key_path = dir.join("xts.key");
+    std::fs::write(&key_path, key.as_bytes()).unwrap();
     let mut plaintext = testbed::random_bytes(4 * MIB as usize).unwrap();
     plaintext.resize(8 * MIB as usize, 0);
-    let plain = dir.join("plain.bin");
-    std::fs::write(&plain, &plaintext).unwrap();
     let image = dir.join("disk.img");
-    testbed::xts_oracle_run("encrypt", &key, &plain, &image, 4096, 0).expect("oracle");
+    let vol = nacre_encrypted_file(&image, &key);
+    vol.write_at(0, &plaintext).unwrap();
+    vol.submit_wait(IoRequest::new(IoKind::Flush, 0, 0, 0))
+        .unwrap();
     EncryptedDisk {
         image,
-        key,
+        key: key_path,
         plaintext,
     }
 }
 
-/// The kernel's dm-crypt (cryptsetup plain, aes-xts-plain64, 4 KiB sectors, --iv-large-sectors)
-/// reads an XTS-encrypted disk back as the right plaintext, and what it writes through the mapping
-/// is the ciphertext the oracle computes: the on-disk format is the dm-crypt one, in both
-/// directions.
+fn nacre_encrypted_file(image: &std::path::Path, key: &XtsKey) -> EncryptedVolume {
+    let file: Arc<dyn BlockDevice> =
+        Arc::new(FileVolume::open(image, 8 * MIB, 4096, false).unwrap());
+    EncryptedVolume::new(file, key, EncryptionPolicy::default()).unwrap()
+}
+
+/// nacre's encrypted volumes are dm-crypt volumes: the kernel's dm-crypt (cryptsetup plain,
+/// aes-xts-plain64, 4 KiB sectors, --iv-large-sectors) reads a volume nacre encrypted back as the
+/// right plaintext; what dm-crypt writes through the mapping is the ciphertext the independent
+/// Python oracle computes, and nacre decrypts it to the same plaintext.
 #[test]
 fn dm_crypt_opens_xts_disk() {
     let Some(_bed) = prepare("dm_crypt_opens_xts_disk") else {
@@ -216,6 +220,13 @@ fn dm_crypt_opens_xts_disk() {
     };
     let dir = tempfile::tempdir().unwrap();
     let disk = encrypted_disk(dir.path());
+    // second opinion on nacre's ciphertext: the oracle decrypts it to the plaintext
+    let decrypted = dir.path().join("oracle-plain.bin");
+    testbed::xts_oracle_run("decrypt", &disk.key, &disk.image, &decrypted, 4096, 0).unwrap();
+    assert!(
+        std::fs::read(&decrypted).unwrap() == disk.plaintext,
+        "the oracle disagrees with nacre's ciphertext"
+    );
     let plain_sha = testbed::sha256(&disk.plaintext[..4 * MIB as usize]).unwrap();
     let out = Boot::new("dm-crypt")
         .param("mib", 4)
@@ -253,6 +264,15 @@ fn dm_crypt_opens_xts_disk() {
         written != &disk.plaintext[..MIB as usize],
         "data at rest must not be plaintext"
     );
+    // and nacre reads what dm-crypt wrote
+    let key = XtsKey::from_bytes(&std::fs::read(&disk.key).unwrap()).unwrap();
+    let vol = nacre_encrypted_file(&disk.image, &key);
+    let mut back = vec![0u8; MIB as usize];
+    vol.read_at(6 * MIB, &mut back).unwrap();
+    assert!(
+        back == disk.plaintext[..MIB as usize],
+        "nacre decrypts dm-crypt's sectors differently"
+    );
 }
 
 /// The guest's kernel nvme-tcp host against nacre's own NVMe/TCP target (the nacre-dpu library,
@@ -263,8 +283,7 @@ fn dm_crypt_opens_xts_disk() {
 #[test]
 fn nvme_tcp_against_nacre_target() {
     use nacre_dpu::frontend::nvmf_tcp::{NvmfTarget, FIRMWARE_REVISION};
-    use nacre_dpu::volume::{ram::RamVolume, BlockDevice};
-    use std::sync::Arc;
+    use nacre_dpu::volume::ram::RamVolume;
 
     let Some(_bed) = prepare("nvme_tcp_against_nacre_target") else {
         return;
