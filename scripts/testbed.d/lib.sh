@@ -1,5 +1,6 @@
-# Guest library, sourced before every scenario (busybox ash). Scenarios run with `set -e`: the first
-# failing command ends the scenario with its status.
+# Guest library, sourced before every scenario (busybox ash: `local`, `read -t` and `echo -n` exist).
+# Scenarios run with `set -e`: the first failing command ends the scenario with its status.
+# shellcheck shell=sh disable=SC3043,SC3045,SC3037
 set -e
 ip() { /usr/sbin/ip "$@"; }
 modprobe() { /usr/sbin/modprobe "$@"; }

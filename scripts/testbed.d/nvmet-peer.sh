@@ -12,6 +12,7 @@ nvmet_port 1 tcp 0.0.0.0 4420 "$NQN"
 exec 3<>/dev/ttyS1 || fail "no /dev/ttyS1: run with --ctl"
 stty -F /dev/ttyS1 -echo -icrnl 2>/dev/null || true
 echo "TB-READY nvmet target $NQN on 4420"
+# shellcheck disable=SC3045  # busybox ash has read -t
 while read -r -t 600 cmd <&3; do
     cmd=$(echo "$cmd" | tr -d '\r')
     case $cmd in
