@@ -7,5 +7,7 @@
 //! * [`size`] — human-readable sizes (`1G`, `512M`, `4096`) as operators write them.
 
 pub mod api;
+pub mod nvme;
+pub mod nvme_tcp;
 pub mod rpc;
 pub mod size;

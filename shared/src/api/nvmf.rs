@@ -1,2 +1,108 @@
-//! `nvmf_*` methods: NVMe-oF subsystems, namespaces, listeners and hosts.
-//! (Filled in by the NVMe/TCP target work.)
+//! `nvmf_*` methods: NVMe-oF subsystems, namespaces, listeners and hosts (SPDK names:
+//! `nvmf_subsystem_create`, `nvmf_subsystem_add_ns`, `nvmf_subsystem_add_listener`, …).
+
+use serde::{Deserialize, Serialize};
+
+/// `nvmf_subsystem_create`
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NvmfSubsystemCreate {
+    pub nqn: String,
+    /// Serial number reported in Identify Controller (at most 20 ASCII characters).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serial: Option<String>,
+    /// Model number (at most 40 ASCII characters). Default "nacre".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Let any host NQN connect (otherwise only hosts added with `nvmf_subsystem_add_host`).
+    #[serde(default)]
+    pub allow_any_host: bool,
+}
+
+/// `nvmf_subsystem_delete`, `nvmf_get_subsystems` filter.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NvmfSubsystemName {
+    pub nqn: String,
+}
+
+/// `nvmf_subsystem_add_ns`
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NvmfSubsystemAddNs {
+    pub nqn: String,
+    /// Name of the volume to export.
+    pub volume: String,
+    /// Namespace ID; default the lowest free one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nsid: Option<u32>,
+}
+
+/// `nvmf_subsystem_remove_ns`
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NvmfSubsystemRemoveNs {
+    pub nqn: String,
+    pub nsid: u32,
+}
+
+/// `nvmf_subsystem_add_listener` / `nvmf_subsystem_remove_listener`
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NvmfListener {
+    pub nqn: String,
+    /// IPv4 or IPv6 address to listen on.
+    pub address: String,
+    /// TCP port (4420 is the IANA NVMe-oF port; 8009 the discovery port).
+    #[serde(default = "default_port")]
+    pub port: u16,
+}
+
+pub fn default_port() -> u16 {
+    4420
+}
+
+/// `nvmf_subsystem_add_host` / `nvmf_subsystem_remove_host`
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NvmfHost {
+    pub nqn: String,
+    pub host: String,
+}
+
+/// `nvmf_subsystem_allow_any_host`
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NvmfAllowAnyHost {
+    pub nqn: String,
+    pub allow_any_host: bool,
+}
+
+/// A namespace in `nvmf_get_subsystems`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NvmfNamespaceInfo {
+    pub nsid: u32,
+    /// The volume name.
+    pub name: String,
+    /// NGUID and UUID, as 32 hex digits.
+    pub nguid: String,
+    pub size: u64,
+    pub block_size: u32,
+}
+
+/// `nvmf_get_subsystems` element.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NvmfSubsystemInfo {
+    pub nqn: String,
+    /// "nvme" or "discovery".
+    pub subtype: String,
+    pub serial: String,
+    pub model: String,
+    pub allow_any_host: bool,
+    pub hosts: Vec<String>,
+    /// `address:port` strings.
+    pub listeners: Vec<String>,
+    pub namespaces: Vec<NvmfNamespaceInfo>,
+    /// Controllers currently connected.
+    pub controllers: u32,
+}
