@@ -2,3 +2,4 @@
 
 pub mod blkio_client;
 pub mod daemon;
+pub mod fabric_support;
