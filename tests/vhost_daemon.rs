@@ -70,7 +70,8 @@ fn embedded_default_survives_a_crash_of_nacred() {
     // No flush: an acknowledged write must survive a crash of the daemon.
     n.crash_restart();
     drop(c);
-    let mut c = BlkioClient::connect(&sock, &opts(4)).unwrap();
+    let mut c = BlkioClient::connect(&sock, &opts(4))
+        .unwrap_or_else(|e| panic!("reconnect: {e}\n{}", n.log_text()));
     verify(&mut c, &written);
     // And an orderly restart while a client is connected.
     let more = write_spread(&mut c, 2);

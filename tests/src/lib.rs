@@ -2,4 +2,7 @@
 
 pub mod blkio_client;
 pub mod daemon;
+pub mod testbed;
+pub mod xts_oracle;
+pub mod nvmf_host;
 pub mod fabric_support;

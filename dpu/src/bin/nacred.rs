@@ -80,11 +80,11 @@ fn main() -> anyhow::Result<()> {
         .rpc
         .clone()
         .unwrap_or_else(|| args.run_dir.join(config::RPC_SOCKET_NAME));
-    let server = RpcServer::start(daemon.clone(), &rpc_path)?;
-
     if !existed && !args.no_default {
         embedded_default(&daemon).context("cannot set up the embedded default")?;
     }
+    // Last: a client that reaches the RPC socket finds every device already serving.
+    let server = RpcServer::start(daemon.clone(), &rpc_path)?;
     print_attach_hints(&daemon);
     info!(rpc = %rpc_path.display(), state_dir = %args.state_dir.display(), "nacred ready");
     eprintln!("nacred: ready; RPC on {}", rpc_path.display());

@@ -67,7 +67,10 @@ mod test {
         };
         let mut b = [0u8; 16];
         c.encode(&mut b);
-        assert_eq!(b, [4, 3, 2, 1, 5, 0, 0, 0, 6, 0, 7, 0, 0xCD, 0xAB, 0x02, 0x80]);
+        assert_eq!(
+            b,
+            [4, 3, 2, 1, 5, 0, 0, 0, 6, 0, 7, 0, 0xCD, 0xAB, 0x02, 0x80]
+        );
         assert_eq!(Completion::decode(&b), c);
         assert_eq!(c.status(), Status::INVALID_OPCODE);
     }

@@ -211,7 +211,10 @@ mod test {
         assert_eq!(&b[44..48], &[0x14, 0, 0, 0]);
         assert_eq!(&b[48..52], &[1, 0, 0x46, 0]);
         let p = Property::from_command(&c);
-        assert_eq!((p.offset, p.value, p.eight_bytes), (0x14, 0x0046_0001, false));
+        assert_eq!(
+            (p.offset, p.value, p.eight_bytes),
+            (0x14, 0x0046_0001, false)
+        );
         let g = Property::get_command(2, 0, true);
         assert_eq!(g.to_bytes()[4], 0x04);
         assert!(Property::from_command(&g).eight_bytes);

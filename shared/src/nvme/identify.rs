@@ -3,8 +3,7 @@
 //! Every Identify data structure is 4096 bytes.
 
 use super::{
-    get_str, get_u16, get_u32, get_u64, put_ascii_padded, put_str_nul, put_u16, put_u32,
-    put_u64,
+    get_str, get_u16, get_u32, get_u64, put_ascii_padded, put_str_nul, put_u16, put_u32, put_u64,
 };
 
 pub const IDENTIFY_LEN: usize = 4096;

@@ -202,7 +202,10 @@ mod test {
         let many: Vec<u32> = (1..=1025).collect();
         let b = encode_changed_ns_list(&many);
         assert_eq!(&b[0..8], &[0xFF, 0xFF, 0xFF, 0xFF, 0, 0, 0, 0]);
-        assert_eq!(aen::dw0(aen::TYPE_NOTICE, 0, lid::CHANGED_NS_LIST), 0x0004_0002);
+        assert_eq!(
+            aen::dw0(aen::TYPE_NOTICE, 0, lid::CHANGED_NS_LIST),
+            0x0004_0002
+        );
         assert_eq!(aen::parse(0x0004_0002), (2, 0, 4));
     }
 }

@@ -109,7 +109,10 @@ mod test {
         // Invalid Field in Command with DNR: SC 0x02 << 1 | DNR bit 15.
         assert_eq!(Status::INVALID_FIELD.to_field(), 0x8004);
         // Connect Invalid Host: SCT 1 (bits 11:9), SC 0x84.
-        assert_eq!(Status::CONNECT_INVALID_HOST.to_field(), 0x8000 | 0x200 | 0x108);
+        assert_eq!(
+            Status::CONNECT_INVALID_HOST.to_field(),
+            0x8000 | 0x200 | 0x108
+        );
         assert_eq!(Status::SUCCESS.to_field(), 0);
         for s in [
             Status::LBA_OUT_OF_RANGE,

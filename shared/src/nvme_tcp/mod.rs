@@ -495,10 +495,7 @@ mod test {
         );
         let c = CommonHeader::decode(&v);
         assert_eq!(c.pdu_type, 7);
-        assert_eq!(
-            c.flags,
-            flags::HDGSTF | flags::LAST_PDU | flags::SUCCESS
-        );
+        assert_eq!(c.flags, flags::HDGSTF | flags::LAST_PDU | flags::SUCCESS);
         assert_eq!(c.pdo, 32);
         assert_eq!(c.plen, 36);
         let d = DataHeader::decode(&v);

@@ -1,0 +1,214 @@
+//! Plaintext key material: the per-volume XTS data key and the tenant key-encryption key.
+//!
+//! Both live on the heap in a fixed place (a `Box`), so moving the owner never leaves a copy
+//! of the bytes behind on the stack, and both are overwritten with zeros when dropped. Neither
+//! type implements `Clone`, `Display` or `Serialize`, and `Debug` prints only the length: a
+//! plaintext key cannot reach a log line, an error message or the state directory by accident.
+
+use std::fmt;
+
+use zeroize::Zeroize;
+
+use super::CryptoError;
+
+/// Length of an AES-256-XTS key: two AES-256 keys (IEEE 1619 §5.1, Key1 ‖ Key2).
+pub const XTS_256_KEY_LEN: usize = 64;
+/// Length of an AES-128-XTS key: two AES-128 keys.
+pub const XTS_128_KEY_LEN: usize = 32;
+/// Length of a key-encryption key: one AES-256-GCM key.
+pub const KEK_LEN: usize = 32;
+
+/// An XTS data key: Key1 (data) ‖ Key2 (tweak), 32 or 64 bytes, halves distinct.
+///
+/// The halves must differ (FIPS 140 IG A.9; aws-lc and OpenSSL 3 refuse such a key with
+/// "xts duplicated keys"); every constructor checks it, so no engine ever sees such a key.
+pub struct XtsKey {
+    bytes: Box<[u8; XTS_256_KEY_LEN]>,
+    len: usize,
+}
+
+impl XtsKey {
+    /// Take a key from bytes: 64 bytes for AES-256-XTS, 32 for AES-128-XTS.
+    pub fn from_bytes(key: &[u8]) -> Result<Self, CryptoError> {
+        if key.len() != XTS_256_KEY_LEN && key.len() != XTS_128_KEY_LEN {
+            return Err(CryptoError::BadKeyLength {
+                what: "XTS data key",
+                expected: "64 (AES-256-XTS) or 32 (AES-128-XTS)",
+                got: key.len(),
+            });
+        }
+        let half = key.len() / 2;
+        if ct_eq(&key[..half], &key[half..]) {
+            return Err(CryptoError::EqualKeyHalves);
+        }
+        let mut bytes = Box::new([0u8; XTS_256_KEY_LEN]);
+        bytes[..key.len()].copy_from_slice(key);
+        Ok(XtsKey {
+            bytes,
+            len: key.len(),
+        })
+    }
+
+    /// A fresh random key of `len` bytes (64 or 32) from the operating system's CSPRNG.
+    pub fn generate(len: usize) -> Result<Self, CryptoError> {
+        if len != XTS_256_KEY_LEN && len != XTS_128_KEY_LEN {
+            return Err(CryptoError::BadKeyLength {
+                what: "XTS data key",
+                expected: "64 (AES-256-XTS) or 32 (AES-128-XTS)",
+                got: len,
+            });
+        }
+        let mut bytes = Box::new([0u8; XTS_256_KEY_LEN]);
+        loop {
+            getrandom::fill(&mut bytes[..len]).map_err(|e| CryptoError::Random(e.to_string()))?;
+            let half = len / 2;
+            // Equal halves from a CSPRNG are a 2^-128 event, but the invariant is absolute.
+            if !ct_eq(&bytes[..half], &bytes[half..len]) {
+                return Ok(XtsKey { bytes, len });
+            }
+        }
+    }
+
+    /// Key1 ‖ Key2. Only engines and the wrapping code read this.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len]
+    }
+
+    /// 64 or 32.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Key1, the data-encryption half.
+    pub fn key1(&self) -> &[u8] {
+        &self.bytes[..self.len / 2]
+    }
+
+    /// Key2, the tweak-encryption half.
+    pub fn key2(&self) -> &[u8] {
+        &self.bytes[self.len / 2..self.len]
+    }
+}
+
+impl Drop for XtsKey {
+    fn drop(&mut self) {
+        self.bytes.zeroize();
+    }
+}
+
+impl fmt::Debug for XtsKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "XtsKey({} bytes, redacted)", self.len)
+    }
+}
+
+/// A tenant key-encryption key: one AES-256-GCM key that wraps the tenant's data keys.
+pub struct Kek {
+    bytes: Box<[u8; KEK_LEN]>,
+}
+
+impl Kek {
+    pub fn from_bytes(key: &[u8]) -> Result<Self, CryptoError> {
+        if key.len() != KEK_LEN {
+            return Err(CryptoError::BadKeyLength {
+                what: "key-encryption key",
+                expected: "32",
+                got: key.len(),
+            });
+        }
+        let mut bytes = Box::new([0u8; KEK_LEN]);
+        bytes.copy_from_slice(key);
+        Ok(Kek { bytes })
+    }
+
+    /// Fill a KEK in place (for derivations that write their output directly).
+    pub(crate) fn with_filler(
+        fill: impl FnOnce(&mut [u8; KEK_LEN]) -> Result<(), CryptoError>,
+    ) -> Result<Self, CryptoError> {
+        let mut bytes = Box::new([0u8; KEK_LEN]);
+        fill(&mut bytes)?;
+        Ok(Kek { bytes })
+    }
+
+    pub fn generate() -> Result<Self, CryptoError> {
+        Self::with_filler(|b| getrandom::fill(b).map_err(|e| CryptoError::Random(e.to_string())))
+    }
+
+    pub fn as_bytes(&self) -> &[u8; KEK_LEN] {
+        &self.bytes
+    }
+}
+
+impl Drop for Kek {
+    fn drop(&mut self) {
+        self.bytes.zeroize();
+    }
+}
+
+impl fmt::Debug for Kek {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Kek(redacted)")
+    }
+}
+
+/// Compare without an early exit, so the time taken does not say where keys first differ.
+pub(crate) fn ct_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    #[test]
+    fn equal_halves_are_refused_for_both_sizes() {
+        let k = [7u8; 64];
+        assert!(matches!(
+            XtsKey::from_bytes(&k),
+            Err(CryptoError::EqualKeyHalves)
+        ));
+        assert!(matches!(
+            XtsKey::from_bytes(&k[..32]),
+            Err(CryptoError::EqualKeyHalves)
+        ));
+        let msg = XtsKey::from_bytes(&k).unwrap_err().to_string();
+        assert!(msg.contains("halves must differ"), "{msg}");
+    }
+
+    #[test]
+    fn wrong_lengths_are_refused() {
+        for len in [0, 16, 48, 65] {
+            let k: Vec<u8> = (0..len as u8).collect();
+            assert!(matches!(
+                XtsKey::from_bytes(&k),
+                Err(CryptoError::BadKeyLength { got, .. }) if got == len
+            ));
+        }
+        assert!(Kek::from_bytes(&[1u8; 31]).is_err());
+    }
+
+    #[test]
+    fn generated_keys_have_distinct_halves_and_differ() {
+        let a = XtsKey::generate(64).unwrap();
+        let b = XtsKey::generate(64).unwrap();
+        assert_ne!(a.key1(), a.key2());
+        assert_ne!(a.as_bytes(), b.as_bytes());
+        assert_eq!(XtsKey::generate(32).unwrap().len(), 32);
+    }
+
+    #[test]
+    fn debug_output_never_shows_key_bytes() {
+        let bytes: Vec<u8> = (0x40..0x80).collect();
+        let k = XtsKey::from_bytes(&bytes).unwrap();
+        let kek = Kek::from_bytes(&bytes[..32]).unwrap();
+        for s in [format!("{k:?}"), format!("{kek:?}")] {
+            assert!(s.contains("redacted"));
+            assert!(!s.contains("64, 65"), "{s}");
+            assert!(!s.to_lowercase().contains("404142"), "{s}");
+        }
+    }
+}

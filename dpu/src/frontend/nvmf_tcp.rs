@@ -1,1 +1,0 @@
-//! NVMe-oF/TCP target. (In progress.)

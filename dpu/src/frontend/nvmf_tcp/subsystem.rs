@@ -1,0 +1,266 @@
+//! NVM subsystems and namespaces (NVMe Base 2.0 §2.4, §3.2), and the discovery subsystem
+//! with its log page (NVMe-oF 1.1 §5).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use nacre_shared::api::nvmf::{NvmfNamespaceInfo, NvmfSubsystemInfo};
+use nacre_shared::nvme::discovery::{self, DiscoveryEntry};
+use nacre_shared::nvme::DISCOVERY_NQN;
+
+use super::ctrl::Controller;
+use super::{limits, lock, NvmfError, TargetInner, DEFAULT_MODEL};
+use crate::volume::BlockDevice;
+
+/// A namespace: a volume exported under an NSID.
+pub struct Namespace {
+    pub nsid: u32,
+    pub name: String,
+    pub volume: Arc<dyn BlockDevice>,
+    /// Reported as NGUID and UUID: the same namespace seen through several paths or
+    /// controllers must carry the same identifiers.
+    pub nguid: [u8; 16],
+    /// Logical block size (the LBA format), fixed for the namespace's life.
+    pub block_size: u32,
+}
+
+impl Namespace {
+    pub fn blocks(&self) -> u64 {
+        self.volume.geometry().size / self.block_size as u64
+    }
+}
+
+pub(crate) struct SubState {
+    pub(crate) allow_any_host: bool,
+    pub(crate) hosts: BTreeSet<String>,
+    pub(crate) listeners: BTreeSet<SocketAddr>,
+}
+
+/// An NVM subsystem (or the discovery subsystem).
+pub struct Subsystem {
+    nqn: String,
+    pub(crate) discovery: bool,
+    pub(crate) serial: String,
+    pub(crate) model: String,
+    pub(crate) state: Mutex<SubState>,
+    namespaces: RwLock<BTreeMap<u32, Arc<Namespace>>>,
+    /// Bumped on every namespace change, so queues refresh their cached namespace table.
+    pub(crate) ns_gen: AtomicU64,
+    controllers: Mutex<BTreeMap<u16, Arc<Controller>>>,
+}
+
+impl Subsystem {
+    pub(crate) fn new(nqn: &str, serial: &str, model: &str, allow_any_host: bool) -> Arc<Self> {
+        Arc::new(Subsystem {
+            nqn: nqn.to_string(),
+            discovery: false,
+            serial: serial.to_string(),
+            model: if model.is_empty() {
+                DEFAULT_MODEL.to_string()
+            } else {
+                model.to_string()
+            },
+            state: Mutex::new(SubState {
+                allow_any_host,
+                hosts: BTreeSet::new(),
+                listeners: BTreeSet::new(),
+            }),
+            namespaces: RwLock::new(BTreeMap::new()),
+            ns_gen: AtomicU64::new(1),
+            controllers: Mutex::new(BTreeMap::new()),
+        })
+    }
+
+    pub(crate) fn new_discovery() -> Arc<Self> {
+        let mut s = Subsystem::new(DISCOVERY_NQN, "", DEFAULT_MODEL, true);
+        Arc::get_mut(&mut s).expect("fresh Arc").discovery = true;
+        s
+    }
+
+    pub fn nqn(&self) -> &str {
+        &self.nqn
+    }
+
+    pub(crate) fn host_allowed(&self, hostnqn: &str) -> bool {
+        let st = lock(&self.state);
+        st.allow_any_host || st.hosts.contains(hostnqn)
+    }
+
+    pub(crate) fn reachable_on(&self, listener: &SocketAddr) -> bool {
+        self.discovery || lock(&self.state).listeners.contains(listener)
+    }
+
+    pub(crate) fn namespace_table(&self) -> BTreeMap<u32, Arc<Namespace>> {
+        self.namespaces
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub(crate) fn namespace(&self, nsid: u32) -> Option<Arc<Namespace>> {
+        self.namespaces
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&nsid)
+            .cloned()
+    }
+
+    pub(crate) fn add_namespace(
+        &self,
+        nsid: Option<u32>,
+        volume: Arc<dyn BlockDevice>,
+        nguid: [u8; 16],
+        name: String,
+    ) -> Result<u32, NvmfError> {
+        let id = {
+            let mut ns = self.namespaces.write().unwrap_or_else(|p| p.into_inner());
+            let id = match nsid {
+                Some(id) if id == 0 || id > limits::MAX_NSID => {
+                    return Err(NvmfError::InvalidNsid(id))
+                }
+                Some(id) if ns.contains_key(&id) => {
+                    return Err(NvmfError::NsidInUse {
+                        nqn: self.nqn.clone(),
+                        nsid: id,
+                    })
+                }
+                Some(id) => id,
+                None => (1..=limits::MAX_NSID)
+                    .find(|id| !ns.contains_key(id))
+                    .ok_or_else(|| NvmfError::NamespacesFull(self.nqn.clone()))?,
+            };
+            let block_size = volume.geometry().block_size;
+            ns.insert(
+                id,
+                Arc::new(Namespace {
+                    nsid: id,
+                    name,
+                    volume,
+                    nguid,
+                    block_size,
+                }),
+            );
+            id
+        };
+        self.ns_gen.fetch_add(1, Ordering::Release);
+        self.notify_ns_changed(id);
+        Ok(id)
+    }
+
+    pub(crate) fn remove_namespace(&self, nsid: u32) -> Result<(), NvmfError> {
+        let removed = self
+            .namespaces
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&nsid);
+        if removed.is_none() {
+            return Err(NvmfError::NoSuchNamespace {
+                nqn: self.nqn.clone(),
+                nsid,
+            });
+        }
+        self.ns_gen.fetch_add(1, Ordering::Release);
+        self.notify_ns_changed(nsid);
+        Ok(())
+    }
+
+    fn notify_ns_changed(&self, nsid: u32) {
+        for c in self.controllers() {
+            c.namespace_changed(nsid);
+        }
+    }
+
+    pub(crate) fn controllers(&self) -> Vec<Arc<Controller>> {
+        lock(&self.controllers).values().cloned().collect()
+    }
+
+    pub(crate) fn controller(&self, cntlid: u16) -> Option<Arc<Controller>> {
+        lock(&self.controllers).get(&cntlid).cloned()
+    }
+
+    pub(crate) fn insert_controller(&self, c: Arc<Controller>) {
+        lock(&self.controllers).insert(c.cntlid, c);
+    }
+
+    pub(crate) fn remove_controller(&self, cntlid: u16) {
+        lock(&self.controllers).remove(&cntlid);
+    }
+
+    /// Close every controller's queues (subsystem deletion, target shutdown).
+    pub(crate) fn teardown_all(&self) {
+        let cs: Vec<Arc<Controller>> = std::mem::take(&mut *lock(&self.controllers))
+            .into_values()
+            .collect();
+        for c in cs {
+            c.teardown();
+        }
+    }
+
+    pub(crate) fn info(&self) -> NvmfSubsystemInfo {
+        let st = lock(&self.state);
+        NvmfSubsystemInfo {
+            nqn: self.nqn.clone(),
+            subtype: if self.discovery { "discovery" } else { "nvme" }.into(),
+            serial: self.serial.clone(),
+            model: self.model.clone(),
+            allow_any_host: st.allow_any_host,
+            hosts: st.hosts.iter().cloned().collect(),
+            listeners: st.listeners.iter().map(|a| a.to_string()).collect(),
+            namespaces: self
+                .namespace_table()
+                .values()
+                .map(|n| {
+                    let g = n.volume.geometry();
+                    NvmfNamespaceInfo {
+                        nsid: n.nsid,
+                        name: n.name.clone(),
+                        nguid: n.nguid.iter().map(|b| format!("{b:02x}")).collect(),
+                        size: g.size,
+                        block_size: n.block_size,
+                    }
+                })
+                .collect(),
+            controllers: lock(&self.controllers).len() as u32,
+        }
+    }
+}
+
+/// The discovery log page for `hostnqn` (NVMe-oF 1.1 §5.3): one entry per (subsystem the
+/// host may connect to, listener of that subsystem). A listener bound to the unspecified
+/// address is reported with the address the host reached us on.
+pub(crate) fn discovery_log(t: &TargetInner, hostnqn: &str, local: IpAddr) -> Vec<u8> {
+    let mut entries = Vec::new();
+    for s in t.all_subsystems() {
+        if !s.host_allowed(hostnqn) {
+            continue;
+        }
+        let listeners: Vec<SocketAddr> = lock(&s.state).listeners.iter().copied().collect();
+        for l in listeners {
+            let ip = if l.ip().is_unspecified() {
+                local
+            } else {
+                l.ip()
+            };
+            entries.push(DiscoveryEntry {
+                trtype: discovery::TRTYPE_TCP,
+                adrfam: if ip.is_ipv4() {
+                    discovery::ADRFAM_IPV4
+                } else {
+                    discovery::ADRFAM_IPV6
+                },
+                subtype: discovery::SUBTYPE_NVME,
+                treq: discovery::TREQ_SECURE_CHANNEL_NOT_REQUIRED,
+                portid: t.portid(&l),
+                cntlid: nacre_shared::nvme::fabrics::CNTLID_DYNAMIC,
+                asqsz: 32,
+                trsvcid: l.port().to_string(),
+                subnqn: s.nqn().to_string(),
+                traddr: ip.to_string(),
+                sectype: 0,
+            });
+        }
+    }
+    discovery::encode_log(t.genctr.load(Ordering::Relaxed), &entries)
+}

@@ -1,0 +1,409 @@
+//! The encrypting volume as a specification of behaviour:
+//! ciphertext at rest checked by an independent oracle (pyca/cryptography decrypting the
+//! backing file with the exported data key), transparency for reads and writes of any
+//! segment layout, asynchronous devices below, zeroing, and refusal of bad input.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nacre_dpu::crypto::kek::KeyFileKek;
+use nacre_dpu::crypto::tenant::{TenantRecord, UnlockedKek};
+use nacre_dpu::crypto::volume::EncryptedVolume;
+use nacre_dpu::crypto::xts::EngineKind;
+use nacre_dpu::crypto::{CipherKind, CryptoError, EncryptionPolicy, TweakMode, XtsKey};
+use nacre_dpu::volume::file::FileVolume;
+use nacre_dpu::volume::ram::RamVolume;
+use nacre_dpu::volume::{
+    BlockDevice, Completion, Geometry, IoError, IoKind, IoRequest, IoResult, Segment,
+};
+use nacre_tests::xts_oracle::{python_cryptography_available, python_decrypt_file};
+
+const VOL_SIZE: u64 = 4 << 20;
+
+fn require_oracle() {
+    assert!(
+        python_cryptography_available(),
+        "the XTS oracle needs python3 with the cryptography package: apt-get install python3-cryptography (or pip install cryptography)"
+    );
+}
+
+/// Deterministic, unit-distinct test data.
+fn pattern(len: usize, seed: u32) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            x as u8
+        })
+        .collect()
+}
+
+fn key_file(dir: &Path) -> KeyFileKek {
+    let p = dir.join("tenant.kek");
+    let mut b = [0u8; 32];
+    for (i, v) in b.iter_mut().enumerate() {
+        *v = pattern(32, 77)[i];
+    }
+    std::fs::write(&p, b).unwrap();
+    KeyFileKek::new(p)
+}
+
+/// Tenant with one encrypted volume over a file; returns what a control plane would hold.
+struct Setup {
+    _dir: tempfile::TempDir,
+    dir: std::path::PathBuf,
+    file: std::path::PathBuf,
+    tenant: TenantRecord,
+    kek: UnlockedKek,
+    vol: EncryptedVolume,
+}
+
+fn setup(block_size: u32, data_unit: u32, tweak: TweakMode) -> Setup {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
+    let policy = EncryptionPolicy {
+        cipher: CipherKind::AesXts256,
+        data_unit,
+        tweak,
+        require_encryption: true,
+    };
+    let (tenant, kek) = TenantRecord::create("acme", policy, &key_file(&dir)).unwrap();
+    let (tenant, key) = tenant.add_volume("vol0", block_size, &kek).unwrap();
+    let file = dir.join("vol0.img");
+    let inner: Arc<dyn BlockDevice> =
+        Arc::new(FileVolume::open(&file, VOL_SIZE, block_size, false).unwrap());
+    let vol = EncryptedVolume::new(inner, &key, tenant.volumes["vol0"].policy).unwrap();
+    assert_eq!(vol.engine_name(), "aws-lc");
+    Setup {
+        _dir: tmp,
+        dir,
+        file,
+        tenant,
+        kek,
+        vol,
+    }
+}
+
+/// Write `data` at `offset` split into segments of the given sizes (the last takes the rest).
+fn write_split(dev: &dyn BlockDevice, offset: u64, data: &[u8], sizes: &[usize]) -> IoResult {
+    let mut bufs: Vec<Vec<u8>> = Vec::new();
+    let mut rest = data;
+    for &s in sizes {
+        let s = s.min(rest.len());
+        bufs.push(rest[..s].to_vec());
+        rest = &rest[s..];
+    }
+    if !rest.is_empty() {
+        bufs.push(rest.to_vec());
+    }
+    let segs: Vec<Segment> = bufs.iter_mut().map(|b| Segment::from_slice(b)).collect();
+    let r = dev.submit_wait(
+        IoRequest::new(IoKind::Write, offset, data.len() as u64, 1).with_segments(segs),
+    );
+    // Writes never touch the submitter's memory (it is guest memory).
+    let joined: Vec<u8> = bufs.concat();
+    assert_eq!(joined, data, "the write modified its source buffers");
+    r
+}
+
+fn read_split(dev: &dyn BlockDevice, offset: u64, len: usize, sizes: &[usize]) -> Vec<u8> {
+    let mut bufs: Vec<Vec<u8>> = Vec::new();
+    let mut left = len;
+    for &s in sizes {
+        let s = s.min(left);
+        bufs.push(vec![0xee; s]);
+        left -= s;
+    }
+    if left > 0 {
+        bufs.push(vec![0xee; left]);
+    }
+    let segs: Vec<Segment> = bufs.iter_mut().map(|b| Segment::from_slice(b)).collect();
+    dev.submit_wait(IoRequest::new(IoKind::Read, offset, len as u64, 2).with_segments(segs))
+        .unwrap();
+    bufs.concat()
+}
+
+fn export(s: &Setup) -> Vec<u8> {
+    let path = s.dir.join("vol0.key");
+    s.tenant.export_key("vol0", &s.kek, &path, true).unwrap();
+    std::fs::read(path).unwrap()
+}
+
+/// Write through the wrapper, decrypt the backing file with pyca/cryptography, compare.
+fn oracle_round(block_size: u32, data_unit: u32, tweak: TweakMode) {
+    require_oracle();
+    let s = setup(block_size, data_unit, tweak);
+    let bs = block_size as usize;
+    // Several writes: aligned single segment, segments that split data units, a write at
+    // the very end of the volume.
+    let writes: Vec<(u64, Vec<u8>, Vec<usize>)> = vec![
+        (0, pattern(64 * 1024, 1), vec![]),
+        (
+            (16 * bs) as u64 + 128 * 1024,
+            pattern(8 * bs, 2),
+            vec![bs / 2 + 16, 3 * bs, 100],
+        ),
+        (VOL_SIZE - 2 * bs as u64, pattern(2 * bs, 3), vec![1]),
+    ];
+    for (off, data, sizes) in &writes {
+        write_split(&s.vol, *off, data, sizes).unwrap();
+    }
+    s.vol
+        .submit_wait(IoRequest::new(IoKind::Flush, 0, 0, 9))
+        .unwrap();
+    let key = export(&s);
+    assert_eq!(key.len(), 64);
+    let unit = data_unit as usize;
+    for (off, data, _) in &writes {
+        let raw = {
+            let f = std::fs::read(&s.file).unwrap();
+            f[*off as usize..*off as usize + data.len()].to_vec()
+        };
+        for (i, (c, p)) in raw.chunks(unit).zip(data.chunks(unit)).enumerate() {
+            assert_ne!(c, p, "data unit {i} at {off} is stored in plaintext");
+        }
+        let mode = match tweak {
+            TweakMode::Plain64 => "plain64",
+            TweakMode::Be64 => "be64",
+        };
+        let pt = python_decrypt_file(
+            &s.file,
+            &key,
+            unit,
+            mode,
+            *off,
+            data.len(),
+            *off / unit as u64,
+        )
+        .unwrap();
+        assert!(
+            pt == *data,
+            "oracle disagrees at offset {off} ({mode}, unit {unit})"
+        );
+        // And the wrapper reads back the plaintext, with segments that split units too.
+        assert!(read_split(&s.vol, *off, data.len(), &[bs / 2 + 16, 7 * 16]) == *data);
+    }
+}
+
+#[test]
+fn oracle_decrypts_plain64_4096_units() {
+    oracle_round(4096, 4096, TweakMode::Plain64);
+}
+
+#[test]
+fn oracle_decrypts_plain64_512_units() {
+    oracle_round(512, 512, TweakMode::Plain64);
+}
+
+#[test]
+fn oracle_decrypts_be64_4096_units() {
+    oracle_round(4096, 4096, TweakMode::Be64);
+}
+
+#[test]
+fn oracle_decrypts_512_units_on_4096_blocks() {
+    oracle_round(4096, 512, TweakMode::Plain64);
+}
+
+#[test]
+fn every_engine_writes_identical_ciphertext() {
+    let key = XtsKey::generate(64).unwrap();
+    let policy = EncryptionPolicy::default();
+    let data = pattern(256 * 1024, 5);
+    let mut images = Vec::new();
+    for kind in EngineKind::all() {
+        let ram: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(1 << 20, 4096).unwrap());
+        let vol = EncryptedVolume::with_engine(ram.clone(), &key, policy, *kind).unwrap();
+        write_split(&vol, 4096 * 3, &data, &[5000, 4096 * 3]).unwrap();
+        let mut raw = vec![0u8; data.len()];
+        ram.read_at(4096 * 3, &mut raw).unwrap();
+        images.push((kind.name(), raw));
+    }
+    for (name, img) in &images[1..] {
+        assert!(*img == images[0].1, "{name} differs from {}", images[0].0);
+    }
+}
+
+/// A device below that completes every request later, on another thread, holding the
+/// segments meanwhile: as a remote fabric backend does.
+struct LateDevice {
+    inner: Arc<dyn BlockDevice>,
+    pending: Mutex<Vec<std::thread::JoinHandle<()>>>,
+}
+
+impl BlockDevice for LateDevice {
+    fn geometry(&self) -> Geometry {
+        self.inner.geometry()
+    }
+
+    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+        let inner = self.inner.clone();
+        let done = done.clone();
+        let h = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            inner.submit(req, &done);
+        });
+        self.pending.lock().unwrap().push(h);
+    }
+}
+
+#[test]
+fn asynchronous_device_below_keeps_bounce_buffers_alive() {
+    let ram: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(1 << 20, 4096).unwrap());
+    let late: Arc<dyn BlockDevice> = Arc::new(LateDevice {
+        inner: ram.clone(),
+        pending: Mutex::new(Vec::new()),
+    });
+    let key = XtsKey::generate(64).unwrap();
+    let vol = EncryptedVolume::new(late, &key, EncryptionPolicy::default()).unwrap();
+    let data = pattern(64 * 1024, 9);
+    // Submit several writes without waiting, then let the source buffers go out of scope:
+    // what reaches the device must be the bounce buffers' ciphertext.
+    let waiters: Vec<_> = (0..4u64)
+        .map(|i| {
+            let w = Arc::new(nacre_dpu::volume::Waiter::default());
+            let c: Arc<dyn Completion> = w.clone();
+            let mut src = data.clone();
+            vol.submit(
+                IoRequest::new(IoKind::Write, i * 65536, 65536, i)
+                    .with_segments([Segment::from_slice(&mut src)]),
+                &c,
+            );
+            drop(src); // allowed for the purpose of this test: writes only read before submit returns
+            w
+        })
+        .collect();
+    for w in waiters {
+        w.wait().unwrap();
+    }
+    for i in 0..4u64 {
+        let mut raw = vec![0u8; 65536];
+        ram.read_at(i * 65536, &mut raw).unwrap();
+        assert!(raw != data, "plaintext reached the device");
+        let back = read_split(&vol, i * 65536, 65536, &[]);
+        assert!(
+            back == data,
+            "round trip through a late device failed at {i}"
+        );
+    }
+}
+
+#[test]
+fn write_zeroes_reads_back_zeros_and_discard_passes_through() {
+    let ram: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(8 << 20, 4096).unwrap());
+    let key = XtsKey::generate(64).unwrap();
+    let vol = EncryptedVolume::new(ram.clone(), &key, EncryptionPolicy::default()).unwrap();
+    vol.write_at(0, &pattern(8 << 20, 4)).unwrap();
+    // Small range (one encrypted write) and a range above the 1 MiB chunk.
+    for (off, len) in [(4096u64, 8192u64), (1 << 20, (3 << 20) + 4096)] {
+        vol.submit_wait(IoRequest::new(IoKind::WriteZeroes, off, len, 3))
+            .unwrap();
+        let back = read_split(&vol, off, len as usize, &[]);
+        assert!(
+            back.iter().all(|&b| b == 0),
+            "zeroed range at {off} is not zero"
+        );
+        let mut raw = vec![0u8; len as usize];
+        ram.read_at(off, &mut raw).unwrap();
+        assert!(
+            raw.iter().any(|&b| b != 0),
+            "zeros must be stored encrypted"
+        );
+    }
+    // Neighbours untouched.
+    assert_eq!(read_split(&vol, 0, 4096, &[]), pattern(8 << 20, 4)[..4096]);
+    // Discard reaches the device: the RAM backend returns zeros there, which decrypt to
+    // garbage (documented: discarded contents are undefined).
+    vol.submit_wait(IoRequest::new(IoKind::Discard, 6 << 20, 4096, 4))
+        .unwrap();
+    let mut raw = vec![1u8; 4096];
+    ram.read_at(6 << 20, &mut raw).unwrap();
+    assert!(raw.iter().all(|&b| b == 0));
+    let back = read_split(&vol, 6 << 20, 4096, &[]);
+    assert!(back.iter().any(|&b| b != 0));
+}
+
+#[test]
+fn policy_the_volume_cannot_satisfy_is_refused_before_any_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("img");
+    let inner: Arc<dyn BlockDevice> =
+        Arc::new(FileVolume::open(&file, 1 << 20, 512, false).unwrap());
+    let key = XtsKey::generate(64).unwrap();
+    let e = EncryptedVolume::new(inner.clone(), &key, EncryptionPolicy::default())
+        .err()
+        .expect("4096-byte units on 512-byte blocks must be refused");
+    assert!(matches!(e, CryptoError::Policy(_)), "{e}");
+    // A 32-byte key under an aes-xts-256 policy is refused too.
+    let short = XtsKey::generate(32).unwrap();
+    let p512 = EncryptionPolicy {
+        data_unit: 512,
+        ..Default::default()
+    };
+    assert!(EncryptedVolume::new(inner.clone(), &short, p512).is_err());
+    assert!(std::fs::read(&file).unwrap().iter().all(|&b| b == 0));
+}
+
+#[test]
+fn bad_requests_fail_cleanly_and_write_nothing() {
+    let ram: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(1 << 20, 4096).unwrap());
+    let key = XtsKey::generate(64).unwrap();
+    let vol = EncryptedVolume::new(ram.clone(), &key, EncryptionPolicy::default()).unwrap();
+    let mut buf = vec![7u8; 8192];
+    // Segments shorter than the length, misaligned offset, past the end.
+    let short =
+        IoRequest::new(IoKind::Write, 0, 16384, 1).with_segments([Segment::from_slice(&mut buf)]);
+    assert!(matches!(vol.submit_wait(short), Err(IoError::Invalid(_))));
+    let mis =
+        IoRequest::new(IoKind::Write, 512, 8192, 1).with_segments([Segment::from_slice(&mut buf)]);
+    assert!(matches!(vol.submit_wait(mis), Err(IoError::Invalid(_))));
+    let past = IoRequest::new(IoKind::Write, 1 << 20, 8192, 1)
+        .with_segments([Segment::from_slice(&mut buf)]);
+    assert!(matches!(
+        vol.submit_wait(past),
+        Err(IoError::OutOfRange { .. })
+    ));
+    let mut raw = vec![1u8; 1 << 20];
+    ram.read_at(0, &mut raw).unwrap();
+    assert!(raw.iter().all(|&b| b == 0), "a refused request wrote");
+}
+
+#[test]
+fn wrong_kek_or_tampered_key_opens_nothing_and_crypto_erase_is_final() {
+    let s = setup(4096, 4096, TweakMode::Plain64);
+    let data = pattern(32 * 1024, 11);
+    s.vol.write_at(0, &data).unwrap();
+    let before = std::fs::read(&s.file).unwrap();
+    // Wrong KEK.
+    let other = s.dir.join("other.kek");
+    std::fs::write(&other, [3u8; 32]).unwrap();
+    assert!(matches!(
+        s.tenant.unlock(&KeyFileKek::new(&other)),
+        Err(CryptoError::WrongKek { .. })
+    ));
+    // Tampered wrapped key (GCM tag).
+    let mut bad = s.tenant.clone();
+    let w = &mut bad.volumes.get_mut("vol0").unwrap().wrapped[0].wrapped.0;
+    let n = w.len();
+    w[n - 3] ^= 0x10;
+    assert!(matches!(
+        bad.open_volume("vol0", &s.kek),
+        Err(CryptoError::Tampered { .. })
+    ));
+    // Crypto-erase: afterwards no record holds any copy of the key, opening fails, the
+    // ciphertext stays where it was and still is not the plaintext.
+    let erased = s.tenant.crypto_erase("vol0").unwrap();
+    let json = serde_json::to_string(&erased).unwrap();
+    assert!(erased.volumes["vol0"].wrapped.is_empty());
+    assert!(erased.open_volume("vol0", &s.kek).is_err());
+    assert!(erased
+        .export_key("vol0", &s.kek, &s.dir.join("x.key"), true)
+        .is_err());
+    assert!(!s.dir.join("x.key").exists());
+    assert!(!json.is_empty());
+    assert_eq!(std::fs::read(&s.file).unwrap(), before);
+    assert!(before[..data.len()] != data[..]);
+}

@@ -1,0 +1,476 @@
+//! The NVMe-oF/TCP target driven by the user-space host in `nacre_tests::nvmf_host` over
+//! loopback: Connect, properties, Identify, log pages, features and the I/O command set on
+//! RAM and file volumes, with and without digests, over several I/O queues.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use nacre_dpu::frontend::nvmf_tcp::NvmfTarget;
+use nacre_dpu::volume::file::FileVolume;
+use nacre_dpu::volume::ram::RamVolume;
+use nacre_dpu::volume::BlockDevice;
+use nacre_shared::nvme::discovery::{self, SUBTYPE_NVME, TRTYPE_TCP};
+use nacre_shared::nvme::features::fid;
+use nacre_shared::nvme::identify::{cntrltype, nidt, oncs, OAES_NS_ATTR};
+use nacre_shared::nvme::log::{self, lid, SmartLog};
+use nacre_shared::nvme::registers::{self, cc, csts};
+use nacre_shared::nvme::{admin_opcode, io_opcode, Command, SglDescriptor, Status, DISCOVERY_NQN};
+use nacre_shared::nvme_tcp::Digests;
+use nacre_tests::nvmf_host::{HostError, HostOptions, NvmfHost};
+
+const NQN: &str = "nqn.2024-01.io.nacre:test";
+const NGUID: [u8; 16] = *b"0123456789abcdef";
+
+fn target_with(vol: Arc<dyn BlockDevice>) -> (Arc<NvmfTarget>, SocketAddr) {
+    let t = NvmfTarget::new();
+    t.create_subsystem(NQN, "NACRE0001", "nacre test model", true)
+        .unwrap();
+    let nsid = t
+        .add_namespace(NQN, None, vol, NGUID, "vol0".into())
+        .unwrap();
+    assert_eq!(nsid, 1);
+    let addr = t.add_listener(NQN, "127.0.0.1:0".parse().unwrap()).unwrap();
+    (t, addr)
+}
+
+fn ram(size: u64, bs: u32) -> Arc<dyn BlockDevice> {
+    Arc::new(RamVolume::new(size, bs).unwrap())
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 9) as u8)
+        .collect()
+}
+
+#[test]
+fn identify_controller_carries_what_nvme_list_reads() {
+    let (_t, addr) = target_with(ram(8 << 20, 4096));
+    let mut h = NvmfHost::connect(addr, NQN, HostOptions::default()).unwrap();
+    let id = &h.id;
+    assert_eq!(id.serial, "NACRE0001");
+    assert_eq!(id.model, "nacre test model");
+    assert_eq!(id.firmware, env!("CARGO_PKG_VERSION"));
+    assert_eq!(id.subnqn, NQN);
+    assert_eq!(id.cntlid, h.cntlid);
+    assert!(id.ver >= registers::version(1, 4, 0));
+    assert_eq!(id.cntrltype, cntrltype::IO);
+    assert_eq!(id.mdts, 5);
+    assert_eq!(id.ioccsz, (64 + 8192) / 16);
+    assert_eq!(id.iorcsz, 1);
+    assert_eq!(id.icdoff, 0);
+    assert_ne!(id.sgls & 0b11, 0, "Linux requires SGL support");
+    assert_ne!(id.kas, 0, "Linux requires keep-alive support on fabrics");
+    assert!(id.maxcmd >= 32);
+    assert_eq!(
+        id.oncs & (oncs::DATASET_MANAGEMENT | oncs::WRITE_ZEROES),
+        0x0C
+    );
+    assert_eq!(id.vwc & 1, 1);
+    assert!(id.nn >= 1);
+    assert_ne!(id.oaes & OAES_NS_ATTR, 0);
+    assert_eq!((id.sqes, id.cqes), (0x66, 0x44));
+
+    // Namespace: size from the volume geometry, LBA format = block size, NGUID.
+    assert_eq!(h.active_namespaces().unwrap(), vec![1]);
+    let ns = h.identify_namespace(1).unwrap();
+    assert_eq!(ns.nsze, (8 << 20) / 4096);
+    assert_eq!(ns.ncap, ns.nsze);
+    assert_eq!(ns.lbads, 12);
+    assert_eq!(ns.nguid, NGUID);
+    let d = h.ns_descriptors(1).unwrap();
+    assert!(d.iter().any(|d| d.nidt == nidt::NGUID && d.nid == NGUID));
+    assert!(d.iter().any(|d| d.nidt == nidt::UUID && d.nid == NGUID));
+    // Inactive NSID: zero-filled; NSID 0 and descriptors of an inactive NSID: errors.
+    assert_eq!(h.identify_namespace(7).unwrap().nsze, 0);
+    assert!(matches!(
+        h.identify(0, 0, 0),
+        Err(HostError::Nvme(Status::INVALID_NAMESPACE, _))
+    ));
+    assert!(matches!(
+        h.ns_descriptors(7),
+        Err(HostError::Nvme(Status::INVALID_NAMESPACE, _))
+    ));
+    // Unknown CNS.
+    assert!(matches!(
+        h.identify(0x1F, 0, 0),
+        Err(HostError::Nvme(Status::INVALID_FIELD, _))
+    ));
+}
+
+#[test]
+fn properties_enable_and_shutdown() {
+    let (_t, addr) = target_with(ram(1 << 20, 512));
+    let mut h = NvmfHost::connect(addr, NQN, HostOptions::default()).unwrap();
+    let cap = h.property_get(registers::CAP, true).unwrap();
+    assert_eq!(registers::cap_mqes(cap), 1023);
+    assert_eq!(cap >> 37 & 1, 1);
+    assert_eq!(
+        h.property_get(registers::VS, false).unwrap() as u32,
+        registers::version(1, 4, 0)
+    );
+    assert_ne!(
+        h.property_get(registers::CSTS, false).unwrap() as u32 & csts::RDY,
+        0
+    );
+    let cc_v = h.property_get(registers::CC, false).unwrap() as u32;
+    assert_ne!(cc_v & cc::EN, 0);
+    // Read-only and unknown properties.
+    assert!(matches!(
+        h.property_set(registers::CSTS, 0),
+        Err(HostError::Nvme(Status::INVALID_FIELD, _))
+    ));
+    assert!(matches!(
+        h.property_get(0x40, false),
+        Err(HostError::Nvme(Status::INVALID_FIELD, _))
+    ));
+    // Shutdown notification → CSTS.SHST = complete.
+    h.property_set(
+        registers::CC,
+        (cc_v | cc::SHN_NORMAL << cc::SHN_SHIFT) as u64,
+    )
+    .unwrap();
+    let s = h.property_get(registers::CSTS, false).unwrap() as u32;
+    assert_eq!(s & csts::SHST_MASK, csts::SHST_COMPLETE);
+    // CC.EN → 0 clears RDY, and admin commands then fail with Command Sequence Error.
+    h.property_set(registers::CC, 0).unwrap();
+    let s = h.property_get(registers::CSTS, false).unwrap() as u32;
+    assert_eq!(s & csts::RDY, 0);
+    assert!(matches!(
+        h.identify_controller(),
+        Err(HostError::Nvme(Status::COMMAND_SEQUENCE_ERROR, _))
+    ));
+}
+
+fn io_round_trip(digests: Digests, bs: u32, vol: Arc<dyn BlockDevice>) {
+    let (_t, addr) = target_with(vol);
+    let opts = HostOptions {
+        digests,
+        io_queues: 2,
+        ..Default::default()
+    };
+    let mut h = NvmfHost::connect(addr, NQN, opts).unwrap();
+    assert_eq!(h.io.len(), 2);
+    let bs_us = bs as usize;
+    // Small (in-capsule) and large (R2T/H2CData) writes, on both queues.
+    let small = pattern(4096, 1);
+    let large = pattern(128 * 1024, 2);
+    h.write(0, 1, 0, &small, bs_us).unwrap();
+    h.write(1, 1, (64 * 1024 / bs) as u64, &large, bs_us)
+        .unwrap();
+    assert_eq!(h.read(1, 1, 0, (4096 / bs) as u32, bs_us).unwrap(), small);
+    assert_eq!(
+        h.read(
+            0,
+            1,
+            (64 * 1024 / bs) as u64,
+            (128 * 1024 / bs) as u32,
+            bs_us
+        )
+        .unwrap(),
+        large
+    );
+    h.flush(0, 1).unwrap();
+    // Write Zeroes and Deallocate read back as zeros, neighbours untouched.
+    h.write_zeroes(0, 1, (64 * 1024 / bs) as u64, (8192 / bs) as u32)
+        .unwrap();
+    let back = h
+        .read(0, 1, (64 * 1024 / bs) as u64, (16384 / bs) as u32, bs_us)
+        .unwrap();
+    assert!(back[..8192].iter().all(|&b| b == 0));
+    assert_eq!(&back[8192..], &large[8192..16384]);
+    h.deallocate(1, 1, &[(0, (4096 / bs) as u32)]).unwrap();
+    assert!(h
+        .read(1, 1, 0, (4096 / bs) as u32, bs_us)
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0));
+    // The SMART log counts host commands.
+    let smart = SmartLog::decode(
+        &h.get_log_page(lid::SMART_HEALTH, 0xFFFF_FFFF, 512, 0, false)
+            .unwrap(),
+    );
+    assert!(smart.host_read_commands >= 4);
+    assert!(smart.host_write_commands >= 2);
+}
+
+#[test]
+fn ram_volume_io_without_digests() {
+    io_round_trip(Digests::NONE, 4096, ram(4 << 20, 4096));
+}
+
+#[test]
+fn ram_volume_io_with_header_and_data_digests() {
+    io_round_trip(
+        Digests {
+            header: true,
+            data: true,
+        },
+        512,
+        ram(4 << 20, 512),
+    );
+}
+
+#[test]
+fn file_volume_io_with_header_digest_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let vol = FileVolume::open(&dir.path().join("v.img"), 4 << 20, 4096, false).unwrap();
+    io_round_trip(
+        Digests {
+            header: true,
+            data: false,
+        },
+        4096,
+        Arc::new(vol),
+    );
+}
+
+#[test]
+fn many_queues_pipelined_with_sq_flow_disabled() {
+    let (_t, addr) = target_with(ram(4 << 20, 4096));
+    let opts = HostOptions {
+        io_queues: 4,
+        disable_sq_flow: true,
+        ..Default::default()
+    };
+    let mut h = NvmfHost::connect(addr, NQN, opts).unwrap();
+    assert_eq!(h.io.len(), 4);
+    // 32 writes in flight per queue, then 32 reads, verified.
+    for q in 0..4 {
+        let mut cids = Vec::new();
+        for i in 0..32u64 {
+            let lba = q as u64 * 32 + i;
+            let d = pattern(4096, lba as u8);
+            let cmd = Command::rw(io_opcode::WRITE, 0, 1, lba, 1, SglDescriptor::default());
+            cids.push(h.io[q].submit(cmd, &d, 0));
+        }
+        h.io[q].flush().unwrap();
+        for c in cids {
+            h.io[q].wait(c).unwrap().ok().unwrap();
+        }
+    }
+    for q in 0..4 {
+        let mut cids = Vec::new();
+        for i in 0..32u64 {
+            let lba = q as u64 * 32 + i;
+            let cmd = Command::rw(io_opcode::READ, 0, 1, lba, 1, SglDescriptor::default());
+            cids.push((lba, h.io[(q + 1) % 4].submit(cmd, &[], 4096)));
+        }
+        h.io[(q + 1) % 4].flush().unwrap();
+        for (lba, c) in cids {
+            let r = h.io[(q + 1) % 4].wait(c).unwrap().ok().unwrap();
+            assert_eq!(r.data, pattern(4096, lba as u8), "lba {lba}");
+        }
+    }
+}
+
+#[test]
+fn io_errors_carry_nvme_status() {
+    let (_t, addr) = target_with(ram(1 << 20, 4096));
+    let mut h = NvmfHost::connect(addr, NQN, HostOptions::default()).unwrap();
+    let blocks = (1u64 << 20) / 4096;
+    assert!(matches!(
+        h.read(0, 1, blocks, 1, 4096),
+        Err(HostError::Nvme(Status::LBA_OUT_OF_RANGE, _))
+    ));
+    assert!(matches!(
+        h.read(0, 1, u64::MAX / 2, 1, 4096),
+        Err(HostError::Nvme(Status::LBA_OUT_OF_RANGE, _))
+    ));
+    assert!(matches!(
+        h.read(0, 2, 0, 1, 4096),
+        Err(HostError::Nvme(Status::INVALID_NAMESPACE, _))
+    ));
+    // More than MDTS.
+    assert!(matches!(
+        h.read(0, 1, 0, 64, 4096),
+        Err(HostError::Nvme(Status::INVALID_FIELD, _))
+    ));
+    // Unknown I/O and admin opcodes.
+    let bogus = Command {
+        opcode: 0x7E,
+        nsid: 1,
+        ..Default::default()
+    };
+    assert!(matches!(
+        h.io_cmd(0, bogus, &[], 0),
+        Err(HostError::Nvme(Status::INVALID_OPCODE, _))
+    ));
+    // Create I/O SQ does not exist on fabrics.
+    let create_sq = Command {
+        opcode: admin_opcode::CREATE_IO_SQ,
+        ..Default::default()
+    };
+    assert!(matches!(
+        h.admin_cmd(create_sq, 0),
+        Err(HostError::Nvme(Status::INVALID_OPCODE, _))
+    ));
+    // A write whose data length disagrees with NLB.
+    let cmd = Command::rw(io_opcode::WRITE, 0, 1, 0, 2, SglDescriptor::default());
+    assert!(matches!(
+        h.io_cmd(0, cmd, &[0u8; 4096], 0),
+        Err(HostError::Nvme(Status::DATA_SGL_LENGTH_INVALID, _))
+    ));
+    // Unsupported log page and feature.
+    assert!(matches!(
+        h.get_log_page(0x7F, 0, 512, 0, false),
+        Err(HostError::Nvme(Status::INVALID_LOG_PAGE, _))
+    ));
+    assert!(matches!(
+        h.set_features(0x7E, 0),
+        Err(HostError::Nvme(Status::INVALID_FIELD, _))
+    ));
+}
+
+#[test]
+fn features_and_log_pages() {
+    let (_t, addr) = target_with(ram(1 << 20, 4096));
+    let mut h = NvmfHost::connect(addr, NQN, HostOptions::default()).unwrap();
+    h.set_features(fid::KEEP_ALIVE_TIMER, 5000).unwrap();
+    assert_eq!(h.get_features(fid::KEEP_ALIVE_TIMER).unwrap(), 5000);
+    h.set_features(fid::ASYNC_EVENT_CONFIG, 1 << 8).unwrap();
+    assert_eq!(h.get_features(fid::ASYNC_EVENT_CONFIG).unwrap(), 1 << 8);
+    assert_eq!(h.get_features(fid::NUMBER_OF_QUEUES).unwrap(), 0);
+    assert_eq!(h.get_features(fid::VOLATILE_WRITE_CACHE).unwrap(), 1);
+    h.keep_alive().unwrap();
+    let fw = h
+        .get_log_page(lid::FIRMWARE_SLOT, 0, 512, 0, false)
+        .unwrap();
+    assert_eq!(fw[0], 1);
+    assert_eq!(
+        String::from_utf8_lossy(&fw[8..16]).trim_end(),
+        env!("CARGO_PKG_VERSION")
+    );
+    let err = h
+        .get_log_page(lid::ERROR_INFORMATION, 0, 64, 0, false)
+        .unwrap();
+    assert!(err.iter().all(|&b| b == 0));
+    let smart = h
+        .get_log_page(lid::SMART_HEALTH, 0xFFFF_FFFF, 512, 0, false)
+        .unwrap();
+    assert_eq!(SmartLog::decode(&smart).available_spare, 100);
+    let _ = log::SMART_LEN;
+}
+
+#[test]
+fn discovery_log_lists_the_subsystem() {
+    let (t, addr) = target_with(ram(1 << 20, 4096));
+    t.create_subsystem("nqn.2024-01.io.nacre:hidden", "S2", "m", false)
+        .unwrap();
+    t.add_listener("nqn.2024-01.io.nacre:hidden", addr).unwrap();
+    let mut h = NvmfHost::connect(
+        addr,
+        DISCOVERY_NQN,
+        HostOptions {
+            io_queues: 0,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(h.id.cntrltype, cntrltype::DISCOVERY);
+    assert_eq!(h.id.subnqn, DISCOVERY_NQN);
+    // Header first, then the whole page (as nvme-cli does).
+    let hdr = h.get_log_page(lid::DISCOVERY, 0, 1024, 0, false).unwrap();
+    let numrec = u64::from_le_bytes(hdr[8..16].try_into().unwrap());
+    assert_eq!(
+        numrec, 1,
+        "the subsystem that does not allow this host is hidden"
+    );
+    let page = h
+        .get_log_page(lid::DISCOVERY, 0, 1024 * (1 + numrec as usize), 0, false)
+        .unwrap();
+    let (_, entries) = discovery::decode_log(&page);
+    assert_eq!(entries.len(), 1);
+    let e = &entries[0];
+    assert_eq!(e.subnqn, NQN);
+    assert_eq!((e.trtype, e.subtype), (TRTYPE_TCP, SUBTYPE_NVME));
+    assert_eq!(e.traddr, "127.0.0.1");
+    assert_eq!(e.trsvcid, addr.port().to_string());
+    // A discovery controller has no I/O queues and no namespaces.
+    assert!(matches!(
+        h.identify(0, 1, 0),
+        Err(HostError::Nvme(Status::INVALID_FIELD, _))
+    ));
+    // With the host allowed, the second subsystem appears.
+    t.add_host("nqn.2024-01.io.nacre:hidden", &h.opts.hostnqn.clone())
+        .unwrap();
+    let hdr = h.get_log_page(lid::DISCOVERY, 0, 1024, 0, false).unwrap();
+    assert_eq!(u64::from_le_bytes(hdr[8..16].try_into().unwrap()), 2);
+}
+
+#[test]
+fn access_control_refuses_unknown_hosts() {
+    let t = NvmfTarget::new();
+    t.create_subsystem(NQN, "S", "M", false).unwrap();
+    t.add_namespace(NQN, None, ram(1 << 20, 512), NGUID, "v".into())
+        .unwrap();
+    let addr = t.add_listener(NQN, "127.0.0.1:0".parse().unwrap()).unwrap();
+    let r = NvmfHost::connect(addr, NQN, HostOptions::default());
+    assert!(
+        matches!(r, Err(HostError::Nvme(Status::CONNECT_INVALID_HOST, _))),
+        "{:?}",
+        r.err()
+    );
+    // Unknown subsystem: Connect Invalid Parameters pointing at SUBNQN in the data.
+    let r = NvmfHost::connect(addr, "nqn.2024-01.io.nacre:nope", HostOptions::default());
+    match r {
+        Err(HostError::Nvme(s, dw0)) => {
+            assert_eq!(s, Status::CONNECT_INVALID_PARAMETERS);
+            assert_eq!(dw0, 1 << 16 | 256);
+        }
+        other => panic!("unexpected {:?}", other.err()),
+    }
+    t.add_host(NQN, &HostOptions::default().hostnqn).unwrap();
+    let mut h = NvmfHost::connect(addr, NQN, HostOptions::default()).unwrap();
+    h.write(0, 1, 0, &[7u8; 512], 512).unwrap();
+    assert_eq!(h.read(0, 1, 0, 1, 512).unwrap(), vec![7u8; 512]);
+}
+
+#[test]
+fn io_queue_connect_checks() {
+    let (_t, addr) = target_with(ram(1 << 20, 4096));
+    let mut h = NvmfHost::connect(
+        addr,
+        NQN,
+        HostOptions {
+            io_queues: 1,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    // qid 1 is taken, qid 2 was not granted (1 queue asked for).
+    for qid in [1u16, 2] {
+        match h.connect_io_queue(qid, 32) {
+            Err(HostError::Nvme(s, dw0)) => {
+                assert_eq!(s, Status::CONNECT_INVALID_PARAMETERS);
+                assert_eq!(dw0, 42, "IPO points at QID in the SQE");
+            }
+            other => panic!("qid {qid}: {:?}", other.err()),
+        }
+    }
+    // A second Connect on a connected queue is a sequence error.
+    let r = h
+        .admin
+        .connect(NQN, &h.opts.hostnqn.clone(), [0; 16], 0, 32, 0xFFFF, 0, 0)
+        .unwrap();
+    assert_eq!(r.status(), Status::COMMAND_SEQUENCE_ERROR);
+    // Commands on a queue before Connect.
+    let mut q = nacre_tests::nvmf_host::Queue::open(addr, Digests::NONE).unwrap();
+    let r = q
+        .call(
+            Command {
+                opcode: admin_opcode::KEEP_ALIVE,
+                ..Default::default()
+            },
+            &[],
+            0,
+        )
+        .unwrap();
+    assert_eq!(r.status(), Status::COMMAND_SEQUENCE_ERROR);
+    // Wrong CNTLID for an I/O queue.
+    let r = q
+        .connect(NQN, &h.opts.hostnqn.clone(), [0; 16], 1, 32, 0x7777, 0, 0)
+        .unwrap();
+    assert_eq!(r.status(), Status::CONNECT_INVALID_PARAMETERS);
+    assert_eq!(r.cqe.dw0, 1 << 16 | 16);
+}
