@@ -19,7 +19,8 @@ const HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-0000-0000-0
 
 fn shelf(size: u64, bs: u32) -> (Arc<NvmfTarget>, SocketAddr, Arc<RamVolume>) {
     let t = NvmfTarget::new();
-    t.create_subsystem(NQN, "SHELF0", "nacre shelf", true).unwrap();
+    t.create_subsystem(NQN, "SHELF0", "nacre shelf", true)
+        .unwrap();
     let vol = Arc::new(RamVolume::new(size, bs).unwrap());
     t.add_namespace(NQN, None, vol.clone(), [0x5C; 16], "vol".into())
         .unwrap();
@@ -46,7 +47,10 @@ fn attach(addr: SocketAddr, dg: Digests) -> (Controller, Arc<RemoteNamespace>) {
 
 fn verify_io(dev: &dyn BlockDevice, seed: u64) -> Vec<(u64, Vec<u8>)> {
     let mut written = Vec::new();
-    for (i, len) in [4096usize, 8192, 16384, 131072, 524288].into_iter().enumerate() {
+    for (i, len) in [4096usize, 8192, 16384, 131072, 524288]
+        .into_iter()
+        .enumerate()
+    {
         let off = (i as u64) << 20;
         let d = pattern(seed, off, len);
         dev.write_at(off, &d).unwrap();
@@ -90,10 +94,16 @@ fn encrypted_volume_over_nacreds_target() {
     for (off, d) in &written {
         let mut at_rest = vec![0u8; d.len()];
         ram.read_at(*off, &mut at_rest).unwrap();
-        assert!(at_rest != *d, "encrypted volume: the shelf never sees plaintext");
+        assert!(
+            at_rest != *d,
+            "encrypted volume: the shelf never sees plaintext"
+        );
         let mut via_remote = vec![0u8; d.len()];
         dev.read_at(*off, &mut via_remote).unwrap();
-        assert!(via_remote == at_rest, "the initiator reads what the shelf holds");
+        assert!(
+            via_remote == at_rest,
+            "the initiator reads what the shelf holds"
+        );
     }
     // A second association with the same key reads the plaintext back.
     ctrl.close();
