@@ -767,9 +767,11 @@ impl Proxy {
         self.mode.store(PASS, Ordering::Release);
     }
 
-    /// Stop forwarding bytes (connections stay open): a target that stalls.
+    /// Stop forwarding bytes (connections stay open): a target that stalls. Returns once
+    /// the pumps have noticed (they poll every 20 ms), so nothing sent afterwards gets through.
     pub fn stall(&self) {
         self.mode.store(STALL, Ordering::Release);
+        std::thread::sleep(Duration::from_millis(60));
     }
 }
 
