@@ -99,13 +99,18 @@ pub struct ControllerConfig {
     pub fast_io_fail_timeout: Option<Duration>,
     /// Bound on TCP connect and each initialisation step.
     pub connect_timeout: Duration,
+    /// A command outstanding this long means the controller stopped processing I/O while
+    /// still answering keep-alive: the session is reset and the command resent (Linux's
+    /// `nvme_core.io_timeout`, SPDK's `timeout_us` with action reset). `None` disables it.
+    pub io_timeout: Option<Duration>,
     /// Bound on the graceful shutdown at teardown.
     pub shutdown_timeout: Duration,
 }
 
 impl ControllerConfig {
     /// Defaults like SPDK's and Linux's: 4 queues of 128, no digests, 8 KiB in-capsule data,
-    /// KATO 10 s, reconnect every 2 s, give up after 30 s, no fast I/O failure.
+    /// KATO 10 s, I/O timeout 30 s, reconnect every 2 s, give up after 30 s, no fast I/O
+    /// failure.
     pub fn new(address: &str, port: u16, subnqn: &str, hostnqn: &str) -> Self {
         ControllerConfig {
             address: address.to_string(),
@@ -122,6 +127,7 @@ impl ControllerConfig {
             ctrl_loss_timeout: Some(Duration::from_secs(30)),
             fast_io_fail_timeout: None,
             connect_timeout: Duration::from_secs(3),
+            io_timeout: Some(Duration::from_secs(30)),
             shutdown_timeout: Duration::from_millis(500),
         }
     }
@@ -622,19 +628,38 @@ impl Ctrl {
                 }
                 Phase::Live => {
                     let kato = self.cfg.keep_alive_timeout;
-                    if kato.is_zero() {
-                        drop(self.cv.wait(st));
-                        continue;
+                    let mut tick = Duration::from_secs(3600);
+                    if !kato.is_zero() {
+                        tick = tick.min(kato / 2);
+                    }
+                    if let Some(t) = self.cfg.io_timeout {
+                        tick = tick.min(t / 4);
                     }
                     let s = st.session.clone().expect("live has a session");
-                    let _ = self
-                        .cv
-                        .wait_timeout(st, kato / 2)
-                        .unwrap_or_else(|p| p.into_inner());
+                    drop(
+                        self.cv
+                            .wait_timeout(st, tick.max(Duration::from_millis(1)))
+                            .unwrap_or_else(|p| p.into_inner()),
+                    );
                     if self.phase() != Phase::Live {
                         continue;
                     }
-                    self.keep_alive(&s, kato);
+                    if let Some(t) = self.cfg.io_timeout {
+                        let oldest = s.io.iter().filter_map(|q| q.oldest_outstanding()).max();
+                        if oldest.is_some_and(|o| o >= t) {
+                            self.lose_session(
+                                s.id,
+                                &format!(
+                                    "I/O timeout: a command has been outstanding for over {:.1} s",
+                                    t.as_secs_f64()
+                                ),
+                            );
+                            continue;
+                        }
+                    }
+                    if !kato.is_zero() {
+                        self.keep_alive(&s, kato);
+                    }
                     continue;
                 }
                 Phase::Connecting => {}

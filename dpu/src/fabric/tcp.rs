@@ -86,6 +86,8 @@ struct Negotiated {
 struct Slot {
     gen: u8,
     cmd: Option<Cmd>,
+    /// When the command went out (for the I/O timeout).
+    issued: Instant,
 }
 
 struct Slots {
@@ -183,7 +185,13 @@ impl QueueConn {
             stream: stream.try_clone().map_err(FabricError::io)?,
             neg,
             slots: Mutex::new(Slots {
-                entries: (0..depth).map(|_| Slot { gen: 0, cmd: None }).collect(),
+                entries: (0..depth)
+                    .map(|_| Slot {
+                        gen: 0,
+                        cmd: None,
+                        issued: Instant::now(),
+                    })
+                    .collect(),
                 free: (0..depth).rev().collect(),
                 overflow: VecDeque::new(),
                 closed: false,
@@ -324,6 +332,18 @@ impl QueueConn {
         }
         drop(tx);
         slot.cmd = Some(cmd);
+        slot.issued = Instant::now();
+    }
+
+    /// How long the oldest outstanding command has been waiting (commands waiting for a free
+    /// slot count too: they wait on the controller just the same).
+    pub fn oldest_outstanding(&self) -> Option<Duration> {
+        let s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        s.entries
+            .iter()
+            .filter(|e| e.cmd.is_some())
+            .map(|e| e.issued.elapsed())
+            .max()
     }
 
     fn icd_max(&self) -> usize {
