@@ -36,6 +36,7 @@ fn setup(tweak: impl FnOnce(&mut ControllerConfig)) -> Setup {
     c.ctrl_loss_timeout = Some(Duration::from_secs(20));
     c.keep_alive_timeout = Duration::from_millis(600);
     c.connect_timeout = Duration::from_millis(500);
+    c.quiesce_time = Duration::from_millis(50);
     tweak(&mut c);
     let ctrl = Controller::start("f", c, None);
     let info = ctrl.wait_first_attempt(HANG).expect("connect");
@@ -130,7 +131,7 @@ fn target_gone_mid_io_and_back_loses_nothing() {
             std::thread::spawn(move || {
                 let mut i = 0u64;
                 while !stop.load(Ordering::Relaxed) {
-                    let off = (w * 256 + i % 256) * 4096;
+                    let off = (w * 256 + i % 250) * 4096; // disjoint per worker
                     let d = pattern(w * 1000 + i, off, 4096 * (1 + (i % 3) as usize));
                     let off = off.min((4 << 20) - d.len() as u64);
                     let mut back = vec![0u8; d.len()];

@@ -20,6 +20,7 @@ fn attach(t: &FakeTarget, opts: &TargetOpts, name: &str) -> (Controller, Arc<Rem
     c.reconnect_delay = Duration::from_millis(50);
     c.keep_alive_timeout = Duration::from_millis(500);
     c.connect_timeout = Duration::from_millis(500);
+    c.quiesce_time = Duration::from_millis(50);
     c.io_timeout = Some(Duration::from_millis(800));
     let ctrl = Controller::start(name, c, None);
     let info = ctrl.wait_first_attempt(Duration::from_secs(10)).unwrap();

@@ -27,13 +27,13 @@
 //! land once, twice or — if the connection died before the target saw it — not at all before
 //! the resend; each outcome leaves the range holding the data of that one write, which is
 //! what the submitter asked for. The danger is the *old* copy landing late, after the resend
-//! completed and the submitter issued a newer write to the same blocks. Two things rule that
-//! out: the old session's sockets are shut down before anything is resent, and nothing is
-//! resent before a new association exists, which the controller only grants after it has torn
-//! down the old one or after its keep-alive expired; and the first reconnect additionally
-//! waits the controller's advertised Command Quiesce Time (Identify Controller bytes 386-387),
-//! the bound the spec gives for a controller to stop processing commands of a lost
-//! association (SPDK #3593 is what ignoring it costs).
+//! completed and the submitter issued a newer write to the same blocks (SPDK #3593 is what
+//! ignoring it costs). So the old session's sockets are shut down before anything is resent,
+//! and nothing it sent is resent — on a new session or, for multipath, on another path —
+//! before `quiesce_time` has passed since the loss, or the controller's Command Quiesce Time
+//! (Identify Controller bytes 386-387) if that is longer: the bound the spec gives for a
+//! controller to stop processing commands of a lost association. Commands that never went
+//! out need no such wait.
 //!
 //! ## Keep-alive (NVMe Base 2.0 §3.9)
 //! A Keep Alive command goes out every KATO/2 on the admin queue; if one has not completed
@@ -99,6 +99,12 @@ pub struct ControllerConfig {
     pub fast_io_fail_timeout: Option<Duration>,
     /// Bound on TCP connect and each initialisation step.
     pub connect_timeout: Duration,
+    /// After a session is lost, how long before the commands it had sent may be resent on
+    /// another session or path (at least the controller's Command Quiesce Time, CQT, when
+    /// it reports one). A target may still execute commands it received on a connection the
+    /// host already gave up on; resending a write before those are done lets the stale copy
+    /// land after a newer write (module docs).
+    pub quiesce_time: Duration,
     /// A command outstanding this long means the controller stopped processing I/O while
     /// still answering keep-alive: the session is reset and the command resent (Linux's
     /// `nvme_core.io_timeout`, SPDK's `timeout_us` with action reset). `None` disables it.
@@ -128,6 +134,7 @@ impl ControllerConfig {
             fast_io_fail_timeout: None,
             connect_timeout: Duration::from_secs(3),
             io_timeout: Some(Duration::from_secs(30)),
+            quiesce_time: Duration::from_secs(1),
             shutdown_timeout: Duration::from_millis(500),
         }
     }
@@ -521,8 +528,19 @@ impl Ctrl {
         }
     }
 
-    /// Hold a command for the next session, or fail it if the knobs say so.
+    /// When the commands of the last lost session may go out again.
+    fn quiesce_deadline(&self, st: &St) -> Instant {
+        let cqt = Duration::from_millis(st.info.as_ref().map_or(0, |i| i.cqt_ms) as u64);
+        st.since + cqt.max(self.cfg.quiesce_time)
+    }
+
+    /// Hold a command for the next session, or fail it if the knobs say so. `sent`: it went
+    /// out on a session that was lost (so it must not be resent before the quiesce time).
     fn hold(&self, cmd: Cmd) {
+        self.hold_cmd(cmd, false)
+    }
+
+    fn hold_cmd(&self, cmd: Cmd, sent: bool) {
         let mut st = self.lock();
         let fail = match st.phase {
             Phase::Live => {
@@ -535,7 +553,12 @@ impl Ctrl {
                 }
                 return;
             }
-            Phase::Connecting => st.fail_fast || cmd.release,
+            // A multipath member's command goes back up for another path: at once if it
+            // never went out, after the quiesce time if it did (the supervisor releases it).
+            Phase::Connecting => {
+                st.fail_fast
+                    || (cmd.release && (!sent || Instant::now() >= self.quiesce_deadline(&st)))
+            }
             Phase::Failed | Phase::Closed => true,
         };
         if fail || !cmd.is_io() {
@@ -563,8 +586,7 @@ impl Ctrl {
             let now = Instant::now();
             st.since = now;
             st.fail_fast = false;
-            let cqt = st.info.as_ref().map_or(0, |i| i.cqt_ms);
-            st.next_attempt = now + Duration::from_millis(cqt as u64);
+            st.next_attempt = self.quiesce_deadline(&st);
             if st.cfg_zero_loss(&self.cfg) {
                 st.phase = Phase::Failed;
                 to_fail.extend(st.held.drain(..));
@@ -700,8 +722,21 @@ impl Ctrl {
                     continue;
                 }
             }
+            let quiesced = self.quiesce_deadline(&st);
+            if now >= quiesced && st.held.iter().any(|c| c.release) {
+                let (go, keep): (Vec<Cmd>, Vec<Cmd>) = st.held.drain(..).partition(|c| c.release);
+                st.held = keep.into();
+                drop(st);
+                for c in go {
+                    c.fail(IoError::PathLost);
+                }
+                continue;
+            }
             if now < st.next_attempt {
                 let mut wake = st.next_attempt;
+                if st.held.iter().any(|c| c.release) {
+                    wake = wake.min(quiesced);
+                }
                 if let Some(l) = self.cfg.ctrl_loss_timeout {
                     wake = wake.min(st.since + l);
                 }
@@ -891,7 +926,7 @@ impl QueueOwner for Ctrl {
         self.lose_session(session, &format!("queue {qid}: {reason}"));
         for c in cmds {
             if c.is_io() {
-                self.hold(c);
+                self.hold_cmd(c, true);
             } else {
                 c.fail(IoError::PathLost);
             }
