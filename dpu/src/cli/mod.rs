@@ -4,6 +4,7 @@
 //! result for scripts. Errors are one line on stderr and exit status 1 (2 for usage errors,
 //! from clap).
 
+pub mod remote;
 pub mod table;
 pub mod vhost;
 pub mod volume;
@@ -52,6 +53,9 @@ pub enum Command {
     /// vhost-user-blk devices: serve a volume to a VM or any vhost-user client.
     #[command(subcommand, name = "vhost-blk")]
     VhostBlk(vhost::VhostBlkCmd),
+    /// Remote NVMe-oF controllers (storage shelves) and volumes on their namespaces.
+    #[command(subcommand)]
+    Remote(remote::RemoteCmd),
     /// List the methods nacred answers, with a line of help each.
     Methods,
     /// Call any RPC method with raw JSON params and print the raw result.
@@ -96,6 +100,7 @@ pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Volume(c) => volume::run(&mut ctx, c),
         Command::VhostBlk(c) => vhost::run(&mut ctx, c),
+        Command::Remote(c) => remote::run(&mut ctx, c),
         Command::Methods => {
             let v = ctx.call("rpc_get_methods", serde_json::json!({"verbose": true}))?;
             ctx.print(&v, |v| {

@@ -10,6 +10,7 @@
 //! the new state with [`state::save`]; only then commit it in memory. If persisting fails the
 //! live object is torn down again, so what runs and what would be replayed never diverge.
 
+pub mod remote;
 pub mod server;
 pub mod state;
 pub mod vhost;
@@ -99,6 +100,7 @@ pub fn methods() -> impl Iterator<Item = &'static Method> {
         .iter()
         .chain(volume::METHODS)
         .chain(vhost::METHODS)
+        .chain(remote::METHODS)
 }
 
 const META_METHODS: &[Method] = &[Method {
@@ -149,6 +151,8 @@ pub struct Inner {
 
 pub struct Daemon {
     pub config: DaemonConfig,
+    /// Remote NVMe-oF controllers (outside `inner`: volumes need them while it is held).
+    pub remotes: remote::Registry,
     inner: Mutex<Inner>,
 }
 
@@ -168,6 +172,7 @@ impl Daemon {
         let state = loaded.unwrap_or_default();
         let daemon = Arc::new(Daemon {
             config,
+            remotes: Default::default(),
             inner: Mutex::new(Inner {
                 state: state.clone(),
                 live: Live::default(),
@@ -178,6 +183,7 @@ impl Daemon {
     }
 
     fn replay(&self, state: &State) {
+        remote::replay(self, state);
         let mut inner = self.lock();
         for rec in state.volumes.values() {
             match volume::open_volume(self, rec) {
@@ -241,6 +247,7 @@ impl Daemon {
             dev.stop();
         }
         inner.live.volumes.clear();
+        self.remotes.close_all();
     }
 
     pub fn state_dir(&self) -> &Path {

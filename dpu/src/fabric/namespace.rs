@@ -202,3 +202,51 @@ impl BlockDevice for RemoteNamespace {
         }
     }
 }
+
+/// A device seen with a larger logical block size than it has (a 512-byte namespace under a
+/// 4096-byte volume), or only its first `size` bytes: every request aligned to the larger
+/// block size is aligned to the smaller and checked against the smaller size, so requests
+/// pass through unchanged; only the geometry differs.
+pub struct BlockSizeView {
+    inner: Arc<dyn BlockDevice>,
+    geo: Geometry,
+}
+
+impl BlockSizeView {
+    /// `block_size` must be a multiple of the inner device's block size.
+    pub fn new(inner: Arc<dyn BlockDevice>, block_size: u32) -> Self {
+        let g = inner.geometry();
+        debug_assert_eq!(block_size % g.block_size, 0);
+        BlockSizeView {
+            geo: Geometry {
+                size: g.size / block_size as u64 * block_size as u64,
+                block_size,
+            },
+            inner,
+        }
+    }
+}
+
+impl BlockSizeView {
+    /// Also cut the device to its first `size` bytes (at most its size, a multiple of
+    /// `block_size`).
+    pub fn with_size(inner: Arc<dyn BlockDevice>, block_size: u32, size: u64) -> Self {
+        let mut v = Self::new(inner, block_size);
+        v.geo.size = v.geo.size.min(size);
+        v
+    }
+}
+
+impl BlockDevice for BlockSizeView {
+    fn geometry(&self) -> Geometry {
+        self.geo
+    }
+
+    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+        if let Err(e) = self.geo.check(&req) {
+            done.complete(req.tag, Err(e));
+            return;
+        }
+        self.inner.submit(req, done)
+    }
+}
