@@ -124,6 +124,7 @@ fn embedded_default(d: &Daemon) -> anyhow::Result<()> {
             path: None,
             tenant: None,
             encrypt: false,
+            remote: None,
         },
     )?;
     vhost::create(

@@ -10,6 +10,8 @@
 //! the new state with [`state::save`]; only then commit it in memory. If persisting fails the
 //! live object is torn down again, so what runs and what would be replayed never diverge.
 
+pub mod nvmf;
+pub mod remote;
 pub mod server;
 pub mod state;
 pub mod tenant;
@@ -100,7 +102,9 @@ pub fn methods() -> impl Iterator<Item = &'static Method> {
         .iter()
         .chain(volume::METHODS)
         .chain(vhost::METHODS)
+        .chain(nvmf::METHODS)
         .chain(tenant::METHODS)
+        .chain(remote::METHODS)
 }
 
 const META_METHODS: &[Method] = &[Method {
@@ -141,6 +145,7 @@ pub struct DaemonConfig {
 pub struct Live {
     pub volumes: HashMap<String, Arc<dyn BlockDevice>>,
     pub vhost_blk: HashMap<String, VhostBlkServer>,
+    pub nvmf: Option<Arc<crate::frontend::nvmf_tcp::NvmfTarget>>,
     /// Tenants' unlocked KEKs (zeroized when dropped); see `tenant`.
     pub keks: HashMap<String, Arc<crate::crypto::tenant::UnlockedKek>>,
 }
@@ -153,6 +158,8 @@ pub struct Inner {
 
 pub struct Daemon {
     pub config: DaemonConfig,
+    /// Remote NVMe-oF controllers (outside `inner`: volumes need them while it is held).
+    pub remotes: remote::Registry,
     inner: Mutex<Inner>,
 }
 
@@ -172,6 +179,7 @@ impl Daemon {
         let state = loaded.unwrap_or_default();
         let daemon = Arc::new(Daemon {
             config,
+            remotes: Default::default(),
             inner: Mutex::new(Inner {
                 state: state.clone(),
                 live: Live::default(),
@@ -182,6 +190,7 @@ impl Daemon {
     }
 
     fn replay(&self, state: &State) {
+        remote::replay(self, state);
         let mut inner = self.lock();
         for rec in state.volumes.values() {
             match tenant::open_existing(self, &mut inner, rec) {
@@ -196,6 +205,7 @@ impl Daemon {
                 warn!(device = %rec.name, error = %e, "vhost-user-blk device not restarted");
             }
         }
+        nvmf::replay(&mut inner);
         info!(
             volumes = inner.live.volumes.len(),
             vhost_blk = inner.live.vhost_blk.len(),
@@ -244,7 +254,9 @@ impl Daemon {
             info!(device = %name, "stopping vhost-user-blk device");
             dev.stop();
         }
+        inner.live.nvmf = None;
         inner.live.volumes.clear();
+        self.remotes.close_all();
     }
 
     pub fn state_dir(&self) -> &Path {
