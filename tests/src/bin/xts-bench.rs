@@ -165,20 +165,22 @@ fn main() -> Result<()> {
         }
     }
     // The same requests on the bare NullVolume: what the path costs without crypto.
-    for (dir, kind) in [("write", IoKind::Write), ("read", IoKind::Read)] {
-        for dev in &bare {
-            let mut off = 0u64;
-            subjects.push((
-                format!("null volume alone ({dir} 4K)"),
-                Box::new(move |b: &mut [u8]| {
-                    for chunk in b.chunks_mut(4096) {
-                        let req = IoRequest::new(kind, off, chunk.len() as u64, 0)
-                            .with_segments([Segment::from_slice(chunk)]);
-                        dev.submit_wait(req).expect("volume I/O");
-                        off = (off + 4096) % (1 << 40);
-                    }
-                }),
-            ));
+    for (req_len, req_name) in [(REQ, "128K"), (4096, "4K")] {
+        for (dir, kind) in [("write", IoKind::Write), ("read", IoKind::Read)] {
+            for dev in &bare {
+                let mut off = 0u64;
+                subjects.push((
+                    format!("null volume alone ({dir} {req_name})"),
+                    Box::new(move |b: &mut [u8]| {
+                        for chunk in b.chunks_mut(req_len) {
+                            let req = IoRequest::new(kind, off, chunk.len() as u64, 0)
+                                .with_segments([Segment::from_slice(chunk)]);
+                            dev.submit_wait(req).expect("volume I/O");
+                            off = (off + req_len as u64) % (1 << 40);
+                        }
+                    }),
+                ));
+            }
         }
     }
     // Rounds interleave every subject, so a burst of load from other processes hits all of
