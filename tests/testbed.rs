@@ -61,13 +61,15 @@ fn kernel_selftest() {
 /// A guest's virtio-blk driver against nacred's vhost-user-blk devices: a device made with the
 /// CLI (64 MiB file volume, 4 KiB blocks, 2 queues) and the embedded default (1 GiB) show up with
 /// the right geometry; data written in one boot is on the volume's file and reads back intact
-/// after a second boot against the same, still running, nacred.
+/// after a second boot against the same, still running, nacred; and when nacred is killed
+/// (SIGKILL) and restarted under the running guest, QEMU reconnects and old data and new I/O
+/// are fine.
 #[test]
 fn vhost_user_blk_nacred_survives_reboot() {
     let Some(_bed) = prepare("vhost_user_blk_nacred_survives_reboot") else {
         return;
     };
-    let d = Nacred::start();
+    let mut d = Nacred::start();
     let sock = d.run_dir.join("vm1.sock");
     let size = 64 * MIB;
     let queues = 2;
@@ -137,10 +139,24 @@ fn vhost_user_blk_nacred_survives_reboot() {
 
     let second = boot("verify")
         .param("sha256", &sha)
-        .run()
+        .param("restart", 1)
+        .ctl()
+        .spawn()
         .expect("second boot");
-    second.assert_success();
+    second
+        .wait_for("TB-WAIT restarted", Duration::from_secs(150))
+        .unwrap_or_else(|e| panic!("{e}\n{}", log_tail(&second.lines().join("\n"), 40)));
+    d.crash_restart();
+    second.signal("restarted").expect("signal guest");
+    let second = second.wait(Duration::from_secs(200)).expect("second boot");
+    assert!(
+        second.success(),
+        "{}\nnacred log tail:\n{}",
+        second.tail(40),
+        log_tail(&d.log_text(), 40)
+    );
     assert_eq!(second.fact("sha256"), sha);
+    assert_eq!(second.fact("survived_restart"), "yes");
     assert_eq!(second.fact("verified"), "8MiB");
 }
 
