@@ -10,7 +10,7 @@ use std::time::Duration;
 use std::sync::Arc;
 
 use nacre_dpu::crypto::{volume::EncryptedVolume, EncryptionPolicy, XtsKey};
-use nacre_dpu::volume::{file::FileVolume, BlockDevice, IoKind, IoRequest};
+use nacre_dpu::volume::{file::FileVolume, BlockDevice};
 use nacre_tests::daemon::Nacred;
 use nacre_tests::testbed::{self, Boot};
 
@@ -197,24 +197,61 @@ struct EncryptedDisk {
     plaintext: Vec<u8>,
 }
 
-/// An 8 MiB file volume encrypted by nacre's crypto layer (`EncryptedVolume`, AES-256-XTS,
-/// 4 KiB data units, plain64 tweak — the default policy): 4 MiB of random plaintext then zeros
-/// written through it. The data key goes to a file in the test's temporary directory because
-/// cryptsetup must read it (a throw-away test key; nacred itself never writes a key unwrapped).
+/// An encrypted disk made by nacred: a tenant with a key-file KEK and the default policy
+/// (AES-256-XTS, 4 KiB data units, plain64 tweak), an encrypted 8 MiB file volume, the plaintext
+/// written through its vhost-user-blk device by libblkio, and the data key taken with
+/// `volume_export_key`. The Python oracle encrypts the same plaintext as a second opinion: its
+/// image must equal nacred's byte for byte.
 fn encrypted_disk(dir: &std::path::Path) -> EncryptedDisk {
-    let key = XtsKey::generate(64).unwrap();
-    let key_path = dir.join("xts.key");
-    std::fs::write(&key_path, key.as_bytes()).unwrap();
+    use nacre_tests::blkio_client::{self, BlkioClient, ClientOptions};
+    use serde_json::json;
+    // 4 MiB of random data, then 4 MiB of zeros (the guest writes there)
     let mut plaintext = testbed::random_bytes(4 * MIB as usize).unwrap();
     plaintext.resize(8 * MIB as usize, 0);
     let image = dir.join("disk.img");
-    let vol = nacre_encrypted_file(&image, &key);
-    vol.write_at(0, &plaintext).unwrap();
-    vol.submit_wait(IoRequest::new(IoKind::Flush, 0, 0, 0))
-        .unwrap();
+    let key = dir.join("xts.key");
+    let kek = dir.join("tenant.kek");
+    std::fs::write(&kek, testbed::random_bytes(32).unwrap()).unwrap();
+    let mut n = Nacred::start_args(&["--no-default"]);
+    n.ok(
+        "tenant_create",
+        json!({"name": "tb", "kek": {"key_file": kek}, "policy": {"data_unit": 4096, "tweak": "plain64"}}),
+    );
+    n.ok(
+        "volume_create",
+        json!({"name": "disk", "size": 8 * MIB, "block_size": 4096, "backend": "file",
+               "path": image, "tenant": "tb", "encrypt": true}),
+    );
+    n.ok("vhost_blk_create", json!({"name": "d", "volume": "disk"}));
+    {
+        let mut c =
+            BlkioClient::connect(&n.run_dir.join("vhost-d.sock"), &ClientOptions::default())
+                .unwrap();
+        let mut q = c.take_queues().remove(0);
+        for (i, chunk) in plaintext.chunks(MIB as usize).enumerate() {
+            let buf = &mut c.mem()[..chunk.len()];
+            buf.copy_from_slice(chunk);
+            assert_eq!(blkio_client::write(&mut q, i as u64 * MIB, buf).unwrap(), 0);
+        }
+        assert_eq!(blkio_client::flush(&mut q).unwrap(), 0);
+    }
+    n.ok("vhost_blk_delete", json!({"name": "d"}));
+    n.ok(
+        "volume_export_key",
+        json!({"name": "disk", "path": key, "confirm": true}),
+    );
+    assert!(n.stop(), "nacred did not stop cleanly");
+    let plain = dir.join("plain.bin");
+    std::fs::write(&plain, &plaintext).unwrap();
+    let oracle = dir.join("oracle.img");
+    testbed::xts_oracle_run("encrypt", &key, &plain, &oracle, 4096, 0).expect("oracle");
+    assert!(
+        std::fs::read(&oracle).unwrap() == std::fs::read(&image).unwrap(),
+        "nacred's ciphertext differs from the oracle's"
+    );
     EncryptedDisk {
         image,
-        key: key_path,
+        key,
         plaintext,
     }
 }

@@ -4,7 +4,9 @@
 //! result for scripts. Errors are one line on stderr and exit status 1 (2 for usage errors,
 //! from clap).
 
+pub mod nvmf;
 pub mod table;
+pub mod tenant;
 pub mod vhost;
 pub mod volume;
 
@@ -52,6 +54,12 @@ pub enum Command {
     /// vhost-user-blk devices: serve a volume to a VM or any vhost-user client.
     #[command(subcommand, name = "vhost-blk")]
     VhostBlk(vhost::VhostBlkCmd),
+    /// NVMe-oF/TCP subsystems: namespaces, listeners, allowed hosts.
+    #[command(subcommand)]
+    Nvmf(nvmf::NvmfCmd),
+    /// Tenants: key-encryption keys, encryption policy, KEK rotation.
+    #[command(subcommand)]
+    Tenant(tenant::TenantCmd),
     /// List the methods nacred answers, with a line of help each.
     Methods,
     /// Call any RPC method with raw JSON params and print the raw result.
@@ -96,6 +104,8 @@ pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Volume(c) => volume::run(&mut ctx, c),
         Command::VhostBlk(c) => vhost::run(&mut ctx, c),
+        Command::Nvmf(c) => nvmf::run(&mut ctx, c),
+        Command::Tenant(c) => tenant::run(&mut ctx, c),
         Command::Methods => {
             let v = ctx.call("rpc_get_methods", serde_json::json!({"verbose": true}))?;
             ctx.print(&v, |v| {

@@ -10,8 +10,10 @@
 //! the new state with [`state::save`]; only then commit it in memory. If persisting fails the
 //! live object is torn down again, so what runs and what would be replayed never diverge.
 
+pub mod nvmf;
 pub mod server;
 pub mod state;
+pub mod tenant;
 pub mod vhost;
 pub mod volume;
 
@@ -99,6 +101,8 @@ pub fn methods() -> impl Iterator<Item = &'static Method> {
         .iter()
         .chain(volume::METHODS)
         .chain(vhost::METHODS)
+        .chain(nvmf::METHODS)
+        .chain(tenant::METHODS)
 }
 
 const META_METHODS: &[Method] = &[Method {
@@ -139,6 +143,9 @@ pub struct DaemonConfig {
 pub struct Live {
     pub volumes: HashMap<String, Arc<dyn BlockDevice>>,
     pub vhost_blk: HashMap<String, VhostBlkServer>,
+    pub nvmf: Option<Arc<crate::frontend::nvmf_tcp::NvmfTarget>>,
+    /// Tenants' unlocked KEKs (zeroized when dropped); see `tenant`.
+    pub keks: HashMap<String, Arc<crate::crypto::tenant::UnlockedKek>>,
 }
 
 /// The persisted state and the live objects built from it, under the control lock.
@@ -180,7 +187,7 @@ impl Daemon {
     fn replay(&self, state: &State) {
         let mut inner = self.lock();
         for rec in state.volumes.values() {
-            match volume::open_volume(self, rec) {
+            match tenant::open_existing(self, &mut inner, rec) {
                 Ok(dev) => {
                     inner.live.volumes.insert(rec.name.clone(), dev);
                 }
@@ -192,6 +199,7 @@ impl Daemon {
                 warn!(device = %rec.name, error = %e, "vhost-user-blk device not restarted");
             }
         }
+        nvmf::replay(&mut inner);
         info!(
             volumes = inner.live.volumes.len(),
             vhost_blk = inner.live.vhost_blk.len(),
@@ -240,6 +248,7 @@ impl Daemon {
             info!(device = %name, "stopping vhost-user-blk device");
             dev.stop();
         }
+        inner.live.nvmf = None;
         inner.live.volumes.clear();
     }
 

@@ -16,6 +16,9 @@ pub mod queue;
 pub mod request;
 pub mod spec;
 
+#[cfg(test)]
+mod tests;
+
 use std::io;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
