@@ -470,7 +470,8 @@ pub fn vhost_user_blk_args(devices: &[(&Path, u32)], mem: &str) -> Vec<String> {
 /// The socket chardev's reconnect option: `reconnect-ms` since QEMU 9.2 (QEMU 10 dropped the
 /// older `reconnect`, in seconds, that Debian 12's QEMU 7.2 has).
 pub fn chardev_reconnect_option() -> &'static str {
-    let out = Command::new("qemu-system-x86_64").arg("--version").output();
+    let qemu = std::env::var("NACRE_TESTBED_QEMU").unwrap_or_else(|_| "qemu-system-x86_64".into());
+    let out = Command::new(qemu).arg("--version").output();
     let text = out
         .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
         .unwrap_or_default();
@@ -499,7 +500,8 @@ pub fn guestfwd_args(guest_addr: &str, guest_port: u16, host_port: u16) -> Vec<S
             "user,id=n0,restrict=on,ipv6=off,guestfwd=tcp:{guest_addr}:{guest_port}-cmd:socat - TCP:127.0.0.1:{host_port}"
         ),
         "-device".into(),
-        "virtio-net-pci,netdev=n0".into(),
+        // no option ROM: nothing boots from the network, and QEMU need not find efi-virtio.rom
+        "virtio-net-pci,netdev=n0,romfile=".into(),
     ]
 }
 
@@ -509,7 +511,8 @@ pub fn hostfwd_args(host_port: u16, guest_port: u16) -> Vec<String> {
         "-netdev".into(),
         format!("user,id=n0,restrict=on,ipv6=off,hostfwd=tcp:127.0.0.1:{host_port}-:{guest_port}"),
         "-device".into(),
-        "virtio-net-pci,netdev=n0".into(),
+        // no option ROM: nothing boots from the network, and QEMU need not find efi-virtio.rom
+        "virtio-net-pci,netdev=n0,romfile=".into(),
     ]
 }
 
