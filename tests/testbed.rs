@@ -58,6 +58,23 @@ fn kernel_selftest() {
     }
 }
 
+/// Soft-RoCE works in the bed (for the fabric's RDMA transport): rdma_rxe on a dummy netdev,
+/// libibverbs sees the device, and the kernel nvme-rdma host reads and writes a kernel
+/// nvmet-rdma target over RoCEv2 inside one guest.
+#[test]
+fn rdma_selftest() {
+    let Some(_bed) = prepare("rdma_selftest") else {
+        return;
+    };
+    let out = Boot::new("rdma-selftest").run().expect("boot");
+    out.assert_success();
+    assert_eq!(out.fact("rdma_link"), "rxe0/1");
+    assert_eq!(out.fact("ibv_device"), "rxe0");
+    assert_eq!(out.fact("transport"), "rdma");
+    assert_eq!(out.fact("io_queues"), "2");
+    assert_eq!(out.fact("verified"), "16MiB");
+}
+
 /// A guest's virtio-blk driver against nacred's vhost-user-blk devices: a device made with the
 /// CLI (64 MiB file volume, 4 KiB blocks, 2 queues) and the embedded default (1 GiB) show up with
 /// the right geometry; data written in one boot is on the volume's file and reads back intact
