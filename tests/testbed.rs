@@ -223,27 +223,58 @@ struct EncryptedDisk {
     plaintext: Vec<u8>,
 }
 
-/// HOOK for the crypto work: today the ciphertext comes from the Python oracle; once nacred's
-/// encrypted volumes land, make it with nacred instead (create a tenant and an encrypted 8 MiB
-/// volume with 4 KiB data units and the plain64 little-endian tweak, write `plaintext` through the
-/// vhost-user-blk device, stop nacred, take the volume's backing file and the test-only export of
-/// its data key), keeping the oracle as the second opinion in `dm_crypt_opens_xts_disk`.
+/// An encrypted disk made by nacred: a tenant with a key-file KEK and the default policy
+/// (AES-256-XTS, 4 KiB data units, plain64 tweak), an encrypted 8 MiB file volume, the plaintext
+/// written through its vhost-user-blk device by libblkio, and the data key taken with
+/// `volume_export_key`. The Python oracle encrypts the same plaintext as a second opinion: its
+/// image must equal nacred's byte for byte.
 fn encrypted_disk(dir: &std::path::Path) -> EncryptedDisk {
-    let key_bytes = loop {
-        let k = testbed::random_bytes(64).unwrap();
-        if k[..32] != k[32..] {
-            break k;
-        }
-    };
-    let key = dir.join("xts.key");
-    std::fs::write(&key, &key_bytes).unwrap();
+    use nacre_tests::blkio_client::{self, BlkioClient, ClientOptions};
+    use serde_json::json;
     // 4 MiB of random data, then 4 MiB of zeros (the guest writes there)
     let mut plaintext = testbed::random_bytes(4 * MIB as usize).unwrap();
     plaintext.resize(8 * MIB as usize, 0);
+    let image = dir.join("disk.img");
+    let key = dir.join("xts.key");
+    let kek = dir.join("tenant.kek");
+    std::fs::write(&kek, testbed::random_bytes(32).unwrap()).unwrap();
+    let mut n = Nacred::start_args(&["--no-default"]);
+    n.ok(
+        "tenant_create",
+        json!({"name": "tb", "kek": {"key_file": kek}, "policy": {"data_unit": 4096, "tweak": "plain64"}}),
+    );
+    n.ok(
+        "volume_create",
+        json!({"name": "disk", "size": 8 * MIB, "block_size": 4096, "backend": "file",
+               "path": image, "tenant": "tb", "encrypt": true}),
+    );
+    n.ok("vhost_blk_create", json!({"name": "d", "volume": "disk"}));
+    {
+        let mut c =
+            BlkioClient::connect(&n.run_dir.join("vhost-d.sock"), &ClientOptions::default())
+                .unwrap();
+        let mut q = c.take_queues().remove(0);
+        for (i, chunk) in plaintext.chunks(MIB as usize).enumerate() {
+            let buf = &mut c.mem()[..chunk.len()];
+            buf.copy_from_slice(chunk);
+            assert_eq!(blkio_client::write(&mut q, i as u64 * MIB, buf).unwrap(), 0);
+        }
+        assert_eq!(blkio_client::flush(&mut q).unwrap(), 0);
+    }
+    n.ok("vhost_blk_delete", json!({"name": "d"}));
+    n.ok(
+        "volume_export_key",
+        json!({"name": "disk", "path": key, "confirm": true}),
+    );
+    assert!(n.stop(), "nacred did not stop cleanly");
     let plain = dir.join("plain.bin");
     std::fs::write(&plain, &plaintext).unwrap();
-    let image = dir.join("disk.img");
-    testbed::xts_oracle_run("encrypt", &key, &plain, &image, 4096, 0).expect("oracle");
+    let oracle = dir.join("oracle.img");
+    testbed::xts_oracle_run("encrypt", &key, &plain, &oracle, 4096, 0).expect("oracle");
+    assert!(
+        std::fs::read(&oracle).unwrap() == std::fs::read(&image).unwrap(),
+        "nacred's ciphertext differs from the oracle's"
+    );
     EncryptedDisk {
         image,
         key,

@@ -6,6 +6,7 @@
 
 pub mod nvmf;
 pub mod table;
+pub mod tenant;
 pub mod vhost;
 pub mod volume;
 
@@ -56,6 +57,9 @@ pub enum Command {
     /// NVMe-oF/TCP subsystems: namespaces, listeners, allowed hosts.
     #[command(subcommand)]
     Nvmf(nvmf::NvmfCmd),
+    /// Tenants: key-encryption keys, encryption policy, KEK rotation.
+    #[command(subcommand)]
+    Tenant(tenant::TenantCmd),
     /// List the methods nacred answers, with a line of help each.
     Methods,
     /// Call any RPC method with raw JSON params and print the raw result.
@@ -101,6 +105,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Volume(c) => volume::run(&mut ctx, c),
         Command::VhostBlk(c) => vhost::run(&mut ctx, c),
         Command::Nvmf(c) => nvmf::run(&mut ctx, c),
+        Command::Tenant(c) => tenant::run(&mut ctx, c),
         Command::Methods => {
             let v = ctx.call("rpc_get_methods", serde_json::json!({"verbose": true}))?;
             ctx.print(&v, |v| {

@@ -13,6 +13,7 @@
 pub mod nvmf;
 pub mod server;
 pub mod state;
+pub mod tenant;
 pub mod vhost;
 pub mod volume;
 
@@ -101,6 +102,7 @@ pub fn methods() -> impl Iterator<Item = &'static Method> {
         .chain(volume::METHODS)
         .chain(vhost::METHODS)
         .chain(nvmf::METHODS)
+        .chain(tenant::METHODS)
 }
 
 const META_METHODS: &[Method] = &[Method {
@@ -142,6 +144,8 @@ pub struct Live {
     pub volumes: HashMap<String, Arc<dyn BlockDevice>>,
     pub vhost_blk: HashMap<String, VhostBlkServer>,
     pub nvmf: Option<Arc<crate::frontend::nvmf_tcp::NvmfTarget>>,
+    /// Tenants' unlocked KEKs (zeroized when dropped); see `tenant`.
+    pub keks: HashMap<String, Arc<crate::crypto::tenant::UnlockedKek>>,
 }
 
 /// The persisted state and the live objects built from it, under the control lock.
@@ -183,7 +187,7 @@ impl Daemon {
     fn replay(&self, state: &State) {
         let mut inner = self.lock();
         for rec in state.volumes.values() {
-            match volume::open_volume(self, rec) {
+            match tenant::open_existing(self, &mut inner, rec) {
                 Ok(dev) => {
                     inner.live.volumes.insert(rec.name.clone(), dev);
                 }

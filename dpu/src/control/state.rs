@@ -29,6 +29,9 @@ pub struct State {
     pub vhost_blk: BTreeMap<String, VhostBlkRecord>,
     #[serde(default)]
     pub nvmf: super::nvmf::NvmfState,
+    /// Tenants: policy, KEK description and check, wrapped data keys (never plaintext keys).
+    #[serde(default)]
+    pub tenants: BTreeMap<String, crate::crypto::tenant::TenantRecord>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
