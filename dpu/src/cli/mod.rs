@@ -5,6 +5,7 @@
 //! from clap).
 
 pub mod nvmf;
+pub mod remote;
 pub mod table;
 pub mod tenant;
 pub mod vhost;
@@ -60,6 +61,9 @@ pub enum Command {
     /// Tenants: key-encryption keys, encryption policy, KEK rotation.
     #[command(subcommand)]
     Tenant(tenant::TenantCmd),
+    /// Remote NVMe-oF controllers (storage shelves) and volumes on their namespaces.
+    #[command(subcommand)]
+    Remote(remote::RemoteCmd),
     /// List the methods nacred answers, with a line of help each.
     Methods,
     /// Call any RPC method with raw JSON params and print the raw result.
@@ -106,6 +110,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::VhostBlk(c) => vhost::run(&mut ctx, c),
         Command::Nvmf(c) => nvmf::run(&mut ctx, c),
         Command::Tenant(c) => tenant::run(&mut ctx, c),
+        Command::Remote(c) => remote::run(&mut ctx, c),
         Command::Methods => {
             let v = ctx.call("rpc_get_methods", serde_json::json!({"verbose": true}))?;
             ctx.print(&v, |v| {

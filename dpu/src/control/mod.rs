@@ -11,6 +11,7 @@
 //! live object is torn down again, so what runs and what would be replayed never diverge.
 
 pub mod nvmf;
+pub mod remote;
 pub mod server;
 pub mod state;
 pub mod tenant;
@@ -103,6 +104,7 @@ pub fn methods() -> impl Iterator<Item = &'static Method> {
         .chain(vhost::METHODS)
         .chain(nvmf::METHODS)
         .chain(tenant::METHODS)
+        .chain(remote::METHODS)
 }
 
 const META_METHODS: &[Method] = &[Method {
@@ -156,6 +158,8 @@ pub struct Inner {
 
 pub struct Daemon {
     pub config: DaemonConfig,
+    /// Remote NVMe-oF controllers (outside `inner`: volumes need them while it is held).
+    pub remotes: remote::Registry,
     inner: Mutex<Inner>,
 }
 
@@ -175,6 +179,7 @@ impl Daemon {
         let state = loaded.unwrap_or_default();
         let daemon = Arc::new(Daemon {
             config,
+            remotes: Default::default(),
             inner: Mutex::new(Inner {
                 state: state.clone(),
                 live: Live::default(),
@@ -185,6 +190,7 @@ impl Daemon {
     }
 
     fn replay(&self, state: &State) {
+        remote::replay(self, state);
         let mut inner = self.lock();
         for rec in state.volumes.values() {
             match tenant::open_existing(self, &mut inner, rec) {
@@ -250,6 +256,7 @@ impl Daemon {
         }
         inner.live.nvmf = None;
         inner.live.volumes.clear();
+        self.remotes.close_all();
     }
 
     pub fn state_dir(&self) -> &Path {

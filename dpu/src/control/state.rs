@@ -32,6 +32,8 @@ pub struct State {
     /// Tenants: policy, KEK description and check, wrapped data keys (never plaintext keys).
     #[serde(default)]
     pub tenants: BTreeMap<String, crate::crypto::tenant::TenantRecord>,
+    #[serde(default)]
+    pub remotes: BTreeMap<String, super::remote::RemoteRecord>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -49,6 +51,9 @@ pub struct VolumeRecord {
     pub tenant: Option<String>,
     #[serde(default)]
     pub encrypted: bool,
+    /// Layout of a `remote` volume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<nacre_shared::api::remote::RemoteLayout>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -132,6 +137,7 @@ mod test {
                 serial: "s".into(),
                 tenant: None,
                 encrypted: false,
+                remote: None,
             },
         );
         save(d.path(), &s).unwrap();

@@ -51,6 +51,7 @@ pub fn open_backend(d: &Daemon, rec: &VolumeRecord) -> Result<Arc<dyn BlockDevic
                 .map_err(|e| RpcError::failed(format!("cannot allocate RAM volume: {e}")))?,
         ),
         BackendKind::Null => Arc::new(NullVolume::new(rec.size, rec.block_size)),
+        BackendKind::Remote => super::remote::open_volume(d, rec)?,
         BackendKind::File => {
             let path = rec
                 .path
@@ -80,7 +81,18 @@ pub fn new_record(d: &Daemon, p: &VolumeCreate) -> Result<VolumeRecord, RpcError
             p.block_size
         )));
     }
-    check_size(p.size, p.block_size)?;
+    let size = if p.backend == BackendKind::Remote {
+        super::remote::volume_size(d, p)?
+    } else {
+        check_size(p.size, p.block_size)?;
+        p.size
+    };
+    if p.remote.is_some() && p.backend != BackendKind::Remote {
+        return Err(RpcError::invalid_params(format!(
+            "remote only applies to remote volumes (backend is {})",
+            p.backend
+        )));
+    }
     if p.path.is_some() && p.backend != BackendKind::File {
         return Err(RpcError::invalid_params(format!(
             "path only applies to file volumes (backend is {})",
@@ -103,7 +115,7 @@ pub fn new_record(d: &Daemon, p: &VolumeCreate) -> Result<VolumeRecord, RpcError
     let uuid = uuid::Uuid::new_v4();
     Ok(VolumeRecord {
         name: p.name.clone(),
-        size: p.size,
+        size,
         block_size: p.block_size,
         backend: p.backend,
         path,
@@ -111,6 +123,7 @@ pub fn new_record(d: &Daemon, p: &VolumeCreate) -> Result<VolumeRecord, RpcError
         uuid: uuid.to_string(),
         tenant: p.tenant.clone(),
         encrypted: p.encrypt,
+        remote: p.remote.clone(),
     })
 }
 
@@ -194,6 +207,7 @@ pub fn info_of(inner: &Inner, rec: &VolumeRecord) -> VolumeInfo {
         tenant: rec.tenant.clone(),
         encrypted: rec.encrypted,
         exported_by: exporters(inner, &rec.name),
+        remote: rec.remote.clone(),
     }
 }
 

@@ -1,1 +1,71 @@
-//! Fabric initiators toward remote NVMe-oF storage. (Not yet: see the README.)
+//! The NVMe-oF initiator: nacred as a *host* of remote NVMe-oF storage (NVMe over Fabrics
+//! 1.1 and the NVMe/TCP Transport Specification 1.0).
+//!
+//! ```text
+//!  volume ──▶ [stripe] ──▶ [multipath] ──▶ RemoteNamespace ──▶ Ctrl ──▶ QueueConn × (1 + N)
+//!            (volume::stripe) (failover,    (BlockDevice:      (session,   (one TCP connection
+//!                              round-robin)  NVM commands)      reconnect)  per queue)
+//! ```
+//!
+//! * [`tcp`] — one queue: ICReq/ICResp, Fabrics Connect, PDUs in and out, R2T, C2H SUCCESS,
+//!   digests; asynchronous completion from a reader thread.
+//! * [`controller`] — bring-up (Property Get/Set, CC.EN, Identify), keep-alive, and the
+//!   reconnect knobs `reconnect_delay`, `ctrl_loss_timeout`, `fast_io_fail_timeout`.
+//! * [`namespace`] — a remote namespace as a [`crate::volume::BlockDevice`].
+//! * [`multipath`] — one namespace through several controllers, checked by NGUID/UUID.
+//! * [`discovery`] — the discovery log page of a portal.
+//!
+//! The wire formats come from `nacre_shared::nvme` and `nacre_shared::nvme_tcp`, shared with
+//! nacred's target.
+
+pub mod cmd;
+pub mod controller;
+pub mod discovery;
+pub mod multipath;
+pub mod namespace;
+pub mod tcp;
+
+pub use controller::{
+    Controller, ControllerConfig, ControllerInfo, ControllerStatus, Ctrl, NamespaceInfo, Phase,
+};
+pub use multipath::{MultipathDevice, PathPolicy};
+pub use namespace::RemoteNamespace;
+
+use nacre_shared::nvme::Status;
+use thiserror::Error;
+
+/// Why a controller could not be reached or brought up.
+#[derive(Debug, Error, Clone)]
+pub enum FabricError {
+    /// TCP connect, ICReq/ICResp or Fabrics Connect failed; retried per reconnect_delay.
+    #[error("cannot connect: {0}")]
+    Connect(String),
+    /// The controller refused us (wrong NQN, host not allowed, a discovery controller).
+    #[error("refused: {0}")]
+    Refused(String),
+    /// The controller broke the NVMe/TCP protocol.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// A step did not finish within its bound.
+    #[error("timed out waiting for {0}")]
+    Timeout(String),
+    /// An admin command (opcode) completed with an error status.
+    #[error("admin command {0:#04x} failed: {1}")]
+    Status(u8, Status),
+    /// A reconnect found different namespaces than before: the controller is failed rather
+    /// than risk writing to the wrong namespace.
+    #[error("{0}")]
+    IdentityChanged(String),
+    /// The controller is failed or closed.
+    #[error("controller failed: {0}")]
+    Failed(String),
+    /// Multipath members that are not the same namespace, and similar misuse.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl FabricError {
+    pub fn io(e: std::io::Error) -> Self {
+        FabricError::Connect(e.to_string())
+    }
+}

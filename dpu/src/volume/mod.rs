@@ -17,6 +17,7 @@
 pub mod file;
 pub mod null;
 pub mod ram;
+pub mod stripe;
 pub mod uring;
 
 use std::sync::{Arc, Condvar, Mutex};

@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use super::remote::RemoteLayout;
+
 /// Where a volume's blocks live.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
@@ -13,6 +15,8 @@ pub enum BackendKind {
     File,
     /// Completes every request at once without touching data (SPDK's null bdev): benchmarks.
     Null,
+    /// Namespaces on remote NVMe-oF controllers (see `remote_attach` and [`RemoteLayout`]).
+    Remote,
 }
 
 impl std::fmt::Display for BackendKind {
@@ -21,6 +25,7 @@ impl std::fmt::Display for BackendKind {
             BackendKind::Ram => "ram",
             BackendKind::File => "file",
             BackendKind::Null => "null",
+            BackendKind::Remote => "remote",
         })
     }
 }
@@ -34,7 +39,8 @@ pub const DEFAULT_BLOCK_SIZE: u32 = 4096;
 #[serde(deny_unknown_fields)]
 pub struct VolumeCreate {
     pub name: String,
-    /// Size in bytes; must be a positive multiple of `block_size`.
+    /// Size in bytes; must be a positive multiple of `block_size`. For `remote` volumes 0
+    /// means the whole capacity of the extents.
     pub size: u64,
     #[serde(default = "default_block_size")]
     pub block_size: u32,
@@ -49,6 +55,9 @@ pub struct VolumeCreate {
     /// Encrypt with a fresh per-volume AES-XTS key wrapped by the tenant's KEK.
     #[serde(default)]
     pub encrypt: bool,
+    /// For `remote`: the namespaces the volume lives on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<RemoteLayout>,
 }
 
 fn default_block_size() -> u32 {
@@ -100,6 +109,8 @@ pub struct VolumeInfo {
     /// Names of devices (vhost-user-blk, NVMe-oF namespaces) exporting this volume.
     #[serde(default)]
     pub exported_by: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<RemoteLayout>,
 }
 
 /// `volume_list` parameters (all optional).

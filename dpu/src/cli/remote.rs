@@ -1,0 +1,291 @@
+//! `nacre remote ...`: remote NVMe-oF controllers and the volumes built on them.
+
+use anyhow::Result;
+use clap::{Args, Subcommand};
+use nacre_shared::size::format_size;
+use serde_json::{json, Value};
+
+use super::table::Table;
+use super::volume::size_arg;
+use super::Ctx;
+
+#[derive(Subcommand, Debug)]
+pub enum RemoteCmd {
+    /// Connect to a remote NVMe-oF/TCP controller (SPDK: bdev_nvme_attach_controller).
+    #[command(
+        after_help = "Examples:\n  nacre remote attach shelf1 --address 10.0.0.5 --subnqn nqn.2024-01.com.example:shelf1\n  nacre remote attach shelf1b --address 10.0.1.5 --subnqn nqn.2024-01.com.example:shelf1 \\\n      --reconnect-delay-sec 2 --ctrl-loss-timeout-sec 60 --fast-io-fail-timeout-sec 10"
+    )]
+    Attach(AttachArgs),
+    /// Disconnect a remote controller that no volume uses.
+    Detach { name: String },
+    /// List remote controllers: state, namespaces, resets.
+    List {
+        /// Only this remote.
+        name: Option<String>,
+    },
+    /// List the subsystems a portal's discovery controller offers.
+    Discover {
+        #[arg(long, default_value = "tcp")]
+        transport: String,
+        #[arg(long)]
+        address: String,
+        #[arg(long, default_value_t = 4420)]
+        port: u16,
+    },
+    /// Create a volume on remote namespaces: one extent, a multipath extent, or a stripe.
+    #[command(
+        name = "volume-create",
+        after_help = "Extents are REMOTE:NSID; the same namespace through several remotes is\nREMOTE:NSID+REMOTE:NSID (multipath); several --extent are striped.\n\nExamples:\n  nacre remote volume-create vol1 --extent shelf1:1\n  nacre remote volume-create vol2 --extent shelf1:1+shelf1b:1 --multipath round_robin\n  nacre remote volume-create big --extent shelf1:2 --extent shelf2:2 --stripe-size 128K"
+    )]
+    VolumeCreate(VolumeArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct AttachArgs {
+    /// nacre's name for the controller (volumes say NAME:NSID).
+    pub name: String,
+    #[arg(long, default_value = "tcp")]
+    pub transport: String,
+    #[arg(long)]
+    pub address: String,
+    #[arg(long, default_value_t = 4420)]
+    pub port: u16,
+    /// Subsystem NQN.
+    #[arg(long, alias = "nqn")]
+    pub subnqn: String,
+    /// Host NQN [default: nacred's own].
+    #[arg(long)]
+    pub hostnqn: Option<String>,
+    /// I/O queues (TCP connections) [default: 4].
+    #[arg(long)]
+    pub io_queues: Option<u16>,
+    /// Commands in flight per queue [default: 128].
+    #[arg(long)]
+    pub queue_depth: Option<u16>,
+    #[arg(long)]
+    pub header_digest: bool,
+    #[arg(long)]
+    pub data_digest: bool,
+    /// Largest write sent in the command capsule, bytes [default: 8192].
+    #[arg(long)]
+    pub in_capsule_data_size: Option<u32>,
+    /// Keep Alive Timeout in ms, 0 = off [default: 10000].
+    #[arg(long)]
+    pub keep_alive_timeout_ms: Option<u32>,
+    /// Seconds between reconnection attempts [default: 2].
+    #[arg(long)]
+    pub reconnect_delay_sec: Option<u32>,
+    /// Give up after this many seconds disconnected; -1 never, 0 no reconnect [default: 30].
+    #[arg(long, allow_negative_numbers = true)]
+    pub ctrl_loss_timeout_sec: Option<i32>,
+    /// Fail I/O instead of holding it after this many seconds disconnected, 0 = off.
+    #[arg(long)]
+    pub fast_io_fail_timeout_sec: Option<u32>,
+    /// Reset the controller when a command is outstanding this long, 0 = off [default: 30].
+    #[arg(long)]
+    pub io_timeout_sec: Option<u32>,
+    /// Wait this long after a connection loss before resending its commands [default: 1000].
+    #[arg(long)]
+    pub quiesce_time_ms: Option<u32>,
+}
+
+#[derive(Args, Debug)]
+pub struct VolumeArgs {
+    pub name: String,
+    /// REMOTE:NSID or REMOTE:NSID+REMOTE:NSID (multipath); repeat to stripe.
+    #[arg(long = "extent", required = true)]
+    pub extents: Vec<String>,
+    /// Stripe unit for several extents, e.g. 128K.
+    #[arg(long, value_parser = size_arg)]
+    pub stripe_size: Option<u64>,
+    /// failover (active-passive) or round_robin (active-active).
+    #[arg(long, default_value = "failover")]
+    pub multipath: String,
+    /// Use only the first SIZE bytes [default: all the extents hold].
+    #[arg(long, value_parser = size_arg)]
+    pub size: Option<u64>,
+    /// Logical block size: 512 or 4096 (a multiple of the namespaces').
+    #[arg(long, default_value_t = 4096)]
+    pub block_size: u32,
+    #[arg(long)]
+    pub tenant: Option<String>,
+    #[arg(long, requires = "tenant")]
+    pub encrypt: bool,
+}
+
+pub fn run(ctx: &mut Ctx, cmd: RemoteCmd) -> Result<()> {
+    match cmd {
+        RemoteCmd::Attach(a) => {
+            let mut p = json!({
+                "name": a.name, "transport": a.transport, "address": a.address,
+                "port": a.port, "subnqn": a.subnqn,
+                "header_digest": a.header_digest, "data_digest": a.data_digest,
+            });
+            let opt = |p: &mut Value, k: &str, v: Option<Value>| {
+                if let Some(v) = v {
+                    p[k] = v;
+                }
+            };
+            opt(&mut p, "hostnqn", a.hostnqn.map(|v| json!(v)));
+            opt(&mut p, "io_queues", a.io_queues.map(|v| json!(v)));
+            opt(&mut p, "queue_depth", a.queue_depth.map(|v| json!(v)));
+            opt(
+                &mut p,
+                "in_capsule_data_size",
+                a.in_capsule_data_size.map(|v| json!(v)),
+            );
+            opt(
+                &mut p,
+                "keep_alive_timeout_ms",
+                a.keep_alive_timeout_ms.map(|v| json!(v)),
+            );
+            opt(
+                &mut p,
+                "reconnect_delay_sec",
+                a.reconnect_delay_sec.map(|v| json!(v)),
+            );
+            opt(
+                &mut p,
+                "ctrl_loss_timeout_sec",
+                a.ctrl_loss_timeout_sec.map(|v| json!(v)),
+            );
+            opt(
+                &mut p,
+                "fast_io_fail_timeout_sec",
+                a.fast_io_fail_timeout_sec.map(|v| json!(v)),
+            );
+            opt(&mut p, "io_timeout_sec", a.io_timeout_sec.map(|v| json!(v)));
+            opt(
+                &mut p,
+                "quiesce_time_ms",
+                a.quiesce_time_ms.map(|v| json!(v)),
+            );
+            let v = ctx.call("remote_attach", p)?;
+            ctx.print(&v, |v| {
+                println!(
+                    "attached remote {} ({} {}, {} namespace(s))",
+                    v["name"].as_str().unwrap_or(""),
+                    v["model"].as_str().unwrap_or("?"),
+                    v["subnqn"].as_str().unwrap_or(""),
+                    v["namespaces"].as_array().map_or(0, |a| a.len())
+                );
+                print_namespaces(v);
+            });
+        }
+        RemoteCmd::Detach { name } => {
+            let v = ctx.call("remote_detach", json!({ "name": name }))?;
+            ctx.print(&v, |_| println!("detached remote {name}"));
+        }
+        RemoteCmd::List { name } => {
+            let p = name.map(|n| json!({ "name": n })).unwrap_or(Value::Null);
+            let v = ctx.call("remote_list", p)?;
+            ctx.print(&v, print_remotes);
+        }
+        RemoteCmd::Discover {
+            transport,
+            address,
+            port,
+        } => {
+            let v = ctx.call(
+                "remote_discover",
+                json!({"transport": transport, "address": address, "port": port}),
+            )?;
+            ctx.print(&v, |v| {
+                let mut t = Table::new(&["SUBNQN", "TYPE", "TRANSPORT", "ADDRESS", "PORT"]);
+                for e in v.as_array().into_iter().flatten() {
+                    let s = |k: &str| e[k].as_str().unwrap_or("").to_string();
+                    t.row(vec![
+                        s("subnqn"),
+                        s("subtype"),
+                        s("transport"),
+                        s("address"),
+                        s("port"),
+                    ]);
+                }
+                t.print();
+            });
+        }
+        RemoteCmd::VolumeCreate(a) => {
+            let mut remote = json!({ "extents": a.extents, "multipath": a.multipath });
+            if let Some(ss) = a.stripe_size {
+                remote["stripe_size"] = json!(ss);
+            }
+            let mut p = json!({
+                "name": a.name, "backend": "remote", "block_size": a.block_size,
+                "size": a.size.unwrap_or(0), "remote": remote,
+            });
+            if let Some(t) = a.tenant {
+                p["tenant"] = json!(t);
+            }
+            if a.encrypt {
+                p["encrypt"] = json!(true);
+            }
+            let v = ctx.call("volume_create", p)?;
+            ctx.print(&v, |v| {
+                println!(
+                    "created volume {} ({}, remote, serial {})",
+                    v["name"].as_str().unwrap_or(""),
+                    format_size(v["size"].as_u64().unwrap_or(0)),
+                    v["serial"].as_str().unwrap_or("")
+                )
+            });
+        }
+    }
+    Ok(())
+}
+
+fn print_namespaces(r: &Value) {
+    for n in r["namespaces"].as_array().into_iter().flatten() {
+        println!(
+            "  nsid {:<4} {:>8} x {:<5} {}",
+            n["nsid"],
+            format_size(n["size"].as_u64().unwrap_or(0)),
+            n["block_size"],
+            n["id"].as_str().unwrap_or("")
+        );
+    }
+}
+
+fn print_remotes(v: &Value) {
+    let mut t = Table::new(&[
+        "NAME",
+        "STATE",
+        "ADDRESS",
+        "SUBNQN",
+        "NAMESPACES",
+        "RESETS",
+        "USED BY",
+    ]);
+    for r in v.as_array().into_iter().flatten() {
+        let s = |k: &str| r[k].as_str().unwrap_or("").to_string();
+        t.row(vec![
+            s("name"),
+            s("state"),
+            format!("{}:{}", s("address"), r["port"]),
+            s("subnqn"),
+            r["namespaces"]
+                .as_array()
+                .map_or(0, |a| a.len())
+                .to_string(),
+            r["resets"].to_string(),
+            r["used_by"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(Value::as_str)
+                        .collect::<Vec<_>>()
+                        .join(",")
+                })
+                .filter(|s| !s.is_empty())
+                .unwrap_or_else(|| "-".into()),
+        ]);
+    }
+    t.print();
+    for r in v.as_array().into_iter().flatten() {
+        if let Some(e) = r["last_error"].as_str() {
+            if r["state"] != "live" {
+                println!("{}: {e}", r["name"].as_str().unwrap_or(""));
+            }
+        }
+    }
+}

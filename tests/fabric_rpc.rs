@@ -1,0 +1,264 @@
+//! Remote volumes through the real nacred: `remote_attach` to a storage shelf (nacre's own
+//! NVMe-oF/TCP target, run in this test process), a remote volume served over
+//! vhost-user-blk to libblkio, persistence across restarts with the shelf down, and the
+//! errors operators get.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nacre_dpu::frontend::nvmf_tcp::NvmfTarget;
+use nacre_dpu::volume::ram::RamVolume;
+use nacre_dpu::volume::BlockDevice;
+use nacre_shared::rpc;
+use nacre_tests::blkio_client::{read, write, BlkioClient, ClientOptions};
+use nacre_tests::daemon::Nacred;
+use nacre_tests::fabric_support::pattern;
+use serde_json::{json, Value};
+
+const NQN: &str = "nqn.2024-01.io.nacre:shelf-rpc";
+
+struct Shelf {
+    target: Arc<NvmfTarget>,
+    addr: SocketAddr,
+    vol: Arc<RamVolume>,
+}
+
+fn shelf_on(addr: &str, vol: Arc<RamVolume>) -> Shelf {
+    let target = NvmfTarget::new();
+    target
+        .create_subsystem(NQN, "SHELFRPC", "nacre shelf", true)
+        .unwrap();
+    target
+        .add_namespace(NQN, Some(1), vol.clone(), [0x77; 16], "v".into())
+        .unwrap();
+    let mut last = None;
+    for _ in 0..100 {
+        match target.add_listener(NQN, addr.parse().unwrap()) {
+            Ok(a) => {
+                return Shelf {
+                    target,
+                    addr: a,
+                    vol,
+                }
+            }
+            Err(e) => last = Some(e),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("cannot listen on {addr}: {last:?}");
+}
+
+fn attach_params(name: &str, port: u16) -> Value {
+    json!({"name": name, "address": "127.0.0.1", "port": port, "subnqn": NQN,
+           "io_queues": 2, "queue_depth": 32, "reconnect_delay_sec": 1,
+           "ctrl_loss_timeout_sec": -1, "quiesce_time_ms": 50})
+}
+
+#[test]
+fn remote_volume_served_over_vhost_user_blk() {
+    let shelf = shelf_on(
+        "127.0.0.1:0",
+        Arc::new(RamVolume::new(32 << 20, 512).unwrap()),
+    );
+    let n = Nacred::start_args(&["--no-default"]);
+    let r = n.ok("remote_attach", attach_params("shelf", shelf.addr.port()));
+    assert_eq!(r["state"], "live");
+    assert_eq!(r["model"], "nacre shelf");
+    assert_eq!(r["namespaces"][0]["nsid"], 1);
+    assert_eq!(r["namespaces"][0]["size"], 32u64 << 20);
+    assert_eq!(
+        r["namespaces"][0]["id"],
+        "nguid:77777777777777777777777777777777"
+    );
+    // A 4096-byte volume over the 512-byte namespace, all of it.
+    let v = n.ok(
+        "volume_create",
+        json!({"name": "rv", "backend": "remote", "size": 0, "remote": {"extents": ["shelf:1"]}}),
+    );
+    assert_eq!(v["size"], 32u64 << 20);
+    assert_eq!(v["backend"], "remote");
+    n.ok(
+        "vhost_blk_create",
+        json!({"name": "rv", "volume": "rv", "queues": 2}),
+    );
+    let sock = n.run_dir.join("vhost-rv.sock");
+    let mut c = BlkioClient::connect(
+        &sock,
+        &ClientOptions {
+            queues: 2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(c.capacity().unwrap(), 32 << 20);
+    let mut qs = c.take_queues();
+    let mem = c.mem();
+    let mut written = Vec::new();
+    for i in 0..16u64 {
+        let off = i * (1 << 20) + 4096 * i;
+        let len = 4096 * (1 + (i as usize % 8) * 4);
+        let d = pattern(i, off, len);
+        mem[..len].copy_from_slice(&d);
+        assert_eq!(
+            write(&mut qs[(i % 2) as usize], off, &mem[..len]).unwrap(),
+            0
+        );
+        written.push((off, d));
+    }
+    for (i, (off, d)) in written.iter().enumerate() {
+        let buf = &mut mem[..d.len()];
+        buf.fill(0);
+        assert_eq!(read(&mut qs[i % 2], *off, buf).unwrap(), 0);
+        assert!(
+            buf[..] == d[..],
+            "read back through vhost-user-blk at {off}"
+        );
+        let mut at_shelf = vec![0u8; d.len()];
+        shelf.vol.read_at(*off, &mut at_shelf).unwrap();
+        assert!(at_shelf == *d, "the shelf holds the data at {off}");
+    }
+    // Operator errors.
+    let (code, msg) = n.err("remote_detach", json!({"name": "shelf"}));
+    assert_eq!(code, rpc::BUSY);
+    assert!(msg.contains("rv"), "{msg}");
+    let l = n.ok("remote_list", Value::Null);
+    assert_eq!(l[0]["used_by"], json!(["rv"]));
+    drop(shelf);
+}
+
+#[test]
+fn remote_errors_are_clear() {
+    let shelf = shelf_on(
+        "127.0.0.1:0",
+        Arc::new(RamVolume::new(8 << 20, 4096).unwrap()),
+    );
+    let n = Nacred::start_args(&["--no-default"]);
+    let mut bad = attach_params("s", shelf.addr.port());
+    bad["reconnect_delay_sec"] = json!(0);
+    let (code, msg) = n.err("remote_attach", bad);
+    assert_eq!(code, rpc::INVALID_PARAMS);
+    assert!(msg.contains("reconnect_delay_sec"), "{msg}");
+    let mut bad = attach_params("s", shelf.addr.port());
+    bad["transport"] = json!("rdma");
+    assert!(n.err("remote_attach", bad).1.contains("tcp"));
+    let mut bad = attach_params("s", shelf.addr.port());
+    bad["subnqn"] = json!("nqn.2024-01.io.nacre:nope");
+    let (code, msg) = n.err("remote_attach", bad);
+    assert_eq!(code, rpc::OPERATION_FAILED);
+    assert!(msg.contains("cannot attach"), "{msg}");
+    let (_, msg) = n.err("remote_attach", attach_params("s", 1));
+    assert!(msg.contains("cannot attach"), "{msg}");
+    assert_eq!(
+        n.ok("remote_list", Value::Null),
+        json!([]),
+        "nothing half-attached"
+    );
+
+    n.ok("remote_attach", attach_params("s", shelf.addr.port()));
+    assert_eq!(
+        n.err("remote_attach", attach_params("s", shelf.addr.port()))
+            .0,
+        rpc::ALREADY_EXISTS
+    );
+    let (_, msg) = n.err(
+        "volume_create",
+        json!({"name": "x", "backend": "remote", "size": 0, "remote": {"extents": ["s:2"]}}),
+    );
+    assert!(msg.contains("no namespace 2"), "{msg}");
+    let (_, msg) = n.err(
+        "volume_create",
+        json!({"name": "x", "backend": "remote", "size": 0, "remote": {"extents": ["t:1"]}}),
+    );
+    assert!(msg.contains("not attached"), "{msg}");
+    let (_, msg) = n.err(
+        "volume_create",
+        json!({"name": "x", "backend": "remote", "size": 0, "block_size": 512, "remote": {"extents": ["s:1"]}}),
+    );
+    assert!(msg.contains("does not divide"), "{msg}");
+    let (_, msg) = n.err(
+        "volume_create",
+        json!({"name": "x", "backend": "remote", "size": 0}),
+    );
+    assert!(msg.contains("extents"), "{msg}");
+    let (_, msg) = n.err(
+        "volume_create",
+        json!({"name": "x", "backend": "remote", "size": 1u64 << 40, "remote": {"extents": ["s:1"]}}),
+    );
+    assert!(msg.contains("exceeds"), "{msg}");
+    // A part of the namespace is fine.
+    let v = n.ok(
+        "volume_create",
+        json!({"name": "x", "backend": "remote", "size": 1 << 20, "remote": {"extents": ["s:1"]}}),
+    );
+    assert_eq!(v["size"], 1 << 20);
+    // Discovery through the RPC and the CLI.
+    let d = n.ok(
+        "remote_discover",
+        json!({"address": "127.0.0.1", "port": shelf.addr.port()}),
+    );
+    assert!(d
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|e| e["subnqn"] == NQN && e["subtype"] == "nvme"));
+    let out = n.cli(&[
+        "remote",
+        "discover",
+        "--address",
+        "127.0.0.1",
+        "--port",
+        &shelf.addr.port().to_string(),
+    ]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains(NQN));
+    let out = n.cli(&["remote", "list"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("live") && text.contains("x"), "{text}");
+    // Detach after the volume is gone.
+    n.ok("volume_delete", json!({"name": "x"}));
+    n.ok("remote_detach", json!({"name": "s"}));
+    assert_eq!(n.ok("remote_list", Value::Null), json!([]));
+}
+
+#[test]
+fn remote_down_at_start_does_not_block_nacred_and_comes_back() {
+    let ram = Arc::new(RamVolume::new(8 << 20, 4096).unwrap());
+    let shelf = shelf_on("127.0.0.1:0", ram.clone());
+    let addr = shelf.addr;
+    let mut n = Nacred::start_args(&["--no-default"]);
+    n.ok("remote_attach", attach_params("s", addr.port()));
+    n.ok(
+        "volume_create",
+        json!({"name": "rv", "backend": "remote", "size": 0, "remote": {"extents": ["s:1"]}}),
+    );
+    let v = n.ok("volume_list", json!({"name": "rv"}));
+    let size = v[0]["size"].clone();
+    // Shelf down, nacred restarted: it comes up and answers at once.
+    n.stop();
+    drop(shelf);
+    let t = Instant::now();
+    n.restart();
+    let l = n.ok("remote_list", Value::Null);
+    assert_ne!(l[0]["state"], "live", "{l}");
+    assert_eq!(n.ok("volume_list", json!({"name": "rv"}))[0]["size"], size);
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "restart did not wait for the shelf"
+    );
+    // The shelf returns on the same portal: nacred reconnects by itself.
+    let _shelf = shelf_on(&addr.to_string(), ram);
+    let t = Instant::now();
+    loop {
+        let l = n.ok("remote_list", Value::Null);
+        if l[0]["state"] == "live" {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "never reconnected: {l}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = &_shelf.target;
+}
