@@ -86,7 +86,20 @@ fn rpc_made_subsystem_serves_io_and_survives_restart() {
     n.ok("nvmf_subsystem_delete", json!({"nqn": NQN}));
     n.restart();
     let subs = n.ok("nvmf_get_subsystems", json!({}));
-    assert_eq!(subs.as_array().unwrap().len(), 1, "only discovery: {subs}");
+    let nqns: Vec<&str> = subs
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["nqn"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        nqns,
+        [
+            "nqn.2014-08.org.nvmexpress.discovery",
+            "nqn.2014-08.io.nacre:default"
+        ],
+        "only discovery and the embedded default: {subs}"
+    );
     n.ok("volume_delete", json!({"name": "nv"}));
 }
 

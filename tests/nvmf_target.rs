@@ -305,6 +305,21 @@ fn io_errors_carry_nvme_status() {
         h.io_cmd(0, cmd, &[0u8; 4096], 0),
         Err(HostError::Nvme(Status::DATA_SGL_LENGTH_INVALID, _))
     ));
+    // A log page request beyond MDTS (NUMD allows 16 GiB).
+    assert!(matches!(
+        h.get_log_page(lid::SMART_HEALTH, 0xFFFF_FFFF, 1 << 20, 0, false),
+        Err(HostError::Nvme(Status::INVALID_FIELD, _))
+    ));
+    let mut huge = Command {
+        opcode: admin_opcode::GET_LOG_PAGE,
+        nsid: 0xFFFF_FFFF,
+        cdw10: lid::SMART_HEALTH as u32 | 0xFFFF << 16,
+        cdw11: 0xFFFF,
+        ..Default::default()
+    };
+    huge.sgl = SglDescriptor::transport(512);
+    let r = h.admin.call(huge, &[], 512).unwrap();
+    assert_eq!(r.status(), Status::INVALID_FIELD);
     // Unsupported log page and feature.
     assert!(matches!(
         h.get_log_page(0x7F, 0, 512, 0, false),

@@ -38,6 +38,10 @@ thread_local! {
 const RBUF_LEN: usize = limits::MAX_TRANSFER + 64 * 1024;
 /// Flush the send buffer early once it holds this much.
 const FLUSH_AT: usize = 256 * 1024;
+/// How long a send may block on a host that stops reading before the connection is dropped:
+/// replies are also sent from other threads (completions, asynchronous events raised by the
+/// control plane), which must not hang on one stuck host.
+const WRITE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 /// How long a new connection may take to send its ICReq.
 const IC_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
@@ -274,6 +278,7 @@ struct Conn {
 pub(crate) fn serve(target: &Arc<TargetInner>, sock: TcpStream, listener: SocketAddr) {
     let local_ip = sock.local_addr().map(|a| a.ip()).unwrap_or(listener.ip());
     let Ok(wr) = sock.try_clone() else { return };
+    let _ = wr.set_write_timeout(Some(WRITE_TIMEOUT));
     let Ok(shut) = sock.try_clone() else { return };
     let mut rd = sock;
     // A peer that connects and says nothing must not hold a thread forever.

@@ -350,8 +350,9 @@ impl Controller {
 
     fn get_log_page(&self, c: &Command) -> AdminReply {
         let req = GetLogPage::from_command(c);
-        if req.offset % 4 != 0 {
-            // Log page offsets are dword granular.
+        if req.offset % 4 != 0 || req.len > limits::MAX_TRANSFER {
+            // Log page offsets are dword granular, and no transfer exceeds MDTS (NUMD can
+            // ask for 16 GiB).
             return done(Status::INVALID_FIELD);
         }
         // LSP (Dword 10 bits 14:8) is ignored: for the discovery log, nvme-cli may set
