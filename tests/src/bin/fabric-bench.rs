@@ -125,9 +125,16 @@ fn run(vol: Arc<dyn BlockDevice>, dir: &Path, name: &str, o: &Opts) -> Result<Re
     };
     for i in 0..o.qd {
         // SAFETY: slot i of the mapped region, qd * BS bytes long.
-        q.read(next_off(), unsafe { base.add(i * BS) }, BS, i, ReqFlags::empty());
+        q.read(
+            next_off(),
+            unsafe { base.add(i * BS) },
+            BS,
+            i,
+            ReqFlags::empty(),
+        );
     }
-    let mut comps: Vec<MaybeUninit<Completion>> = (0..o.qd).map(|_| MaybeUninit::uninit()).collect();
+    let mut comps: Vec<MaybeUninit<Completion>> =
+        (0..o.qd).map(|_| MaybeUninit::uninit()).collect();
     let mut measure = |secs: f64| -> Result<(u64, f64, f64)> {
         let (t0, c0) = (Instant::now(), cpu_seconds());
         let mut n = 0u64;
@@ -143,7 +150,13 @@ fn run(vol: Arc<dyn BlockDevice>, dir: &Path, name: &str, o: &Opts) -> Result<Re
                 }
                 let i = cm.user_data;
                 // SAFETY: as above.
-                q.read(next_off(), unsafe { base.add(i * BS) }, BS, i, ReqFlags::empty());
+                q.read(
+                    next_off(),
+                    unsafe { base.add(i * BS) },
+                    BS,
+                    i,
+                    ReqFlags::empty(),
+                );
             }
             n += got as u64;
         }
@@ -205,12 +218,20 @@ fn main() -> Result<()> {
         ("ram", ram.clone()),
         (
             "ram+xts",
-            Arc::new(EncryptedVolume::new(ram, &key, EncryptionPolicy::default())?),
+            Arc::new(EncryptedVolume::new(
+                ram,
+                &key,
+                EncryptionPolicy::default(),
+            )?),
         ),
         ("nvme-tcp", remote.clone()),
         (
             "nvme-tcp+xts",
-            Arc::new(EncryptedVolume::new(remote, &key, EncryptionPolicy::default())?),
+            Arc::new(EncryptedVolume::new(
+                remote,
+                &key,
+                EncryptionPolicy::default(),
+            )?),
         ),
     ];
     println!(
