@@ -307,7 +307,7 @@ pub struct Ctrl {
     max_transfer: AtomicUsize,
     oncs: AtomicUsize,
     live: AtomicBool,
-    /// Written by tests through the fault-free path only; counts commands submitted.
+    /// Commands submitted to this controller (observability; multipath tests read it).
     pub submitted: AtomicU64,
 }
 
