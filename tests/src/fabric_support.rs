@@ -625,7 +625,12 @@ fn admin(st: &Arc<TState>, c: &mut Conn, sqe: Command) -> std::io::Result<()> {
                         maxcmd: 1024,
                         nn: g.iter().map(|n| n.nsid).max().unwrap_or(0),
                         oncs: identify::oncs::WRITE_ZEROES | identify::oncs::DATASET_MANAGEMENT,
-                        sgls: identify::SGLS_SUPPORTED | identify::SGLS_OFFSET,
+                        sgls: identify::SGLS_SUPPORTED
+                            | if st.opts.icd > 0 {
+                                identify::SGLS_OFFSET
+                            } else {
+                                0
+                            },
                         subnqn: st.opts.subnqn.clone(),
                         ioccsz: ((st.opts.icd + 64) / 16) as u32,
                         iorcsz: 1,

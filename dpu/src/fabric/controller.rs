@@ -220,6 +220,9 @@ pub struct ControllerInfo {
     pub oncs: u16,
     /// Command Quiesce Time in milliseconds (0: not reported).
     pub cqt_ms: u16,
+    /// I/O Queue Command Capsule Supported Size (16-byte units) and SGL Support.
+    pub ioccsz: u32,
+    pub sgls: u32,
     pub io_queues: u16,
     pub queue_depth: u16,
     pub namespaces: Vec<NamespaceInfo>,
@@ -934,9 +937,15 @@ impl QueueOwner for Ctrl {
     }
 }
 
+/// In-capsule data for I/O queues: what the host wants, capped by what the controller takes
+/// — IOCCSZ (16-byte units, including the 64-byte SQE) and SGLS bit 20 (Offset SGLs, the
+/// only form in-capsule data can take). A controller without it gets every write by R2T.
 fn info_icd(cfg: &ControllerConfig, info: &ControllerInfo) -> usize {
-    let _ = info;
-    cfg.in_capsule_data_size
+    if info.sgls & identify::SGLS_OFFSET == 0 {
+        return 0;
+    }
+    let ctrl = (info.ioccsz as usize * 16).saturating_sub(64);
+    cfg.in_capsule_data_size.min(ctrl)
 }
 
 fn queue_entry_sizes() -> u32 {
@@ -1138,6 +1147,8 @@ fn bring_up(
             max_transfer,
             oncs: id.oncs,
             cqt_ms,
+            ioccsz: id.ioccsz,
+            sgls: id.sgls,
             io_queues: 0,
             queue_depth: 0,
             namespaces,

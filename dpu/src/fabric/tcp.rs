@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use nacre_shared::nvme::command::{sgl, PSDT_SGL};
 use nacre_shared::nvme::fabrics::{Connect, ConnectData};
-use nacre_shared::nvme::{Completion as Cqe, SglDescriptor};
+use nacre_shared::nvme::{admin_opcode, Completion as Cqe, SglDescriptor};
 use nacre_shared::nvme_tcp::{
     self as pdu, digest::crc32c, fes, flags, pdu_type, CommonHeader, DataHeader, Digests, IcReq,
     IcResp, CH_LEN, DIGEST_LEN, IC_LEN,
@@ -299,7 +299,10 @@ impl QueueConn {
         let cid = cid_of(idx, slot.gen);
         cmd.sqe.cid = cid;
         cmd.sqe.flags = (cmd.sqe.flags & !0xC0) | PSDT_SGL;
-        let in_capsule = cmd.dir == Dir::H2C && cmd.len <= self.icd_max();
+        // Fabrics commands (Connect data) always travel in the capsule (NVMe-oF 1.1 §3.3:
+        // a controller accepts Connect data in-capsule whatever its IOCCSZ).
+        let in_capsule = cmd.dir == Dir::H2C
+            && (cmd.len <= self.icd_max() || cmd.sqe.opcode == admin_opcode::FABRICS);
         cmd.sqe.sgl = if in_capsule {
             SglDescriptor::in_capsule(cmd.len as u32)
         } else {
@@ -612,7 +615,10 @@ impl QueueConn {
         let (off, len) = (r.datao as usize, r.datal as usize);
         let mut data = Vec::new();
         self.with_cmd(r.cccid, hdr, |cmd| {
-            if cmd.dir != Dir::H2C || cmd.len <= self.icd_max() {
+            if cmd.dir != Dir::H2C
+                || cmd.len <= self.icd_max()
+                || cmd.sqe.opcode == admin_opcode::FABRICS
+            {
                 return Err(Fatal::proto(
                     "R2T for a command with no data to transfer",
                     fes::PDU_SEQUENCE_ERROR,
