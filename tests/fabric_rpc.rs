@@ -155,7 +155,36 @@ fn remote_errors_are_clear() {
         "nothing half-attached"
     );
 
-    n.ok("remote_attach", attach_params("s", shelf.addr.port()));
+    // Attach through the CLI, as an operator would.
+    let port = shelf.addr.port().to_string();
+    let out = n.cli(&[
+        "remote",
+        "attach",
+        "s",
+        "--address",
+        "127.0.0.1",
+        "--port",
+        &port,
+        "--subnqn",
+        NQN,
+        "--io-queues",
+        "2",
+        "--reconnect-delay-sec",
+        "1",
+        "--ctrl-loss-timeout-sec",
+        "-1",
+        "--header-digest",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("attached remote s") && text.contains("nsid 1"),
+        "{text}"
+    );
     assert_eq!(
         n.err("remote_attach", attach_params("s", shelf.addr.port()))
             .0,
@@ -187,11 +216,23 @@ fn remote_errors_are_clear() {
     );
     assert!(msg.contains("exceeds"), "{msg}");
     // A part of the namespace is fine.
-    let v = n.ok(
-        "volume_create",
-        json!({"name": "x", "backend": "remote", "size": 1 << 20, "remote": {"extents": ["s:1"]}}),
+    let out = n.cli(&[
+        "remote",
+        "volume-create",
+        "x",
+        "--extent",
+        "s:1",
+        "--size",
+        "1M",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(v["size"], 1 << 20);
+    let v = n.ok("volume_list", json!({"name": "x"}));
+    assert_eq!(v[0]["size"], 1 << 20);
+    assert_eq!(v[0]["remote"]["extents"], json!(["s:1"]));
     // Discovery through the RPC and the CLI.
     let d = n.ok(
         "remote_discover",
