@@ -158,30 +158,24 @@ fn io_round_trip(digests: Digests, bs: u32, vol: Arc<dyn BlockDevice>) {
     h.write(0, 1, 0, &small, bs_us).unwrap();
     h.write(1, 1, (64 * 1024 / bs) as u64, &large, bs_us)
         .unwrap();
-    assert_eq!(h.read(1, 1, 0, (4096 / bs) as u32, bs_us).unwrap(), small);
+    assert_eq!(h.read(1, 1, 0, 4096 / bs, bs_us).unwrap(), small);
     assert_eq!(
-        h.read(
-            0,
-            1,
-            (64 * 1024 / bs) as u64,
-            (128 * 1024 / bs) as u32,
-            bs_us
-        )
-        .unwrap(),
+        h.read(0, 1, (64 * 1024 / bs) as u64, 128 * 1024 / bs, bs_us)
+            .unwrap(),
         large
     );
     h.flush(0, 1).unwrap();
     // Write Zeroes and Deallocate read back as zeros, neighbours untouched.
-    h.write_zeroes(0, 1, (64 * 1024 / bs) as u64, (8192 / bs) as u32)
+    h.write_zeroes(0, 1, (64 * 1024 / bs) as u64, 8192 / bs)
         .unwrap();
     let back = h
-        .read(0, 1, (64 * 1024 / bs) as u64, (16384 / bs) as u32, bs_us)
+        .read(0, 1, (64 * 1024 / bs) as u64, 16384 / bs, bs_us)
         .unwrap();
     assert!(back[..8192].iter().all(|&b| b == 0));
     assert_eq!(&back[8192..], &large[8192..16384]);
-    h.deallocate(1, 1, &[(0, (4096 / bs) as u32)]).unwrap();
+    h.deallocate(1, 1, &[(0, 4096 / bs)]).unwrap();
     assert!(h
-        .read(1, 1, 0, (4096 / bs) as u32, bs_us)
+        .read(1, 1, 0, 4096 / bs, bs_us)
         .unwrap()
         .iter()
         .all(|&b| b == 0));
@@ -311,6 +305,21 @@ fn io_errors_carry_nvme_status() {
         h.io_cmd(0, cmd, &[0u8; 4096], 0),
         Err(HostError::Nvme(Status::DATA_SGL_LENGTH_INVALID, _))
     ));
+    // A log page request beyond MDTS (NUMD allows 16 GiB).
+    assert!(matches!(
+        h.get_log_page(lid::SMART_HEALTH, 0xFFFF_FFFF, 1 << 20, 0, false),
+        Err(HostError::Nvme(Status::INVALID_FIELD, _))
+    ));
+    let mut huge = Command {
+        opcode: admin_opcode::GET_LOG_PAGE,
+        nsid: 0xFFFF_FFFF,
+        cdw10: lid::SMART_HEALTH as u32 | 0xFFFF << 16,
+        cdw11: 0xFFFF,
+        ..Default::default()
+    };
+    huge.sgl = SglDescriptor::transport(512);
+    let r = h.admin.call(huge, &[], 512).unwrap();
+    assert_eq!(r.status(), Status::INVALID_FIELD);
     // Unsupported log page and feature.
     assert!(matches!(
         h.get_log_page(0x7F, 0, 512, 0, false),
@@ -473,4 +482,86 @@ fn io_queue_connect_checks() {
         .unwrap();
     assert_eq!(r.status(), Status::CONNECT_INVALID_PARAMETERS);
     assert_eq!(r.cqe.dw0, 1 << 16 | 16);
+}
+
+/// A volume that completes every request later, from its own worker thread, like a remote
+/// or offloaded backend.
+struct DeferredVolume {
+    inner: Arc<dyn BlockDevice>,
+    tx: std::sync::Mutex<
+        std::sync::mpsc::Sender<(
+            nacre_dpu::volume::IoRequest,
+            Arc<dyn nacre_dpu::volume::Completion>,
+        )>,
+    >,
+}
+
+impl DeferredVolume {
+    fn new(inner: Arc<dyn BlockDevice>) -> Arc<Self> {
+        let (tx, rx) = std::sync::mpsc::channel::<(
+            nacre_dpu::volume::IoRequest,
+            Arc<dyn nacre_dpu::volume::Completion>,
+        )>();
+        let dev = inner.clone();
+        std::thread::spawn(move || {
+            while let Ok((req, done)) = rx.recv() {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+                dev.submit(req, &done);
+            }
+        });
+        Arc::new(DeferredVolume {
+            inner,
+            tx: std::sync::Mutex::new(tx),
+        })
+    }
+}
+
+impl BlockDevice for DeferredVolume {
+    fn geometry(&self) -> nacre_dpu::volume::Geometry {
+        self.inner.geometry()
+    }
+    fn submit(
+        &self,
+        req: nacre_dpu::volume::IoRequest,
+        done: &Arc<dyn nacre_dpu::volume::Completion>,
+    ) {
+        let _ = self.tx.lock().unwrap().send((req, done.clone()));
+    }
+}
+
+#[test]
+fn completions_from_another_thread_are_sent_at_once() {
+    let (_t, addr) = target_with(DeferredVolume::new(ram(4 << 20, 4096)));
+    let opts = HostOptions {
+        io_queues: 2,
+        ..Default::default()
+    };
+    let mut h = NvmfHost::connect(addr, NQN, opts).unwrap();
+    // Single commands: the host waits for each reply, so a reply left in the target's
+    // send buffer would hang this test.
+    let d = pattern(65536, 9);
+    h.write(0, 1, 0, &d, 4096).unwrap();
+    assert_eq!(h.read(1, 1, 0, 16, 4096).unwrap(), d);
+    h.flush(1, 1).unwrap();
+    h.write_zeroes(0, 1, 0, 1).unwrap();
+    assert!(h.read(0, 1, 0, 1, 4096).unwrap().iter().all(|&b| b == 0));
+    // A pipelined burst on one queue.
+    let mut cids = Vec::new();
+    for lba in 0..32u64 {
+        let cmd = Command::rw(io_opcode::READ, 0, 1, lba, 1, SglDescriptor::default());
+        cids.push((lba, h.io[1].submit(cmd, &[], 4096)));
+    }
+    h.io[1].flush().unwrap();
+    for (lba, c) in cids {
+        let r = h.io[1].wait(c).unwrap().ok().unwrap();
+        let off = lba as usize * 4096;
+        let want: Vec<u8> = if lba == 0 {
+            vec![0; 4096]
+        } else if off < d.len() {
+            d[off..off + 4096].to_vec()
+        } else {
+            vec![0; 4096]
+        };
+        assert_eq!(r.data, want, "lba {lba}");
+    }
 }

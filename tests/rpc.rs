@@ -7,6 +7,7 @@ use std::os::unix::net::UnixStream;
 
 use nacre_shared::rpc;
 use nacre_tests::daemon::Nacred;
+use nacre_tests::nvmf_host::{HostOptions, NvmfHost};
 use serde_json::{json, Value};
 
 fn volume_names(n: &Nacred) -> Vec<String> {
@@ -27,7 +28,10 @@ fn fresh_daemon_has_the_embedded_default() {
     assert_eq!(v["name"], "default");
     assert_eq!(v["size"], 1u64 << 30);
     assert_eq!(v["backend"], "file");
-    assert_eq!(v["exported_by"], json!(["vhost-blk:default"]));
+    assert_eq!(
+        v["exported_by"],
+        json!(["vhost-blk:default", "nvmf:nqn.2014-08.io.nacre:default/1"])
+    );
     let img = n.state_dir.join("volumes/default.img");
     assert_eq!(std::fs::metadata(&img).unwrap().len(), 1 << 30);
     let devs = n.ok("vhost_blk_list", Value::Null);
@@ -39,6 +43,48 @@ fn fresh_daemon_has_the_embedded_default() {
     assert!(n
         .log_text()
         .contains("vhost-user-blk-pci,chardev=nacre-default"));
+
+    // ... and exports it over NVMe/TCP as namespace 1 of the default subsystem, open to any
+    // host (the harness asks for port 0 instead of 4420: tests run in parallel).
+    let subs = n.ok("nvmf_get_subsystems", Value::Null);
+    let sub = subs
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["nqn"] == "nqn.2014-08.io.nacre:default")
+        .unwrap_or_else(|| panic!("no default subsystem in {subs}"));
+    assert_eq!(sub["namespaces"][0]["nsid"], 1, "{sub}");
+    assert_eq!(sub["namespaces"][0]["name"], "default", "{sub}");
+    let log = n.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("nvme connect -t tcp -a 127.0.0.1 -s "))
+        .unwrap_or_else(|| panic!("no nvme connect hint in:\n{log}"));
+    let port: u16 = line
+        .split(" -s ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_ne!(port, 0);
+    let mut h = NvmfHost::connect(
+        ([127, 0, 0, 1], port).into(),
+        "nqn.2014-08.io.nacre:default",
+        HostOptions::default(),
+    )
+    .unwrap();
+    let id = h.identify_controller().unwrap();
+    assert_eq!(
+        id.serial,
+        v["serial"].as_str().unwrap(),
+        "same serial as virtio GET_ID"
+    );
+    assert_eq!(h.active_namespaces().unwrap(), [1]);
+    let ns = h.identify_namespace(1).unwrap();
+    assert_eq!(ns.nsze, (1u64 << 30) / 4096);
 }
 
 #[test]

@@ -7,6 +7,10 @@
 
 use std::time::Duration;
 
+use std::sync::Arc;
+
+use nacre_dpu::crypto::{volume::EncryptedVolume, EncryptionPolicy, XtsKey};
+use nacre_dpu::volume::{file::FileVolume, BlockDevice};
 use nacre_tests::daemon::Nacred;
 use nacre_tests::testbed::{self, Boot};
 
@@ -19,6 +23,11 @@ fn prepare(test: &str) -> Option<std::sync::MutexGuard<'static, ()>> {
     let guard = testbed::exclusive();
     testbed::setup().expect("scripts/testbed setup");
     Some(guard)
+}
+
+fn log_tail(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 /// The bed itself: kernel nvmet-tcp target and nvme-tcp host inside one guest on 127.0.0.1.
@@ -101,7 +110,12 @@ fn vhost_user_blk_nacred_survives_reboot() {
             .timeout(Duration::from_secs(180))
     };
     let first = boot("write").run().expect("first boot");
-    first.assert_success();
+    assert!(
+        first.success(),
+        "{}\nnacred log tail:\n{}",
+        first.tail(40),
+        log_tail(&d.log_text(), 40)
+    );
     assert_eq!(first.fact("bytes"), size.to_string());
     assert_eq!(first.fact("queues"), queues.to_string());
     assert_eq!(first.fact("logical_block_size"), "4096");
@@ -160,62 +174,6 @@ fn check_nvme_tcp_passes(out: &testbed::Outcome, nqn: &str, ns1_bytes: u64, queu
     }
 }
 
-/// The guest's kernel nvme-tcp host against a kernel nvmet target in a second guest, reached on
-/// the host's loopback (hostfwd into the target guest, guestfwd + socat out of the host guest):
-/// discovery, connect with 2 I/O queues, identify data, 32 MiB O_DIRECT verify without and with
-/// digests, and a namespace added and removed at run time without reconnecting.
-#[test]
-fn nvme_tcp_against_kernel_target() {
-    let Some(_bed) = prepare("nvme_tcp_against_kernel_target") else {
-        return;
-    };
-    let nqn = "nqn.2014-08.io.nacre.testbed:peer";
-    let port = testbed::free_port().unwrap();
-    let peer = Boot::new("nvmet-peer")
-        .param("nqn", nqn)
-        .param("ns_mib", 64)
-        .ctl()
-        .qemu(testbed::hostfwd_args(port, 4420))
-        .timeout(Duration::from_secs(400))
-        .spawn()
-        .expect("peer guest");
-    peer.wait_for("TB-READY", Duration::from_secs(180))
-        .expect("peer target up");
-
-    let guest = Boot::new("nvme-tcp")
-        .param("nqn", nqn)
-        .param("queues", 2)
-        .param("mib", 32)
-        .param("hotplug", 1)
-        .ctl()
-        .qemu(testbed::guestfwd_args("10.0.2.100", 4420, port))
-        .timeout(Duration::from_secs(300))
-        .spawn()
-        .expect("host guest");
-    hotplug_step(&guest, "ns-add", || {
-        peer.signal("ns-add").unwrap();
-        peer.wait_for("TB-FACT peer_ns2=added", Duration::from_secs(30))
-            .unwrap();
-    });
-    hotplug_step(&guest, "ns-remove", || {
-        peer.signal("ns-remove").unwrap();
-        peer.wait_for("TB-FACT peer_ns2=removed", Duration::from_secs(30))
-            .unwrap();
-    });
-    let out = guest.wait(Duration::from_secs(360)).expect("guest");
-    out.assert_success();
-    check_nvme_tcp_passes(&out, nqn, 64 * MIB, 2, 32);
-    for digests in ["off", "on"] {
-        assert_eq!(out.fact(&format!("model_{digests}")), "Linux");
-        assert!(!out.fact(&format!("serial_{digests}")).is_empty());
-    }
-    assert_eq!(out.fact("ns2_added_bytes"), (64 * MIB).to_string());
-    assert_eq!(out.fact("ns2_removed"), "yes");
-    peer.signal("stop").unwrap();
-    let peer_out = peer.wait(Duration::from_secs(60)).expect("peer");
-    peer_out.assert_success();
-}
-
 /// An encrypted disk image, its raw 64-byte XTS key and the plaintext it holds.
 struct EncryptedDisk {
     image: std::path::PathBuf,
@@ -223,27 +181,58 @@ struct EncryptedDisk {
     plaintext: Vec<u8>,
 }
 
-/// HOOK for the crypto work: today the ciphertext comes from the Python oracle; once nacred's
-/// encrypted volumes land, make it with nacred instead (create a tenant and an encrypted 8 MiB
-/// volume with 4 KiB data units and the plain64 little-endian tweak, write `plaintext` through the
-/// vhost-user-blk device, stop nacred, take the volume's backing file and the test-only export of
-/// its data key), keeping the oracle as the second opinion in `dm_crypt_opens_xts_disk`.
+/// An encrypted disk made by nacred: a tenant with a key-file KEK and the default policy
+/// (AES-256-XTS, 4 KiB data units, plain64 tweak), an encrypted 8 MiB file volume, the plaintext
+/// written through its vhost-user-blk device by libblkio, and the data key taken with
+/// `volume_export_key`. The Python oracle encrypts the same plaintext as a second opinion: its
+/// image must equal nacred's byte for byte.
 fn encrypted_disk(dir: &std::path::Path) -> EncryptedDisk {
-    let key_bytes = loop {
-        let k = testbed::random_bytes(64).unwrap();
-        if k[..32] != k[32..] {
-            break k;
-        }
-    };
-    let key = dir.join("xts.key");
-    std::fs::write(&key, &key_bytes).unwrap();
+    use nacre_tests::blkio_client::{self, BlkioClient, ClientOptions};
+    use serde_json::json;
     // 4 MiB of random data, then 4 MiB of zeros (the guest writes there)
     let mut plaintext = testbed::random_bytes(4 * MIB as usize).unwrap();
     plaintext.resize(8 * MIB as usize, 0);
+    let image = dir.join("disk.img");
+    let key = dir.join("xts.key");
+    let kek = dir.join("tenant.kek");
+    std::fs::write(&kek, testbed::random_bytes(32).unwrap()).unwrap();
+    let mut n = Nacred::start_args(&["--no-default"]);
+    n.ok(
+        "tenant_create",
+        json!({"name": "tb", "kek": {"key_file": kek}, "policy": {"data_unit": 4096, "tweak": "plain64"}}),
+    );
+    n.ok(
+        "volume_create",
+        json!({"name": "disk", "size": 8 * MIB, "block_size": 4096, "backend": "file",
+               "path": image, "tenant": "tb", "encrypt": true}),
+    );
+    n.ok("vhost_blk_create", json!({"name": "d", "volume": "disk"}));
+    {
+        let mut c =
+            BlkioClient::connect(&n.run_dir.join("vhost-d.sock"), &ClientOptions::default())
+                .unwrap();
+        let mut q = c.take_queues().remove(0);
+        for (i, chunk) in plaintext.chunks(MIB as usize).enumerate() {
+            let buf = &mut c.mem()[..chunk.len()];
+            buf.copy_from_slice(chunk);
+            assert_eq!(blkio_client::write(&mut q, i as u64 * MIB, buf).unwrap(), 0);
+        }
+        assert_eq!(blkio_client::flush(&mut q).unwrap(), 0);
+    }
+    n.ok("vhost_blk_delete", json!({"name": "d"}));
+    n.ok(
+        "volume_export_key",
+        json!({"name": "disk", "path": key, "confirm": true}),
+    );
+    assert!(n.stop(), "nacred did not stop cleanly");
     let plain = dir.join("plain.bin");
     std::fs::write(&plain, &plaintext).unwrap();
-    let image = dir.join("disk.img");
-    testbed::xts_oracle_run("encrypt", &key, &plain, &image, 4096, 0).expect("oracle");
+    let oracle = dir.join("oracle.img");
+    testbed::xts_oracle_run("encrypt", &key, &plain, &oracle, 4096, 0).expect("oracle");
+    assert!(
+        std::fs::read(&oracle).unwrap() == std::fs::read(&image).unwrap(),
+        "nacred's ciphertext differs from the oracle's"
+    );
     EncryptedDisk {
         image,
         key,
@@ -251,10 +240,16 @@ fn encrypted_disk(dir: &std::path::Path) -> EncryptedDisk {
     }
 }
 
-/// The kernel's dm-crypt (cryptsetup plain, aes-xts-plain64, 4 KiB sectors, --iv-large-sectors)
-/// reads an XTS-encrypted disk back as the right plaintext, and what it writes through the mapping
-/// is the ciphertext the oracle computes: the on-disk format is the dm-crypt one, in both
-/// directions.
+fn nacre_encrypted_file(image: &std::path::Path, key: &XtsKey) -> EncryptedVolume {
+    let file: Arc<dyn BlockDevice> =
+        Arc::new(FileVolume::open(image, 8 * MIB, 4096, false).unwrap());
+    EncryptedVolume::new(file, key, EncryptionPolicy::default()).unwrap()
+}
+
+/// nacre's encrypted volumes are dm-crypt volumes: the kernel's dm-crypt (cryptsetup plain,
+/// aes-xts-plain64, 4 KiB sectors, --iv-large-sectors) reads a volume nacre encrypted back as the
+/// right plaintext; what dm-crypt writes through the mapping is the ciphertext the independent
+/// Python oracle computes, and nacre decrypts it to the same plaintext.
 #[test]
 fn dm_crypt_opens_xts_disk() {
     let Some(_bed) = prepare("dm_crypt_opens_xts_disk") else {
@@ -262,6 +257,13 @@ fn dm_crypt_opens_xts_disk() {
     };
     let dir = tempfile::tempdir().unwrap();
     let disk = encrypted_disk(dir.path());
+    // second opinion on nacre's ciphertext: the oracle decrypts it to the plaintext
+    let decrypted = dir.path().join("oracle-plain.bin");
+    testbed::xts_oracle_run("decrypt", &disk.key, &disk.image, &decrypted, 4096, 0).unwrap();
+    assert!(
+        std::fs::read(&decrypted).unwrap() == disk.plaintext,
+        "the oracle disagrees with nacre's ciphertext"
+    );
     let plain_sha = testbed::sha256(&disk.plaintext[..4 * MIB as usize]).unwrap();
     let out = Boot::new("dm-crypt")
         .param("mib", 4)
@@ -299,4 +301,76 @@ fn dm_crypt_opens_xts_disk() {
         written != &disk.plaintext[..MIB as usize],
         "data at rest must not be plaintext"
     );
+    // and nacre reads what dm-crypt wrote
+    let key = XtsKey::from_bytes(&std::fs::read(&disk.key).unwrap()).unwrap();
+    let vol = nacre_encrypted_file(&disk.image, &key);
+    let mut back = vec![0u8; MIB as usize];
+    vol.read_at(6 * MIB, &mut back).unwrap();
+    assert!(
+        back == disk.plaintext[..MIB as usize],
+        "nacre decrypts dm-crypt's sectors differently"
+    );
+}
+
+/// The guest's kernel nvme-tcp host against nacre's own NVMe/TCP target (the nacre-dpu library,
+/// hosted in this test process on the host's loopback): discovery, connect with 2 I/O queues,
+/// nacre's identify data in `nvme list`, 32 MiB O_DIRECT verify without and with header and data
+/// digests (and the bytes land on the volume), and a namespace added and removed at run time
+/// reaches the connected host through an Asynchronous Event, without a reconnect.
+#[test]
+fn nvme_tcp_against_nacre_target() {
+    use nacre_dpu::frontend::nvmf_tcp::{NvmfTarget, FIRMWARE_REVISION};
+    use nacre_dpu::volume::ram::RamVolume;
+
+    let Some(_bed) = prepare("nvme_tcp_against_nacre_target") else {
+        return;
+    };
+    let nqn = "nqn.2014-08.io.nacre:testbed";
+    let (serial, model) = ("NACRETESTBED0001", "nacre testbed");
+    let target = NvmfTarget::new();
+    target.create_subsystem(nqn, serial, model, true).unwrap();
+    let ns1: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(64 * MIB, 4096).unwrap());
+    target
+        .add_namespace(nqn, Some(1), ns1.clone(), [0x11; 16], "ns1".into())
+        .unwrap();
+    let bound = target
+        .add_listener(nqn, "127.0.0.1:0".parse().unwrap())
+        .unwrap();
+
+    let guest = Boot::new("nvme-tcp")
+        .param("nqn", nqn)
+        .param("queues", 2)
+        .param("mib", 32)
+        .param("hotplug", 1)
+        .ctl()
+        .qemu(testbed::guestfwd_args("10.0.2.100", 4420, bound.port()))
+        .timeout(Duration::from_secs(300))
+        .spawn()
+        .expect("guest");
+    hotplug_step(&guest, "ns-add", || {
+        let ns2: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(32 * MIB, 512).unwrap());
+        assert_eq!(
+            target
+                .add_namespace(nqn, Some(2), ns2, [0x22; 16], "ns2".into())
+                .unwrap(),
+            2
+        );
+    });
+    hotplug_step(&guest, "ns-remove", || {
+        target.remove_namespace(nqn, 2).unwrap()
+    });
+    let out = guest.wait(Duration::from_secs(360)).expect("guest");
+    out.assert_success();
+    check_nvme_tcp_passes(&out, nqn, 64 * MIB, 2, 32);
+    for digests in ["off", "on"] {
+        assert_eq!(out.fact(&format!("model_{digests}")), model);
+        assert_eq!(out.fact(&format!("serial_{digests}")), serial);
+        assert_eq!(out.fact(&format!("firmware_{digests}")), FIRMWARE_REVISION);
+    }
+    assert_eq!(out.fact("ns2_added_bytes"), (32 * MIB).to_string());
+    assert_eq!(out.fact("ns2_removed"), "yes");
+    // the last pattern the guest wrote (digests on) is on the volume
+    let mut buf = vec![0u8; 32 * MIB as usize];
+    ns1.read_at(0, &mut buf).unwrap();
+    assert_eq!(testbed::sha256(&buf).unwrap(), out.fact("pattern_sha256"));
 }

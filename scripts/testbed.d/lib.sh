@@ -1,5 +1,6 @@
-# Guest library, sourced before every scenario (busybox ash). Scenarios run with `set -e`: the first
-# failing command ends the scenario with its status.
+# Guest library, sourced before every scenario (busybox ash: `local`, `read -t` and `echo -n` exist).
+# Scenarios run with `set -e`: the first failing command ends the scenario with its status.
+# shellcheck shell=sh disable=SC3043,SC3045,SC3037
 set -e
 ip() { /usr/sbin/ip "$@"; }
 modprobe() { /usr/sbin/modprobe "$@"; }
@@ -84,7 +85,7 @@ nvmet_port() {    # nvmet_port ID TRTYPE TRADDR TRSVCID NQN
 blk_bytes() { echo $(($(cat "/sys/class/block/$(basename "$1")/size") * 512)); }
 
 # verify_rw DEV MIB [OFFSET_MIB]: write MIB MiB of random data with O_DIRECT, read it back with
-# O_DIRECT, compare. Prints the pattern's sha256 as fact `sha256_<dev>`.
+# O_DIRECT, compare. Prints the pattern's sha256 as fact `pattern_sha256` (for a host-side check).
 verify_rw() {
     local dev=$1 mib=$2 off=${3:-0} t
     dd if=/dev/urandom of=/tmp/pat bs=1M count="$mib" 2>/dev/null
@@ -94,6 +95,7 @@ verify_rw() {
     dd if="$dev" of=/tmp/back bs=1M skip="$off" count="$mib" iflag=direct 2>/dev/null ||
         fail "O_DIRECT read of $mib MiB from $dev"
     cmp /tmp/pat /tmp/back || fail "data read back from $dev differs from what was written"
+    fact pattern_sha256 "$(sha256sum < /tmp/pat | cut -d' ' -f1)"
     echo "VERIFY OK $dev ${mib}MiB at ${off}MiB in $(elapsed "$t")s"
     rm -f /tmp/pat /tmp/back
 }

@@ -1,4 +1,4 @@
-# kernel nvmet-tcp target on the guest's eth0:4420, for host-side tests (reach it with hostfwd)
+# kernel nvmet-tcp target on eth0:4420 for host-side peers (hostfwd): the storage shelf for fabric tests
 # Serves tb.nqn (default nqn.2014-08.io.nacre.testbed:peer): namespace 1 is a RAM disk of
 # tb.ns_mib MiB (default 64). Prints TB-READY, then obeys lines on the control channel (--ctl):
 # ns-add (namespace 2: a second RAM disk of the same size), ns-remove (namespace 2), stop.
@@ -12,6 +12,7 @@ nvmet_port 1 tcp 0.0.0.0 4420 "$NQN"
 exec 3<>/dev/ttyS1 || fail "no /dev/ttyS1: run with --ctl"
 stty -F /dev/ttyS1 -echo -icrnl 2>/dev/null || true
 echo "TB-READY nvmet target $NQN on 4420"
+# shellcheck disable=SC3045  # busybox ash has read -t
 while read -r -t 600 cmd <&3; do
     cmd=$(echo "$cmd" | tr -d '\r')
     case $cmd in

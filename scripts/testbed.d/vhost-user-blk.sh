@@ -22,13 +22,16 @@ write)
     step "write ${mib} MiB at ${off} MiB"
     dd if=/dev/urandom of=/tmp/pat bs=1M count="$mib" 2>/dev/null
     dd if=/tmp/pat of=/dev/vda bs=1M seek="$off" count="$mib" oflag=direct conv=fsync 2>/dev/null
+    step "read back"
     dd if=/dev/vda of=/tmp/back bs=1M skip="$off" count="$mib" iflag=direct 2>/dev/null
     cmp /tmp/pat /tmp/back || fail "read-back differs in the same boot"
+    step "four parallel writers"
     # several writers at once spread I/O over the queues (one per CPU)
     for i in 0 1 2 3; do
         dd if=/tmp/pat of=/dev/vda bs=64K seek=$(((off + mib) * 16 + i * 64)) count=64 oflag=direct 2>/dev/null &
     done
     wait
+    step "flush"
     blockdev --flushbufs /dev/vda
     fact sha256 "$(sha256sum < /tmp/pat | cut -d' ' -f1)"
     ;;

@@ -68,6 +68,12 @@ impl Nacred {
             .append(true)
             .open(&self.log)
             .expect("log file");
+        let mut defaults: Vec<&str> = Vec::new();
+        if !self.extra_args.iter().any(|a| a == "--nvmf-listen") {
+            // Tests run in parallel: the embedded default's NVMe/TCP listener takes any free
+            // port instead of 4420.
+            defaults.extend(["--nvmf-listen", "127.0.0.1:0"]);
+        }
         let child = Command::new(bin("nacred"))
             .arg("--state-dir")
             .arg(&self.state_dir)
@@ -75,6 +81,7 @@ impl Nacred {
             .arg(&self.run_dir)
             .arg("--log")
             .arg("debug")
+            .args(&defaults)
             .args(&self.extra_args)
             .env_remove("NACRE_RPC")
             .stdin(Stdio::null())

@@ -240,6 +240,9 @@ impl Queue {
                     self.rbuf.resize(n, 0);
                 }
             }
+            // About to block: send what is queued first (batches commands the way the
+            // target batches responses).
+            self.flush()?;
             let k = self.sock.read(&mut self.rbuf[self.rend..])?;
             if k == 0 {
                 return Err(HostError::Io(io::ErrorKind::UnexpectedEof.into()));
@@ -265,7 +268,6 @@ impl Queue {
 
     /// Process one PDU; returns the CID of a command that completed, if any.
     pub fn poll(&mut self) -> Result<Option<u16>> {
-        self.flush()?;
         let pdu = self.recv_pdu_raw()?;
         let ch = CommonHeader::decode(&pdu);
         let hlen = ch.hlen as usize;

@@ -1,6 +1,7 @@
 //! nacred: the nacre DPU daemon.
 
 use std::io::IsTerminal;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -10,7 +11,8 @@ use nacre_dpu::control::{server::RpcServer, vhost, volume, Daemon, DaemonConfig}
 use nacre_shared::api::vhost::VhostBlkCreate;
 use nacre_shared::api::volume::{BackendKind, VolumeCreate};
 use nacre_shared::size::format_size;
-use tracing::info;
+use serde_json::json;
+use tracing::{info, warn};
 
 const EXAMPLES: &str = "\
 Examples:
@@ -50,6 +52,10 @@ struct Args {
     #[arg(long)]
     no_default: bool,
 
+    /// Where the embedded default's NVMe/TCP subsystem listens (port 0: any free port).
+    #[arg(long, env = "NACRE_NVMF_LISTEN", default_value = "127.0.0.1:4420")]
+    nvmf_listen: SocketAddr,
+
     /// Log filter (tracing's EnvFilter syntax), e.g. info, debug, nacre_dpu=trace.
     #[arg(long, env = "NACRE_LOG", default_value = "info")]
     log: String,
@@ -81,7 +87,8 @@ fn main() -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| args.run_dir.join(config::RPC_SOCKET_NAME));
     if !existed && !args.no_default {
-        embedded_default(&daemon).context("cannot set up the embedded default")?;
+        embedded_default(&daemon, args.nvmf_listen)
+            .context("cannot set up the embedded default")?;
     }
     // Last: a client that reaches the RPC socket finds every device already serving.
     let server = RpcServer::start(daemon.clone(), &rpc_path)?;
@@ -111,10 +118,14 @@ fn stop_signals() -> libc::sigset_t {
 }
 
 /// A fresh nacred with nothing configured serves a 1 GiB file volume `default` (reopening
-/// `<state-dir>/volumes/default.img` if it is there) on `<run-dir>/vhost-default.sock`.
-fn embedded_default(d: &Daemon) -> anyhow::Result<()> {
+/// `<state-dir>/volumes/default.img` if it is there) on `<run-dir>/vhost-default.sock`, and
+/// exports it as namespace 1 of [`DEFAULT_NQN`] over NVMe/TCP on `listen`, open to any host,
+/// so that `nvme connect -t tcp -a 127.0.0.1 -n nqn.2014-08.io.nacre:default` shows it.
+/// A listen address already in use is a warning, not a failed start: the volume and the
+/// vhost-user-blk device are still served.
+fn embedded_default(d: &Daemon, listen: SocketAddr) -> anyhow::Result<()> {
     let name = config::DEFAULT_VOLUME_NAME;
-    volume::create(
+    let vol = volume::create(
         d,
         &VolumeCreate {
             name: name.into(),
@@ -138,8 +149,29 @@ fn embedded_default(d: &Daemon) -> anyhow::Result<()> {
             read_only: false,
         },
     )?;
+    d.call(
+        "nvmf_subsystem_create",
+        json!({"nqn": DEFAULT_NQN, "serial": vol.serial, "allow_any_host": true}),
+    )?;
+    d.call(
+        "nvmf_subsystem_add_ns",
+        json!({"nqn": DEFAULT_NQN, "volume": name, "nsid": 1}),
+    )?;
+    if let Err(e) = d.call(
+        "nvmf_subsystem_add_listener",
+        json!({"nqn": DEFAULT_NQN, "address": listen.ip().to_string(), "port": listen.port()}),
+    ) {
+        warn!(%listen, error = %e, "embedded default: no NVMe/TCP listener");
+        eprintln!(
+            "nacred: warning: cannot listen for NVMe/TCP on {listen}: {e}; add one with \
+             `nacre nvmf add-listener {DEFAULT_NQN} --address A --port P`"
+        );
+    }
     Ok(())
 }
+
+/// The subsystem the embedded default exports its volume in.
+pub const DEFAULT_NQN: &str = "nqn.2014-08.io.nacre:default";
 
 /// Queues of the embedded default device: QEMU refuses a vhost-user-blk-pci whose
 /// num-queues exceeds the backend's, and defaults num-queues to the vCPU count, so offer
@@ -167,5 +199,18 @@ fn print_attach_hints(d: &Daemon) {
             sock = dev.socket.display(),
             q = dev.queues,
         );
+    }
+    for sub in inner.state.nvmf.subsystems.values() {
+        for l in &sub.listeners {
+            eprintln!(
+                "nacred: NVMe/TCP subsystem {} ({} namespace(s)) listens on {l}; from a host with nvme-tcp:\n  \
+                 nvme connect -t tcp -a {} -s {} -n {}",
+                sub.nqn,
+                sub.namespaces.len(),
+                l.ip(),
+                l.port(),
+                sub.nqn
+            );
+        }
     }
 }

@@ -4,8 +4,10 @@
 //! result for scripts. Errors are one line on stderr and exit status 1 (2 for usage errors,
 //! from clap).
 
+pub mod nvmf;
 pub mod remote;
 pub mod table;
+pub mod tenant;
 pub mod vhost;
 pub mod volume;
 
@@ -53,6 +55,12 @@ pub enum Command {
     /// vhost-user-blk devices: serve a volume to a VM or any vhost-user client.
     #[command(subcommand, name = "vhost-blk")]
     VhostBlk(vhost::VhostBlkCmd),
+    /// NVMe-oF/TCP subsystems: namespaces, listeners, allowed hosts.
+    #[command(subcommand)]
+    Nvmf(nvmf::NvmfCmd),
+    /// Tenants: key-encryption keys, encryption policy, KEK rotation.
+    #[command(subcommand)]
+    Tenant(tenant::TenantCmd),
     /// Remote NVMe-oF controllers (storage shelves) and volumes on their namespaces.
     #[command(subcommand)]
     Remote(remote::RemoteCmd),
@@ -100,6 +108,8 @@ pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Volume(c) => volume::run(&mut ctx, c),
         Command::VhostBlk(c) => vhost::run(&mut ctx, c),
+        Command::Nvmf(c) => nvmf::run(&mut ctx, c),
+        Command::Tenant(c) => tenant::run(&mut ctx, c),
         Command::Remote(c) => remote::run(&mut ctx, c),
         Command::Methods => {
             let v = ctx.call("rpc_get_methods", serde_json::json!({"verbose": true}))?;

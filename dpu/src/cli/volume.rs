@@ -35,6 +35,12 @@ pub enum VolumeCmd {
         #[arg(long, value_parser = size_arg)]
         size: u64,
     },
+    /// Destroy an encrypted volume's data key: its data becomes permanently unreadable.
+    #[command(name = "crypto-erase")]
+    CryptoErase(super::tenant::CryptoEraseArgs),
+    /// Write an encrypted volume's plaintext data key to a new 0600 file (disaster recovery).
+    #[command(name = "export-key")]
+    ExportKey(super::tenant::ExportKeyArgs),
 }
 
 #[derive(Args, Debug)]
@@ -84,6 +90,8 @@ fn backend_arg(s: &str) -> Result<BackendKind, String> {
 
 pub fn run(ctx: &mut Ctx, cmd: VolumeCmd) -> Result<()> {
     match cmd {
+        VolumeCmd::CryptoErase(a) => return super::tenant::crypto_erase(ctx, a),
+        VolumeCmd::ExportKey(a) => return super::tenant::export_key(ctx, a),
         VolumeCmd::Create(a) => {
             let mut p = json!({
                 "name": a.name, "size": a.size, "block_size": a.block_size, "backend": a.backend,

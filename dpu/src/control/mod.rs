@@ -10,9 +10,11 @@
 //! the new state with [`state::save`]; only then commit it in memory. If persisting fails the
 //! live object is torn down again, so what runs and what would be replayed never diverge.
 
+pub mod nvmf;
 pub mod remote;
 pub mod server;
 pub mod state;
+pub mod tenant;
 pub mod vhost;
 pub mod volume;
 
@@ -100,6 +102,8 @@ pub fn methods() -> impl Iterator<Item = &'static Method> {
         .iter()
         .chain(volume::METHODS)
         .chain(vhost::METHODS)
+        .chain(nvmf::METHODS)
+        .chain(tenant::METHODS)
         .chain(remote::METHODS)
 }
 
@@ -141,6 +145,9 @@ pub struct DaemonConfig {
 pub struct Live {
     pub volumes: HashMap<String, Arc<dyn BlockDevice>>,
     pub vhost_blk: HashMap<String, VhostBlkServer>,
+    pub nvmf: Option<Arc<crate::frontend::nvmf_tcp::NvmfTarget>>,
+    /// Tenants' unlocked KEKs (zeroized when dropped); see `tenant`.
+    pub keks: HashMap<String, Arc<crate::crypto::tenant::UnlockedKek>>,
 }
 
 /// The persisted state and the live objects built from it, under the control lock.
@@ -186,7 +193,7 @@ impl Daemon {
         remote::replay(self, state);
         let mut inner = self.lock();
         for rec in state.volumes.values() {
-            match volume::open_volume(self, rec) {
+            match tenant::open_existing(self, &mut inner, rec) {
                 Ok(dev) => {
                     inner.live.volumes.insert(rec.name.clone(), dev);
                 }
@@ -198,6 +205,7 @@ impl Daemon {
                 warn!(device = %rec.name, error = %e, "vhost-user-blk device not restarted");
             }
         }
+        nvmf::replay(&mut inner);
         info!(
             volumes = inner.live.volumes.len(),
             vhost_blk = inner.live.vhost_blk.len(),
@@ -246,6 +254,7 @@ impl Daemon {
             info!(device = %name, "stopping vhost-user-blk device");
             dev.stop();
         }
+        inner.live.nvmf = None;
         inner.live.volumes.clear();
         self.remotes.close_all();
     }

@@ -28,6 +28,11 @@ pub struct State {
     #[serde(default)]
     pub vhost_blk: BTreeMap<String, VhostBlkRecord>,
     #[serde(default)]
+    pub nvmf: super::nvmf::NvmfState,
+    /// Tenants: policy, KEK description and check, wrapped data keys (never plaintext keys).
+    #[serde(default)]
+    pub tenants: BTreeMap<String, crate::crypto::tenant::TenantRecord>,
+    #[serde(default)]
     pub remotes: BTreeMap<String, super::remote::RemoteRecord>,
 }
 

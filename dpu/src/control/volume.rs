@@ -42,14 +42,9 @@ pub fn default_volume_path(d: &Daemon, name: &str) -> PathBuf {
     d.state_dir().join("volumes").join(format!("{name}.img"))
 }
 
-/// Open the data path of a volume record.
-pub fn open_volume(d: &Daemon, rec: &VolumeRecord) -> Result<Arc<dyn BlockDevice>, RpcError> {
-    if rec.encrypted {
-        return Err(RpcError::refused(format!(
-            "volume {:?} is encrypted, and this nacred has no encryption support yet",
-            rec.name
-        )));
-    }
+/// Open the backing store of a volume record (ciphertext for encrypted volumes: open
+/// volumes through `tenant::open_existing`, which adds the crypto layer).
+pub fn open_backend(d: &Daemon, rec: &VolumeRecord) -> Result<Arc<dyn BlockDevice>, RpcError> {
     let dev: Arc<dyn BlockDevice> = match rec.backend {
         BackendKind::Ram => Arc::new(
             RamVolume::new(rec.size, rec.block_size)
@@ -174,9 +169,12 @@ pub fn create(d: &Daemon, p: &VolumeCreate) -> Result<VolumeInfo, RpcError> {
                 )));
             }
         }
-        let dev = open_volume(d, &rec)?;
+        let (dev, tenant) = super::tenant::open_for_create(d, inner, &rec)?;
         let mut next = inner.state.clone();
         next.volumes.insert(rec.name.clone(), rec.clone());
+        if let Some(t) = tenant {
+            next.tenants.insert(t.name.clone(), t);
+        }
         d.persist(&next)?;
         inner.state = next;
         inner.live.volumes.insert(rec.name.clone(), dev);
@@ -193,6 +191,7 @@ pub fn exporters(inner: &Inner, volume: &str) -> Vec<String> {
         .values()
         .filter(|v| v.volume == volume)
         .map(|v| format!("vhost-blk:{}", v.name))
+        .chain(super::nvmf::exporters(inner, volume))
         .collect()
 }
 
@@ -253,6 +252,7 @@ fn volume_delete(d: &Daemon, params: Value) -> Result<Value, RpcError> {
         }
         let mut next = inner.state.clone();
         next.volumes.remove(&p.name);
+        super::tenant::forget_volume(&mut next, &rec);
         d.persist(&next)?;
         inner.state = next;
         inner.live.volumes.remove(&p.name);

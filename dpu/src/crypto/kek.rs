@@ -90,6 +90,15 @@ impl KekSource for KeyFileKek {
     }
 
     fn load(&self) -> Result<Kek, CryptoError> {
+        use std::os::unix::fs::PermissionsExt;
+        if let Ok(meta) = std::fs::metadata(&self.path) {
+            if meta.permissions().mode() & 0o077 != 0 {
+                tracing::warn!(
+                    path = %self.path.display(),
+                    "key file is readable or writable by group/others: chmod 600 it"
+                );
+            }
+        }
         let bytes = Zeroizing::new(
             std::fs::read(&self.path)
                 .map_err(|e| CryptoError::io(format!("key file {}", self.path.display()), e))?,

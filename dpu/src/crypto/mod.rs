@@ -14,9 +14,20 @@
 //! Key layout, stated once so nobody has to guess (SPDK users file issues about exactly
 //! this): a data key is Key1 ‖ Key2 as in IEEE 1619 — the first half encrypts data, the
 //! second encrypts the tweak; 64 bytes for AES-256-XTS, 32 for AES-128-XTS. With tweak mode
-//! `plain64` the bytes on disk are those `cryptsetup open --type plain --cipher
-//! aes-xts-plain64 --key-size 512 --sector-size 4096 --iv-large-sectors` writes with the
-//! same 64-byte key file (drop the last two options for 512-byte data units).
+//! `plain64` the bytes on disk are those dm-crypt writes with the same key, so a backing file
+//! and the file `nacre volume export-key` writes open with
+//!
+//! ```text
+//! cryptsetup open --type plain --cipher aes-xts-plain64 --key-size 512 \
+//!     --sector-size 4096 --iv-large-sectors --key-file VOL.key VOL.img NAME
+//! # or, exactly: dmsetup create NAME --table \
+//! #   "0 <512-byte sectors> crypt aes-xts-plain64 <key hex> 0 <dev> 0 2 sector_size:4096 iv_large_sectors"
+//! ```
+//!
+//! (4096-byte data units; for 512-byte units drop `--sector-size`/`--iv-large-sectors`, and
+//! the two optional table parameters.) In plain mode cryptsetup uses a key file's bytes
+//! as the key, unhashed. Tweak mode `be64` is the BlueField mlx5 layout, which dm-crypt has
+//! no IV generator for.
 
 pub mod engine_awslc;
 pub mod kek;

@@ -248,7 +248,7 @@ impl RustCryptoXts {
 /// integer; shift left by one and reduce by x^128 + x^7 + x^2 + x + 1 (0x87).
 #[inline(always)]
 fn gf_double(t: u128) -> u128 {
-    (t << 1) ^ (((t >> 127) as u128) * 0x87)
+    (t << 1) ^ ((t >> 127) * 0x87)
 }
 
 #[inline(always)]

@@ -104,7 +104,7 @@ pub struct IdentifyController {
     pub icdoff: u16,
     /// Byte 1802: Fabrics Controller Attributes (bit 0: static controller model).
     pub fcatt: u8,
-    /// Byte 1803: Maximum SGL Data Block Descriptors (0 = no limit... hosts read 1).
+    /// Byte 1803: Maximum SGL Data Block Descriptors a command may carry (NVMe/TCP: 1).
     pub msdbd: u8,
 }
 

@@ -111,7 +111,7 @@ pub fn put_u64(b: &mut [u8], off: usize, v: u64) {
 }
 
 /// Write `s` into a fixed ASCII field padded with spaces (serial, model, firmware revision:
-/// NVMe Base 2.0 Figure 275 says "ASCII string ... padded with spaces").
+/// NVMe Base 2.0 Figure 275: ASCII, padded with spaces).
 pub fn put_ascii_padded(field: &mut [u8], s: &str) {
     field.fill(b' ');
     let n = s.len().min(field.len());

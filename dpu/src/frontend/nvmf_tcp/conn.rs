@@ -38,6 +38,12 @@ thread_local! {
 const RBUF_LEN: usize = limits::MAX_TRANSFER + 64 * 1024;
 /// Flush the send buffer early once it holds this much.
 const FLUSH_AT: usize = 256 * 1024;
+/// How long a send may block on a host that stops reading before the connection is dropped:
+/// replies are also sent from other threads (completions, asynchronous events raised by the
+/// control plane), which must not hang on one stuck host.
+const WRITE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long a new connection may take to send its ICReq.
+const IC_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A pending I/O command handed to a volume; indexed by the request tag.
 #[derive(Default)]
@@ -171,22 +177,23 @@ impl volume::Completion for Queue {
         let Some(slot) = self.slots.get().and_then(|s| s.get(tag as usize)) else {
             return;
         };
-        {
-            let s = lock(slot);
-            let status = match &result {
-                Ok(()) => Status::SUCCESS,
-                Err(e) => io_status(e, s.read_len > 0),
-            };
-            let data = if status.is_success() {
-                &s.buf[..s.read_len]
-            } else {
-                &[][..]
-            };
-            let mut out = lock(&self.out);
-            self.put_reply(&mut out, s.cid, status, 0, data);
-            self.after_put(&mut out);
-        }
+        let s = lock(slot);
+        let status = match &result {
+            Ok(()) => Status::SUCCESS,
+            Err(e) => io_status(e, s.read_len > 0),
+        };
+        // Free the slot before the host can see the reply (it may reuse the queue entry at
+        // once); whoever takes it next waits for this slot's lock, which is held until the
+        // reply no longer needs the buffer.
         lock(&self.free).push(tag as u16);
+        let data = if status.is_success() {
+            &s.buf[..s.read_len]
+        } else {
+            &[][..]
+        };
+        let mut out = lock(&self.out);
+        self.put_reply(&mut out, s.cid, status, 0, data);
+        self.after_put(&mut out);
     }
 }
 
@@ -263,15 +270,22 @@ struct Conn {
     max_inline: usize,
     h2c: HashMap<u16, H2cPending>,
     next_ttag: u16,
+    /// `q` as the completion handle requests carry (made once, not per request).
+    done: Arc<dyn volume::Completion>,
 }
 
 /// Serve one accepted connection until it closes.
 pub(crate) fn serve(target: &Arc<TargetInner>, sock: TcpStream, listener: SocketAddr) {
     let local_ip = sock.local_addr().map(|a| a.ip()).unwrap_or(listener.ip());
     let Ok(wr) = sock.try_clone() else { return };
+    let _ = wr.set_write_timeout(Some(WRITE_TIMEOUT));
     let Ok(shut) = sock.try_clone() else { return };
     let mut rd = sock;
-    let ic = match initialize(&mut rd) {
+    // A peer that connects and says nothing must not hold a thread forever.
+    let _ = rd.set_read_timeout(Some(IC_TIMEOUT));
+    let ic = initialize(&mut rd);
+    let _ = rd.set_read_timeout(None);
+    let ic = match ic {
         Ok(ic) => ic,
         Err(End::Fatal { fes, fei, hdr }) => {
             let mut b = Vec::new();
@@ -322,6 +336,7 @@ pub(crate) fn serve(target: &Arc<TargetInner>, sock: TcpStream, listener: Socket
         max_inline: limits::ADMIN_INLINE_DATA,
         h2c: HashMap::new(),
         next_ttag: 0,
+        done: q.clone(),
     };
     let end = c.run();
     if let Err(End::Fatal { fes, fei, hdr }) = end {
@@ -437,7 +452,8 @@ impl Conn {
         loop {
             self.need(tcp::CH_LEN)?;
             let ch = CommonHeader::decode(&self.rbuf[self.rstart..]);
-            let chb = self.rbuf[self.rstart..self.rstart + tcp::CH_LEN].to_vec();
+            let mut chb = [0u8; tcp::CH_LEN];
+            chb.copy_from_slice(&self.rbuf[self.rstart..self.rstart + tcp::CH_LEN]);
             match ch.pdu_type {
                 pdu_type::CAPSULE_CMD | pdu_type::H2C_DATA => {}
                 pdu_type::H2C_TERM_REQ => {
@@ -606,6 +622,13 @@ impl Conn {
         if len > limits::MAX_TRANSFER {
             self.q.reply(cmd.cid, Status::INVALID_FIELD, 0, &[]);
             return Ok(());
+        }
+        if self.h2c.len() >= (self.sqsize as usize).max(32) {
+            // More commands waiting for data than the queue has entries: the host is not
+            // respecting the queue size; do not let it pin unbounded buffers.
+            let mut hdr = [0u8; tcp::CAPSULE_CMD_HLEN];
+            cmd.encode(&mut hdr[tcp::CH_LEN..]);
+            return Err(fatal(fes::DATA_LIMIT_EXCEEDED, 0, &hdr));
         }
         // Ask for the data: one R2T covering all of it (MAXH2CDATA allows one H2CData PDU;
         // a host may still split it).
@@ -971,8 +994,7 @@ impl Conn {
             unsafe { Segment::new(s.buf.as_mut_ptr(), len) }
         };
         let req = IoRequest::new(kind, offset, len as u64, tag as u64).with_segments([seg]);
-        let done: Arc<dyn volume::Completion> = self.q.clone();
-        ns.volume.submit(req, &done);
+        ns.volume.submit(req, &self.done);
         None
     }
 
@@ -995,8 +1017,7 @@ impl Conn {
             s.read_len = 0;
         }
         let req = IoRequest::new(kind, offset, len, tag as u64);
-        let done: Arc<dyn volume::Completion> = self.q.clone();
-        ns.volume.submit(req, &done);
+        ns.volume.submit(req, &self.done);
         None
     }
 }

@@ -350,11 +350,13 @@ impl Controller {
 
     fn get_log_page(&self, c: &Command) -> AdminReply {
         let req = GetLogPage::from_command(c);
-        if req.offset % 4 != 0 || (c.cdw10 >> 8) & 0x7F != 0 {
-            // Offsets are dword granular; LSP (bits 14:8) is not supported by any page we
-            // offer.
+        if req.offset % 4 != 0 || req.len > limits::MAX_TRANSFER {
+            // Log page offsets are dword granular, and no transfer exceeds MDTS (NUMD can
+            // ask for 16 GiB).
             return done(Status::INVALID_FIELD);
         }
+        // LSP (Dword 10 bits 14:8) is ignored: for the discovery log, nvme-cli may set
+        // PLEO ("port local entries only") and every entry we list is reachable anyway.
         let disc = self.subsys.discovery;
         let page = match req.lid {
             lid::DISCOVERY if disc => match self.target.upgrade() {

@@ -20,6 +20,13 @@
 //! threads are supported: the response is encoded under the queue's writer mutex and sent
 //! at once, while responses produced on the queue's own thread are batched and flushed when
 //! the receive buffer runs dry, so a QD32 burst costs one `write` call, not 32.
+//!
+//! Management API (wired to the `nvmf_*` RPC methods by `control::nvmf`):
+//! [`NvmfTarget::new`], `create_subsystem`, `delete_subsystem`, `add_namespace` (returns the
+//! NSID), `remove_namespace`, `add_listener` (returns the address actually bound, so port 0
+//! works), `remove_listener`, `add_host`, `remove_host`, `set_allow_any_host`,
+//! `subsystems`. Namespace changes raise Namespace Attribute Changed events on connected
+//! controllers. Dropping the target closes every listener and connection.
 
 mod conn;
 mod ctrl;

@@ -8,7 +8,9 @@ use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatu
 use vhost_user_backend::{VhostUserBackend, VringMutex, VringState, VringT};
 use virtio_bindings::bindings::virtio_blk as vb;
 use virtio_bindings::bindings::virtio_config::VIRTIO_F_VERSION_1;
-use virtio_bindings::bindings::virtio_ring::VIRTIO_RING_F_EVENT_IDX;
+use virtio_bindings::bindings::virtio_ring::{
+    VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
+};
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
@@ -100,6 +102,9 @@ impl VhostUserBackend for BlkBackend {
     fn features(&self) -> u64 {
         let mut f = bit(VIRTIO_F_VERSION_1)
             | bit(VIRTIO_RING_F_EVENT_IDX)
+            // Long requests take one ring slot (virtio 1.2 §2.7.5.3); virtio-queue's chain
+            // iterator follows the indirect table.
+            | bit(VIRTIO_RING_F_INDIRECT_DESC)
             | bit(vb::VIRTIO_BLK_F_SEG_MAX)
             | bit(vb::VIRTIO_BLK_F_BLK_SIZE)
             | bit(vb::VIRTIO_BLK_F_FLUSH)

@@ -16,6 +16,9 @@ pub mod queue;
 pub mod request;
 pub mod spec;
 
+#[cfg(test)]
+mod tests;
+
 use std::io;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
@@ -38,6 +41,10 @@ use request::DeviceParams;
 
 /// The largest queue the virtio split ring allows (§2.7: Queue Size ≤ 32768).
 pub const MAX_QUEUE_SIZE: u16 = 32768;
+/// The ring size `seg_max` is derived from: QEMU's default virtqueue size for
+/// vhost-user-blk-pci, so every request fits a default ring even without indirect
+/// descriptors (126 segments, 504 KiB of 4 KiB pages, per request).
+pub const SEG_MAX_RING: u16 = 128;
 /// One worker thread per queue, and vhost-user-backend's queue masks are 64 bits.
 pub const MAX_QUEUES: u16 = 64;
 
@@ -207,9 +214,12 @@ fn validate(
     }
     Ok(DeviceParams {
         read_only: config.read_only,
-        // A chain holds the header, the data segments and the status; QEMU and SPDK offer
-        // the same queue_size - 2.
-        seg_max: u32::from(config.queue_size) - 2,
+        // A chain holds the header, the data segments and the status. The driver, not us,
+        // picks the ring size (QEMU's vhost-user-blk-pci defaults to 128), and a driver
+        // without VIRTIO_RING_F_INDIRECT_DESC needs a ring slot per segment: Linux then
+        // waits forever for room for a request longer than its ring. So the bound follows
+        // the smallest ring we expect, not the largest we accept.
+        seg_max: u32::from(config.queue_size.min(SEG_MAX_RING)) - 2,
         serial,
     })
 }
@@ -311,4 +321,34 @@ fn serve_one(
     // backend's queues wait for any request still inside the volume.
     drop(daemon);
     result.map_err(|e| vhost(&e))
+}
+
+#[cfg(test)]
+mod seg_max_test {
+    use super::*;
+    use crate::volume::ram::RamVolume;
+
+    /// A request with seg_max segments must fit QEMU's default 128-entry ring even when the
+    /// driver does not use indirect descriptors (header + segments + status), whatever
+    /// queue size we accept; otherwise Linux waits forever for ring space.
+    #[test]
+    fn seg_max_fits_a_default_qemu_ring() {
+        let vol: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(1 << 20, 512).unwrap());
+        for queue_size in [16u16, 128, 256, 1024, MAX_QUEUE_SIZE] {
+            let cfg = VhostBlkConfig {
+                socket: PathBuf::from("/unused.sock"),
+                queues: 1,
+                queue_size,
+                read_only: false,
+                serial: "s".into(),
+            };
+            let p = validate(&cfg, &*vol).unwrap();
+            assert!(
+                p.seg_max + 2 <= u32::from(queue_size.min(128)),
+                "{queue_size}: {}",
+                p.seg_max
+            );
+            assert!(p.seg_max >= 14, "{queue_size}: {}", p.seg_max);
+        }
+    }
 }

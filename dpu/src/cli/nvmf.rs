@@ -1,0 +1,200 @@
+//! `nacre nvmf ...`: NVMe-oF/TCP subsystems.
+
+use anyhow::Result;
+use clap::Subcommand;
+use serde_json::{json, Value};
+
+use super::table::Table;
+use super::Ctx;
+
+#[derive(Subcommand, Debug)]
+pub enum NvmfCmd {
+    /// Create a subsystem.
+    #[command(
+        after_help = "Examples:\n  nacre nvmf create nqn.2024-01.io.nacre:data --allow-any-host\n  nacre nvmf add-ns nqn.2024-01.io.nacre:data --volume data\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address 127.0.0.1 --port 4420\n\nOn a Linux host:\n  nvme discover -t tcp -a ADDRESS -s PORT\n  nvme connect -t tcp -a ADDRESS -s PORT -n NQN\n  nvme list"
+    )]
+    Create {
+        /// Subsystem NQN (nqn.YYYY-MM.reverse-domain:name).
+        nqn: String,
+        /// Serial number (at most 20 ASCII characters) [default: generated].
+        #[arg(long)]
+        serial: Option<String>,
+        /// Model number (at most 40 ASCII characters) [default: nacre].
+        #[arg(long)]
+        model: Option<String>,
+        /// Let any host connect (otherwise only hosts added with add-host).
+        #[arg(long)]
+        allow_any_host: bool,
+    },
+    /// Delete a subsystem; connected hosts are disconnected.
+    Delete { nqn: String },
+    /// Export a volume as a namespace.
+    AddNs {
+        nqn: String,
+        #[arg(long)]
+        volume: String,
+        /// Namespace ID [default: lowest free].
+        #[arg(long)]
+        nsid: Option<u32>,
+    },
+    /// Remove a namespace (hosts see a namespace-changed event).
+    RemoveNs { nqn: String, nsid: u32 },
+    /// Listen for NVMe/TCP connections to the subsystem.
+    AddListener {
+        nqn: String,
+        #[arg(long)]
+        address: String,
+        #[arg(long, default_value_t = 4420)]
+        port: u16,
+    },
+    /// Stop offering the subsystem on an address.
+    RemoveListener {
+        nqn: String,
+        #[arg(long)]
+        address: String,
+        #[arg(long, default_value_t = 4420)]
+        port: u16,
+    },
+    /// Allow a host NQN to connect.
+    AddHost { nqn: String, host: String },
+    /// Stop allowing a host NQN.
+    RemoveHost { nqn: String, host: String },
+    /// Let any host connect (true) or only listed ones (false).
+    AllowAnyHost {
+        nqn: String,
+        #[arg(action = clap::ArgAction::Set)]
+        allow: bool,
+    },
+    /// List subsystems.
+    List,
+}
+
+pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
+    let ack = |ctx: &Ctx, v: &Value, what: String| ctx.print(v, |_| println!("{what}"));
+    match cmd {
+        NvmfCmd::Create {
+            nqn,
+            serial,
+            model,
+            allow_any_host,
+        } => {
+            let mut p = json!({"nqn": nqn, "allow_any_host": allow_any_host});
+            if let Some(s) = serial {
+                p["serial"] = json!(s);
+            }
+            if let Some(m) = model {
+                p["model"] = json!(m);
+            }
+            let v = ctx.call("nvmf_subsystem_create", p)?;
+            ack(ctx, &v, format!("created subsystem {nqn}"));
+        }
+        NvmfCmd::Delete { nqn } => {
+            let v = ctx.call("nvmf_subsystem_delete", json!({ "nqn": nqn }))?;
+            ack(ctx, &v, format!("deleted subsystem {nqn}"));
+        }
+        NvmfCmd::AddNs { nqn, volume, nsid } => {
+            let mut p = json!({"nqn": nqn, "volume": volume});
+            if let Some(n) = nsid {
+                p["nsid"] = json!(n);
+            }
+            let v = ctx.call("nvmf_subsystem_add_ns", p)?;
+            let msg = format!("volume {volume} is namespace {} of {nqn}", v["nsid"]);
+            ack(ctx, &v, msg);
+        }
+        NvmfCmd::RemoveNs { nqn, nsid } => {
+            let v = ctx.call(
+                "nvmf_subsystem_remove_ns",
+                json!({"nqn": nqn, "nsid": nsid}),
+            )?;
+            ack(ctx, &v, format!("removed namespace {nsid} from {nqn}"));
+        }
+        NvmfCmd::AddListener { nqn, address, port } => {
+            let v = ctx.call(
+                "nvmf_subsystem_add_listener",
+                json!({"nqn": nqn, "address": address, "port": port}),
+            )?;
+            let msg = format!(
+                "{nqn} listens on {}:{}",
+                v["address"].as_str().unwrap_or(""),
+                v["port"]
+            );
+            ack(ctx, &v, msg);
+        }
+        NvmfCmd::RemoveListener { nqn, address, port } => {
+            let v = ctx.call(
+                "nvmf_subsystem_remove_listener",
+                json!({"nqn": nqn, "address": address, "port": port}),
+            )?;
+            ack(
+                ctx,
+                &v,
+                format!("{nqn} no longer listens on {address}:{port}"),
+            );
+        }
+        NvmfCmd::AddHost { nqn, host } => {
+            let v = ctx.call("nvmf_subsystem_add_host", json!({"nqn": nqn, "host": host}))?;
+            ack(ctx, &v, format!("host {host} may connect to {nqn}"));
+        }
+        NvmfCmd::RemoveHost { nqn, host } => {
+            let v = ctx.call(
+                "nvmf_subsystem_remove_host",
+                json!({"nqn": nqn, "host": host}),
+            )?;
+            ack(ctx, &v, format!("host {host} removed from {nqn}"));
+        }
+        NvmfCmd::AllowAnyHost { nqn, allow } => {
+            let v = ctx.call(
+                "nvmf_subsystem_allow_any_host",
+                json!({"nqn": nqn, "allow_any_host": allow}),
+            )?;
+            ack(ctx, &v, format!("{nqn}: allow any host = {allow}"));
+        }
+        NvmfCmd::List => {
+            let v = ctx.call("nvmf_get_subsystems", Value::Null)?;
+            ctx.print(&v, |v| {
+                let mut t = Table::new(&[
+                    "NQN",
+                    "TYPE",
+                    "SERIAL",
+                    "NAMESPACES",
+                    "LISTENERS",
+                    "HOSTS",
+                    "CTRLS",
+                ]);
+                for s in v.as_array().into_iter().flatten() {
+                    let list = |k: &str| {
+                        s[k].as_array()
+                            .into_iter()
+                            .flatten()
+                            .filter_map(|x| x.as_str().map(str::to_string))
+                            .collect::<Vec<_>>()
+                            .join(",")
+                    };
+                    let ns = s["namespaces"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(|n| format!("{}:{}", n["nsid"], n["name"].as_str().unwrap_or("")))
+                        .collect::<Vec<_>>()
+                        .join(",");
+                    let hosts = if s["allow_any_host"].as_bool().unwrap_or(false) {
+                        "any".to_string()
+                    } else {
+                        list("hosts")
+                    };
+                    t.row(vec![
+                        s["nqn"].as_str().unwrap_or("").into(),
+                        s["subtype"].as_str().unwrap_or("").into(),
+                        s["serial"].as_str().unwrap_or("").into(),
+                        ns,
+                        list("listeners"),
+                        hosts,
+                        s["controllers"].to_string(),
+                    ]);
+                }
+                t.print();
+            });
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,422 @@
+//! `nacre tenant ...`, and the key operations `nacre volume crypto-erase|export-key`.
+//!
+//! Secrets never go on the command line (where `ps` and shell history would see them): a
+//! KEK comes from `--key-file PATH` (32 random bytes), `--passphrase-file PATH` or
+//! `--passphrase-stdin`. Relative paths are made absolute, because nacred resolves them.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use serde_json::{json, Value};
+use zeroize::Zeroizing;
+
+use super::table::Table;
+use super::Ctx;
+use crate::crypto::kek::PassphraseKek;
+
+const TENANT_EXAMPLES: &str = "\
+Examples:
+  head -c 32 /dev/urandom > /etc/nacre/acme.kek && chmod 600 /etc/nacre/acme.kek
+  nacre tenant create acme --key-file /etc/nacre/acme.kek --require-encryption
+  nacre tenant create globex --passphrase-file /root/globex.pass --tweak be64 --data-unit 512
+  nacre volume create acme-db --size 100G --tenant acme --encrypt
+  nacre tenant rotate-kek acme --new-key-file /etc/nacre/acme-2.kek
+  nacre tenant unlock globex --passphrase-stdin < /root/globex.pass   # after a restart";
+
+#[derive(Subcommand, Debug)]
+#[command(after_help = TENANT_EXAMPLES)]
+pub enum TenantCmd {
+    /// Create a tenant with a key-encryption key and an encryption policy.
+    Create(CreateArgs),
+    /// List tenants.
+    List {
+        /// Only this tenant.
+        name: Option<String>,
+    },
+    /// Show a tenant: KEK source, policy, volumes.
+    Show { name: String },
+    /// Delete a tenant (refused while it has volumes, unless --force).
+    Delete {
+        name: String,
+        /// Delete anyway: the tenant's encrypted volumes become permanently unreadable.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Give nacred a passphrase tenant's KEK after a restart and open its volumes.
+    Unlock {
+        name: String,
+        #[command(flatten)]
+        kek: KekArgs,
+    },
+    /// Show or change a tenant's encryption policy.
+    #[command(subcommand)]
+    Policy(PolicyCmd),
+    /// Re-wrap every data key of the tenant under a new KEK (no data is rewritten).
+    #[command(name = "rotate-kek")]
+    RotateKek {
+        name: String,
+        #[command(flatten)]
+        new_kek: NewKekArgs,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PolicyCmd {
+    /// Change the policy for volumes created from now on (existing volumes keep theirs).
+    Set {
+        name: String,
+        #[command(flatten)]
+        policy: PolicyArgs,
+    },
+    /// Show the policy.
+    Show { name: String },
+}
+
+/// Where a KEK comes from; exactly one.
+#[derive(Args, Debug)]
+#[group(required = true, multiple = false)]
+pub struct KekArgs {
+    /// File holding exactly 32 random bytes.
+    #[arg(long)]
+    pub key_file: Option<PathBuf>,
+    /// File holding the passphrase (one trailing newline is ignored).
+    #[arg(long)]
+    pub passphrase_file: Option<PathBuf>,
+    /// Read the passphrase from standard input.
+    #[arg(long)]
+    pub passphrase_stdin: bool,
+}
+
+/// The new KEK of a rotation; exactly one.
+#[derive(Args, Debug)]
+#[group(required = true, multiple = false)]
+pub struct NewKekArgs {
+    /// File holding exactly 32 random bytes.
+    #[arg(long)]
+    pub new_key_file: Option<PathBuf>,
+    /// File holding the new passphrase.
+    #[arg(long)]
+    pub new_passphrase_file: Option<PathBuf>,
+    /// Read the new passphrase from standard input.
+    #[arg(long)]
+    pub new_passphrase_stdin: bool,
+}
+
+#[derive(Args, Debug, Default)]
+pub struct PolicyArgs {
+    /// aes-xts-256 (default) or aes-xts-128.
+    #[arg(long)]
+    pub cipher: Option<String>,
+    /// Data-unit size: 512 or 4096 (default 4096).
+    #[arg(long)]
+    pub data_unit: Option<u32>,
+    /// plain64 (dm-crypt aes-xts-plain64 layout, default) or be64 (BlueField mlx5 layout).
+    #[arg(long)]
+    pub tweak: Option<String>,
+    /// Refuse unencrypted volumes for this tenant (true/false).
+    #[arg(long)]
+    pub require_encryption: Option<bool>,
+}
+
+#[derive(Args, Debug)]
+pub struct CreateArgs {
+    pub name: String,
+    #[command(flatten)]
+    pub kek: KekArgs,
+    /// aes-xts-256 (default) or aes-xts-128.
+    #[arg(long)]
+    pub cipher: Option<String>,
+    /// Data-unit size: 512 or 4096 (default 4096; must not exceed the volumes' block size).
+    #[arg(long)]
+    pub data_unit: Option<u32>,
+    /// plain64 (dm-crypt aes-xts-plain64 layout, default) or be64 (BlueField mlx5 layout).
+    #[arg(long)]
+    pub tweak: Option<String>,
+    /// Refuse unencrypted volumes for this tenant.
+    #[arg(long)]
+    pub require_encryption: bool,
+    /// Argon2id memory cost in KiB for passphrase KEKs [default 65536].
+    #[arg(long)]
+    pub argon2_memory_kib: Option<u32>,
+    /// Argon2id passes for passphrase KEKs [default 3].
+    #[arg(long)]
+    pub argon2_passes: Option<u32>,
+}
+
+#[derive(Args, Debug)]
+pub struct CryptoEraseArgs {
+    pub name: String,
+    /// Confirm: the volume's data becomes permanently unreadable.
+    #[arg(long)]
+    pub yes: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct ExportKeyArgs {
+    pub name: String,
+    /// File to create (mode 0600); an existing file is never overwritten.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Confirm that the plaintext data key may leave nacred.
+    #[arg(long)]
+    pub yes_export_plaintext_key: bool,
+}
+
+fn absolute(p: &Path) -> Result<String> {
+    let abs = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        std::env::current_dir()?.join(p)
+    };
+    abs.to_str()
+        .map(str::to_string)
+        .context("path is not valid UTF-8")
+}
+
+fn read_passphrase(file: Option<&Path>, stdin: bool) -> Result<Zeroizing<String>> {
+    let bytes = match (file, stdin) {
+        (Some(f), _) => PassphraseKek::read_passphrase_file(f)?,
+        (None, true) => {
+            let mut b = Zeroizing::new(Vec::new());
+            std::io::stdin()
+                .read_to_end(&mut b)
+                .context("reading the passphrase from stdin")?;
+            while matches!(b.last(), Some(b'\n' | b'\r')) {
+                b.pop();
+            }
+            b
+        }
+        (None, false) => bail!("no passphrase source"),
+    };
+    if bytes.is_empty() {
+        bail!("the passphrase is empty");
+    }
+    let s = std::str::from_utf8(&bytes).context("the passphrase must be UTF-8")?;
+    Ok(Zeroizing::new(s.to_string()))
+}
+
+/// The `kek` params object. Holds the passphrase; never printed.
+fn kek_params(
+    key_file: Option<&Path>,
+    pass_file: Option<&Path>,
+    pass_stdin: bool,
+) -> Result<Value> {
+    if let Some(k) = key_file {
+        return Ok(json!({ "key_file": absolute(k)? }));
+    }
+    let pass = read_passphrase(pass_file, pass_stdin)?;
+    Ok(json!({ "passphrase": pass.as_str() }))
+}
+
+fn policy_params(p: &PolicyArgs) -> Value {
+    let mut v = json!({});
+    if let Some(c) = &p.cipher {
+        v["cipher"] = json!(c);
+    }
+    if let Some(u) = p.data_unit {
+        v["data_unit"] = json!(u);
+    }
+    if let Some(t) = &p.tweak {
+        v["tweak"] = json!(t);
+    }
+    if let Some(r) = p.require_encryption {
+        v["require_encryption"] = json!(r);
+    }
+    v
+}
+
+pub fn run(ctx: &mut Ctx, cmd: TenantCmd) -> Result<()> {
+    match cmd {
+        TenantCmd::Create(a) => {
+            let mut kek = kek_params(
+                a.kek.key_file.as_deref(),
+                a.kek.passphrase_file.as_deref(),
+                a.kek.passphrase_stdin,
+            )?;
+            if let Some(m) = a.argon2_memory_kib {
+                kek["argon2_m_cost_kib"] = json!(m);
+            }
+            if let Some(t) = a.argon2_passes {
+                kek["argon2_t_cost"] = json!(t);
+            }
+            let policy = policy_params(&PolicyArgs {
+                cipher: a.cipher,
+                data_unit: a.data_unit,
+                tweak: a.tweak,
+                require_encryption: a.require_encryption.then_some(true),
+            });
+            let v = ctx.call(
+                "tenant_create",
+                json!({"name": a.name, "kek": kek, "policy": policy}),
+            )?;
+            ctx.print(&v, |v| {
+                println!(
+                    "created tenant {} (KEK from {}, {})",
+                    v["name"].as_str().unwrap_or(""),
+                    v["kek_source"].as_str().unwrap_or(""),
+                    policy_line(&v["policy"])
+                )
+            });
+        }
+        TenantCmd::List { name } => {
+            let p = name.map(|n| json!({ "name": n })).unwrap_or(Value::Null);
+            let v = ctx.call("tenant_list", p)?;
+            ctx.print(&v, print_tenants);
+        }
+        TenantCmd::Show { name } => {
+            let v = ctx.call("tenant_show", json!({ "name": name }))?;
+            ctx.print(&v, print_tenant);
+        }
+        TenantCmd::Delete { name, force } => {
+            let v = ctx.call("tenant_delete", json!({"name": name, "force": force}))?;
+            ctx.print(&v, |_| println!("deleted tenant {name}"));
+        }
+        TenantCmd::Unlock { name, kek } => {
+            let kek = kek_params(
+                kek.key_file.as_deref(),
+                kek.passphrase_file.as_deref(),
+                kek.passphrase_stdin,
+            )?;
+            let v = ctx.call("tenant_unlock", json!({"name": name, "kek": kek}))?;
+            ctx.print(&v, |v| {
+                println!(
+                    "unlocked tenant {name}; opened {} volume(s)",
+                    v["opened"].as_array().map_or(0, Vec::len)
+                )
+            });
+        }
+        TenantCmd::Policy(PolicyCmd::Set { name, policy }) => {
+            let mut p = policy_params(&policy);
+            p["name"] = json!(name);
+            let v = ctx.call("tenant_policy_set", p)?;
+            ctx.print(&v, |v| println!("tenant {name}: {}", policy_line(v)));
+        }
+        TenantCmd::Policy(PolicyCmd::Show { name }) => {
+            let v = ctx.call("tenant_policy_show", json!({ "name": name }))?;
+            ctx.print(&v, |v| println!("{}", policy_line(v)));
+        }
+        TenantCmd::RotateKek { name, new_kek } => {
+            let kek = kek_params(
+                new_kek.new_key_file.as_deref(),
+                new_kek.new_passphrase_file.as_deref(),
+                new_kek.new_passphrase_stdin,
+            )?;
+            let v = ctx.call("tenant_rotate_kek", json!({"name": name, "new_kek": kek}))?;
+            ctx.print(&v, |v| {
+                println!(
+                    "rotated the KEK of tenant {name} (generation {}, {} volume key(s) re-wrapped)",
+                    v["kek_generation"],
+                    v["volumes"].as_array().map_or(0, Vec::len)
+                )
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `nacre volume crypto-erase NAME --yes`
+pub fn crypto_erase(ctx: &mut Ctx, a: CryptoEraseArgs) -> Result<()> {
+    if !a.yes {
+        bail!(
+            "crypto-erase destroys volume {}'s key and makes its data permanently unreadable: add --yes",
+            a.name
+        );
+    }
+    let v = ctx.call(
+        "volume_crypto_erase",
+        json!({"name": a.name, "confirm": true}),
+    )?;
+    ctx.print(&v, |_| println!("crypto-erased volume {}", a.name));
+    Ok(())
+}
+
+/// `nacre volume export-key NAME --out FILE --yes-export-plaintext-key`
+pub fn export_key(ctx: &mut Ctx, a: ExportKeyArgs) -> Result<()> {
+    if !a.yes_export_plaintext_key {
+        bail!("exporting writes the plaintext data key to a file: add --yes-export-plaintext-key");
+    }
+    let path = absolute(&a.out)?;
+    let v = ctx.call(
+        "volume_export_key",
+        json!({"name": a.name, "path": path, "confirm": true}),
+    )?;
+    ctx.print(&v, |_| {
+        println!(
+            "wrote the data key of volume {} to {path} (mode 0600)",
+            a.name
+        )
+    });
+    Ok(())
+}
+
+fn policy_line(p: &Value) -> String {
+    format!(
+        "{}, {}-byte data units, tweak {}{}",
+        p["cipher"].as_str().unwrap_or(""),
+        p["data_unit"],
+        p["tweak"].as_str().unwrap_or(""),
+        if p["require_encryption"].as_bool().unwrap_or(false) {
+            ", encryption required"
+        } else {
+            ""
+        }
+    )
+}
+
+fn print_tenants(v: &Value) {
+    let mut t = Table::new(&["NAME", "KEK", "GEN", "UNLOCKED", "POLICY", "VOLUMES"]);
+    for x in v.as_array().into_iter().flatten() {
+        t.row(vec![
+            x["name"].as_str().unwrap_or("").into(),
+            x["kek_source"].as_str().unwrap_or("").into(),
+            x["kek_generation"].to_string(),
+            if x["unlocked"].as_bool().unwrap_or(false) {
+                "yes"
+            } else {
+                "no"
+            }
+            .into(),
+            policy_line(&x["policy"]),
+            x["volumes"].as_array().map_or(0, Vec::len).to_string(),
+        ]);
+    }
+    t.print();
+}
+
+fn print_tenant(x: &Value) {
+    println!("tenant      {}", x["name"].as_str().unwrap_or(""));
+    println!(
+        "kek         {}{} (generation {}{})",
+        x["kek_source"].as_str().unwrap_or(""),
+        x["kek_path"]
+            .as_str()
+            .map(|p| format!(" {p}"))
+            .unwrap_or_default(),
+        x["kek_generation"],
+        if x["rotation_pending"].as_bool().unwrap_or(false) {
+            ", rotation interrupted: re-run rotate-kek"
+        } else {
+            ""
+        }
+    );
+    println!("policy      {}", policy_line(&x["policy"]));
+    let mut t = Table::new(&["VOLUME", "CIPHER", "UNIT", "TWEAK", "KEY VERSION", "STATE"]);
+    for v in x["volumes"].as_array().into_iter().flatten() {
+        t.row(vec![
+            v["name"].as_str().unwrap_or("").into(),
+            v["cipher"].as_str().unwrap_or("").into(),
+            v["data_unit"].to_string(),
+            v["tweak"].as_str().unwrap_or("").into(),
+            v["key_version"].to_string(),
+            if v["erased"].as_bool().unwrap_or(false) {
+                "crypto-erased"
+            } else {
+                "active"
+            }
+            .into(),
+        ]);
+    }
+    t.print();
+}

@@ -1,0 +1,179 @@
+//! The real nacred serving NVMe-oF/TCP: subsystems, namespaces, listeners and hosts made
+//! over RPC and the CLI, driven by the user-space host, persisted and replayed on restart.
+
+use std::net::SocketAddr;
+
+use nacre_shared::nvme::identify::nidt;
+use nacre_shared::nvme::Status;
+use nacre_tests::daemon::Nacred;
+use nacre_tests::nvmf_host::{HostError, HostOptions, NvmfHost};
+use serde_json::json;
+
+const NQN: &str = "nqn.2024-01.io.nacre:daemon";
+
+fn setup(n: &Nacred) -> SocketAddr {
+    n.ok(
+        "volume_create",
+        json!({"name": "nv", "size": 16 << 20, "block_size": 4096}),
+    );
+    let s = n.ok(
+        "nvmf_subsystem_create",
+        json!({"nqn": NQN, "serial": "NACRE-D1", "model": "nacre daemon"}),
+    );
+    assert_eq!(s["serial"], "NACRE-D1");
+    let ns = n.ok("nvmf_subsystem_add_ns", json!({"nqn": NQN, "volume": "nv"}));
+    assert_eq!(ns["nsid"], 1);
+    let l = n.ok(
+        "nvmf_subsystem_add_listener",
+        json!({"nqn": NQN, "address": "127.0.0.1", "port": 0}),
+    );
+    let port = l["port"].as_u64().unwrap() as u16;
+    assert_ne!(port, 0);
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+#[test]
+fn rpc_made_subsystem_serves_io_and_survives_restart() {
+    let mut n = Nacred::start();
+    let addr = setup(&n);
+    // Not allowed yet: Connect Invalid Host.
+    let r = NvmfHost::connect(addr, NQN, HostOptions::default());
+    assert!(matches!(
+        r,
+        Err(HostError::Nvme(Status::CONNECT_INVALID_HOST, _))
+    ));
+    n.ok(
+        "nvmf_subsystem_add_host",
+        json!({"nqn": NQN, "host": HostOptions::default().hostnqn}),
+    );
+    let data: Vec<u8> = (0..8192u32).map(|i| (i * 7 % 251) as u8).collect();
+    let nguid = {
+        let mut h = NvmfHost::connect(addr, NQN, HostOptions::default()).unwrap();
+        assert_eq!(h.id.serial, "NACRE-D1");
+        assert_eq!(h.id.model, "nacre daemon");
+        h.write(0, 1, 10, &data, 4096).unwrap();
+        h.flush(0, 1).unwrap();
+        let d = h.ns_descriptors(1).unwrap();
+        d.into_iter().find(|d| d.nidt == nidt::NGUID).unwrap().nid
+    };
+    // The volume cannot be deleted while exported.
+    let (code, msg) = n.err("volume_delete", json!({"name": "nv"}));
+    assert_ne!(code, 0);
+    assert!(msg.contains("nvmf:"), "{msg}");
+
+    let subs = n.ok("nvmf_get_subsystems", json!({}));
+    let ours = subs
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["nqn"] == NQN)
+        .unwrap();
+    assert_eq!(ours["namespaces"][0]["name"], "nv");
+    assert_eq!(ours["listeners"][0], addr.to_string());
+
+    // Restart: the same port, the same namespace identity, the data.
+    n.restart();
+    let mut h = NvmfHost::connect(addr, NQN, HostOptions::default()).unwrap();
+    assert_eq!(h.read(0, 1, 10, 2, 4096).unwrap(), data);
+    let d = h.ns_descriptors(1).unwrap();
+    assert_eq!(
+        d.into_iter().find(|d| d.nidt == nidt::NGUID).unwrap().nid,
+        nguid
+    );
+    // Removing the namespace and the subsystem is persisted too.
+    n.ok("nvmf_subsystem_remove_ns", json!({"nqn": NQN, "nsid": 1}));
+    assert_eq!(h.active_namespaces().unwrap(), Vec::<u32>::new());
+    n.ok("nvmf_subsystem_delete", json!({"nqn": NQN}));
+    n.restart();
+    let subs = n.ok("nvmf_get_subsystems", json!({}));
+    let nqns: Vec<&str> = subs
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["nqn"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        nqns,
+        [
+            "nqn.2014-08.org.nvmexpress.discovery",
+            "nqn.2014-08.io.nacre:default"
+        ],
+        "only discovery and the embedded default: {subs}"
+    );
+    n.ok("volume_delete", json!({"name": "nv"}));
+}
+
+#[test]
+fn bad_requests_are_clear_errors() {
+    let n = Nacred::start();
+    let (_, m) = n.err("nvmf_subsystem_create", json!({"nqn": "iqn.bad"}));
+    assert!(m.contains("nqn."), "{m}");
+    n.ok("nvmf_subsystem_create", json!({"nqn": NQN}));
+    let (_, m) = n.err("nvmf_subsystem_create", json!({"nqn": NQN}));
+    assert!(m.contains("already exists"), "{m}");
+    let (_, m) = n.err(
+        "nvmf_subsystem_add_ns",
+        json!({"nqn": NQN, "volume": "missing"}),
+    );
+    assert!(m.contains("does not exist"), "{m}");
+    let (_, m) = n.err(
+        "nvmf_subsystem_add_listener",
+        json!({"nqn": NQN, "address": "localhost"}),
+    );
+    assert!(m.contains("not an IPv4 or IPv6"), "{m}");
+    let (_, m) = n.err(
+        "nvmf_subsystem_create",
+        json!({"nqn": "nqn.2024-01.io.nacre:x", "serial": "X".repeat(21)}),
+    );
+    assert!(m.contains("serial"), "{m}");
+    let (_, m) = n.err(
+        "nvmf_subsystem_delete",
+        json!({"nqn": "nqn.2024-01.io.nacre:nope"}),
+    );
+    assert!(m.contains("does not exist"), "{m}");
+    let (_, m) = n.err("nvmf_subsystem_create", json!({"nqn": NQN, "typo": 1}));
+    assert!(m.contains("typo"), "{m}");
+}
+
+#[test]
+fn cli_manages_subsystems() {
+    let n = Nacred::start();
+    n.ok(
+        "volume_create",
+        json!({"name": "c", "size": 1 << 20, "block_size": 512, "backend": "ram"}),
+    );
+    let ok = |args: &[&str]| {
+        let o = n.cli(args);
+        assert!(
+            o.status.success(),
+            "nacre {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).to_string()
+    };
+    ok(&["nvmf", "create", NQN, "--allow-any-host"]);
+    let out = ok(&["nvmf", "add-ns", NQN, "--volume", "c", "--nsid", "7"]);
+    assert!(out.contains("namespace 7"), "{out}");
+    let out = ok(&[
+        "nvmf",
+        "add-listener",
+        NQN,
+        "--address",
+        "127.0.0.1",
+        "--port",
+        "0",
+    ]);
+    let port: u16 = out.trim().rsplit(':').next().unwrap().parse().unwrap();
+    let list = ok(&["nvmf", "list"]);
+    assert!(list.contains(NQN) && list.contains("7:c"), "{list}");
+    let mut h = NvmfHost::connect(
+        SocketAddr::from(([127, 0, 0, 1], port)),
+        NQN,
+        HostOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(h.active_namespaces().unwrap(), vec![7]);
+    let o = n.cli(&["nvmf", "remove-ns", NQN, "8"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("does not exist"));
+}
