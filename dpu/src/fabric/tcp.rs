@@ -99,6 +99,9 @@ struct Slots {
 
 struct Tx {
     buf: Vec<u8>,
+    /// The writer is asleep on the condition variable: only then is a wake-up (a futex
+    /// system call) needed; while it is sending it picks new PDUs up by itself.
+    waiting: bool,
     closed: bool,
 }
 
@@ -198,6 +201,7 @@ impl QueueConn {
             }),
             tx: Mutex::new(Tx {
                 buf: Vec::with_capacity(64 << 10),
+                waiting: false,
                 closed: false,
             }),
             tx_cv: Condvar::new(),
@@ -283,17 +287,20 @@ impl QueueConn {
         }
         match s.free.pop() {
             Some(idx) => {
-                self.issue(&mut s, idx, cmd);
+                let wake = self.issue(&mut s, idx, cmd);
                 drop(s);
-                self.tx_cv.notify_one();
+                if wake {
+                    self.tx_cv.notify_one();
+                }
             }
             None => s.overflow.push_back(cmd),
         }
         Ok(())
     }
 
-    /// Put `cmd` in slot `idx` and append its capsule to the send buffer.
-    fn issue(&self, s: &mut Slots, idx: u16, mut cmd: Cmd) {
+    /// Put `cmd` in slot `idx` and append its capsule to the send buffer. Returns whether
+    /// the writer must be woken.
+    fn issue(&self, s: &mut Slots, idx: u16, mut cmd: Cmd) -> bool {
         let slot = &mut s.entries[idx as usize];
         slot.gen = slot.gen.wrapping_add(1) & 0x3F;
         let cid = cid_of(idx, slot.gen);
@@ -333,9 +340,11 @@ impl QueueConn {
                 self.neg.cpda,
             );
         }
+        let wake = tx.waiting;
         drop(tx);
         slot.cmd = Some(cmd);
         slot.issued = Instant::now();
+        wake
     }
 
     /// How long the oldest outstanding command has been waiting (commands waiting for a free
@@ -393,7 +402,9 @@ impl QueueConn {
             {
                 let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
                 while tx.buf.is_empty() && !tx.closed {
+                    tx.waiting = true;
                     tx = self.tx_cv.wait(tx).unwrap_or_else(|p| p.into_inner());
+                    tx.waiting = false;
                 }
                 if tx.buf.is_empty() && tx.closed {
                     return;
@@ -580,9 +591,11 @@ impl QueueConn {
         let cmd = s.entries[idx].cmd.take().expect("checked");
         match s.overflow.pop_front() {
             Some(next) => {
-                self.issue(&mut s, idx as u16, next);
+                let wake = self.issue(&mut s, idx as u16, next);
                 drop(s);
-                self.tx_cv.notify_one();
+                if wake {
+                    self.tx_cv.notify_one();
+                }
             }
             None => s.free.push(idx as u16),
         }
@@ -658,8 +671,11 @@ impl QueueConn {
             );
             pos += n;
         }
+        let wake = tx.waiting;
         drop(tx);
-        self.tx_cv.notify_one();
+        if wake {
+            self.tx_cv.notify_one();
+        }
         Ok(())
     }
 
