@@ -1108,11 +1108,16 @@ fn bring_up(
     let mut namespaces = Vec::new();
     for nsid in list {
         let ns = IdentifyNamespace::decode(&identify(q, cns::NAMESPACE, nsid, deadline)?);
-        if ns.nsze == 0 || !(9..=16).contains(&ns.lbads) {
+        // A broken controller must not make nacre compute an impossible size.
+        if ns.nsze == 0
+            || !(9..=16).contains(&ns.lbads)
+            || ns.nsze.checked_mul(1u64 << ns.lbads).is_none()
+        {
             warn!(
                 nsid,
                 lbads = ns.lbads,
-                "skipping namespace with no size or an unsupported block size"
+                nsze = ns.nsze,
+                "skipping namespace with no size, an impossible size or an unsupported block size"
             );
             continue;
         }
@@ -1166,8 +1171,8 @@ fn set_queue_count(q: &Arc<QueueConn>, want: u16, deadline: Instant) -> Result<u
         ..Default::default()
     };
     let (cqe, _) = admin_cmd(q, sqe, Dir::None, Vec::new(), deadline)?;
-    let nsqa = (cqe.dw0 & 0xFFFF) as u16 + 1;
-    let ncqa = (cqe.dw0 >> 16) as u16 + 1;
+    let nsqa = ((cqe.dw0 & 0xFFFF) as u16).saturating_add(1);
+    let ncqa = ((cqe.dw0 >> 16) as u16).saturating_add(1);
     Ok(want.min(nsqa).min(ncqa).max(1))
 }
 
