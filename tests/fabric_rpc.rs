@@ -25,12 +25,16 @@ struct Shelf {
 }
 
 fn shelf_on(addr: &str, vol: Arc<RamVolume>) -> Shelf {
+    shelf_with(addr, vol, [0x77; 16])
+}
+
+fn shelf_with(addr: &str, vol: Arc<RamVolume>, nguid: [u8; 16]) -> Shelf {
     let target = NvmfTarget::new();
     target
         .create_subsystem(NQN, "SHELFRPC", "nacre shelf", true)
         .unwrap();
     target
-        .add_namespace(NQN, Some(1), vol.clone(), [0x77; 16], "v".into())
+        .add_namespace(NQN, Some(1), vol.clone(), nguid, "v".into())
         .unwrap();
     let mut last = None;
     for _ in 0..100 {
@@ -364,4 +368,76 @@ fn encrypted_remote_volume_leaves_only_ciphertext_on_the_shelf() {
         dec == plain,
         "the oracle decrypts the shelf's bytes to the plaintext"
     );
+}
+
+/// Multipath and stripe layouts through the control plane: one shelf reached through two
+/// portals (two remotes, one namespace), a second shelf, a round-robin multipath volume, a
+/// stripe over both shelves, and the refusal to group different namespaces.
+#[test]
+fn multipath_and_stripe_volumes_over_rpc() {
+    let shelf_a = shelf_on(
+        "127.0.0.1:0",
+        Arc::new(RamVolume::new(8 << 20, 4096).unwrap()),
+    );
+    let second_portal = shelf_a
+        .target
+        .add_listener(NQN, "127.0.0.1:0".parse().unwrap())
+        .unwrap();
+    let shelf_b = shelf_with(
+        "127.0.0.1:0",
+        Arc::new(RamVolume::new(8 << 20, 4096).unwrap()),
+        [0x88; 16],
+    );
+    let n = Nacred::start_args(&["--no-default"]);
+    n.ok("remote_attach", attach_params("a1", shelf_a.addr.port()));
+    n.ok("remote_attach", attach_params("a2", second_portal.port()));
+    // shelf_b exports the same NQN and NSID, but it is another namespace (its own NGUID).
+    n.ok("remote_attach", attach_params("b", shelf_b.addr.port()));
+    let mp = n.ok(
+        "volume_create",
+        json!({"name": "mp", "backend": "remote", "size": 0,
+               "remote": {"extents": ["a1:1+a2:1"], "multipath": "round_robin"}}),
+    );
+    assert_eq!(mp["size"], 8u64 << 20);
+    assert_eq!(mp["remote"]["multipath"], "round_robin");
+    let st = n.ok(
+        "volume_create",
+        json!({"name": "st", "backend": "remote", "size": 0,
+               "remote": {"extents": ["a1:1", "b:1"], "stripe_size": 65536}}),
+    );
+    assert_eq!(
+        st["size"],
+        16u64 << 20,
+        "a stripe over two shelves holds both"
+    );
+    for name in ["mp", "st"] {
+        n.ok("vhost_blk_create", json!({"name": name, "volume": name}));
+        let mut c = BlkioClient::connect(
+            &n.run_dir.join(format!("vhost-{name}.sock")),
+            &ClientOptions::default(),
+        )
+        .unwrap();
+        let mut q = c.take_queues().remove(0);
+        let d = pattern(9, 0, 1 << 20);
+        let buf = &mut c.mem()[..d.len()];
+        buf.copy_from_slice(&d);
+        assert_eq!(write(&mut q, 2 << 20, buf).unwrap(), 0);
+        buf.fill(0);
+        assert_eq!(read(&mut q, 2 << 20, buf).unwrap(), 0);
+        assert!(buf[..] == d[..], "{name} reads back what was written");
+    }
+    // The stripe put its second 64 KiB unit of that write on shelf b.
+    let mut unit = vec![0u8; 65536];
+    shelf_b.vol.read_at(1 << 20, &mut unit).unwrap();
+    assert!(unit[..] == pattern(9, 0, 1 << 20)[65536..131072]);
+    // Paths of one extent must be the same namespace (here a1:1 and b:1 share NQN and NSID
+    // but not the namespace).
+    let (_, msg) = n.err(
+        "volume_create",
+        json!({"name": "bad", "backend": "remote", "size": 0,
+               "remote": {"extents": ["a1:1+b:1"]}}),
+    );
+    assert!(msg.contains("not the same namespace"), "{msg}");
+    let l = n.ok("remote_list", json!({"name": "a1"}));
+    assert_eq!(l[0]["used_by"], json!(["mp", "st"]));
 }
