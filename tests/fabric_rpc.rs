@@ -388,7 +388,7 @@ fn multipath_and_stripe_volumes_over_rpc() {
         Arc::new(RamVolume::new(8 << 20, 4096).unwrap()),
         [0x88; 16],
     );
-    let n = Nacred::start_args(&["--no-default"]);
+    let mut n = Nacred::start_args(&["--no-default"]);
     n.ok("remote_attach", attach_params("a1", shelf_a.addr.port()));
     n.ok("remote_attach", attach_params("a2", second_portal.port()));
     // shelf_b exports the same NQN and NSID, but it is another namespace (its own NGUID).
@@ -440,4 +440,21 @@ fn multipath_and_stripe_volumes_over_rpc() {
     assert!(msg.contains("not the same namespace"), "{msg}");
     let l = n.ok("remote_list", json!({"name": "a1"}));
     assert_eq!(l[0]["used_by"], json!(["mp", "st"]));
+    // Everything is replayed after a restart: remotes reconnect in the background, the
+    // layouts reopen over them and the devices serve the same data.
+    n.restart();
+    for name in ["mp", "st"] {
+        let mut c = BlkioClient::connect(
+            &n.run_dir.join(format!("vhost-{name}.sock")),
+            &ClientOptions::default(),
+        )
+        .unwrap();
+        let mut q = c.take_queues().remove(0);
+        let buf = &mut c.mem()[..1 << 20];
+        assert_eq!(read(&mut q, 2 << 20, buf).unwrap(), 0);
+        assert!(
+            buf[..] == pattern(9, 0, 1 << 20)[..],
+            "{name} after restart"
+        );
+    }
 }
