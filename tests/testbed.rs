@@ -58,16 +58,35 @@ fn kernel_selftest() {
     }
 }
 
+/// Soft-RoCE works in the bed (for the fabric's RDMA transport): rdma_rxe on a dummy netdev,
+/// libibverbs sees the device, and the kernel nvme-rdma host reads and writes a kernel
+/// nvmet-rdma target over RoCEv2 inside one guest.
+#[test]
+fn rdma_selftest() {
+    let Some(_bed) = prepare("rdma_selftest") else {
+        return;
+    };
+    let out = Boot::new("rdma-selftest").run().expect("boot");
+    out.assert_success();
+    assert_eq!(out.fact("rdma_link"), "rxe0/1");
+    assert_eq!(out.fact("ibv_device"), "rxe0");
+    assert_eq!(out.fact("transport"), "rdma");
+    assert_eq!(out.fact("io_queues"), "2");
+    assert_eq!(out.fact("verified"), "16MiB");
+}
+
 /// A guest's virtio-blk driver against nacred's vhost-user-blk devices: a device made with the
 /// CLI (64 MiB file volume, 4 KiB blocks, 2 queues) and the embedded default (1 GiB) show up with
 /// the right geometry; data written in one boot is on the volume's file and reads back intact
-/// after a second boot against the same, still running, nacred.
+/// after a second boot against the same, still running, nacred; and when nacred is killed
+/// (SIGKILL) and restarted under the running guest, QEMU reconnects and old data and new I/O
+/// are fine.
 #[test]
 fn vhost_user_blk_nacred_survives_reboot() {
     let Some(_bed) = prepare("vhost_user_blk_nacred_survives_reboot") else {
         return;
     };
-    let d = Nacred::start();
+    let mut d = Nacred::start();
     let sock = d.run_dir.join("vm1.sock");
     let size = 64 * MIB;
     let queues = 2;
@@ -137,10 +156,24 @@ fn vhost_user_blk_nacred_survives_reboot() {
 
     let second = boot("verify")
         .param("sha256", &sha)
-        .run()
+        .param("restart", 1)
+        .ctl()
+        .spawn()
         .expect("second boot");
-    second.assert_success();
+    second
+        .wait_for("TB-WAIT restarted", Duration::from_secs(150))
+        .unwrap_or_else(|e| panic!("{e}\n{}", log_tail(&second.lines().join("\n"), 40)));
+    d.crash_restart();
+    second.signal("restarted").expect("signal guest");
+    let second = second.wait(Duration::from_secs(200)).expect("second boot");
+    assert!(
+        second.success(),
+        "{}\nnacred log tail:\n{}",
+        second.tail(40),
+        log_tail(&d.log_text(), 40)
+    );
     assert_eq!(second.fact("sha256"), sha);
+    assert_eq!(second.fact("survived_restart"), "yes");
     assert_eq!(second.fact("verified"), "8MiB");
 }
 
@@ -312,30 +345,40 @@ fn dm_crypt_opens_xts_disk() {
     );
 }
 
-/// The guest's kernel nvme-tcp host against nacre's own NVMe/TCP target (the nacre-dpu library,
-/// hosted in this test process on the host's loopback): discovery, connect with 2 I/O queues,
+/// The guest's kernel nvme-tcp host against nacred's NVMe/TCP target, configured over RPC and
+/// reached on the host's loopback (guestfwd + socat): discovery, connect with 2 I/O queues,
 /// nacre's identify data in `nvme list`, 32 MiB O_DIRECT verify without and with header and data
-/// digests (and the bytes land on the volume), and a namespace added and removed at run time
-/// reaches the connected host through an Asynchronous Event, without a reconnect.
+/// digests (the bytes land in the volume's file), and a namespace added and removed at run time
+/// (`nvmf_subsystem_add_ns` / `nvmf_subsystem_remove_ns`) reaches the connected host through an
+/// Asynchronous Event, without a reconnect.
 #[test]
-fn nvme_tcp_against_nacre_target() {
-    use nacre_dpu::frontend::nvmf_tcp::{NvmfTarget, FIRMWARE_REVISION};
-    use nacre_dpu::volume::ram::RamVolume;
+fn nvme_tcp_against_nacred() {
+    use nacre_dpu::frontend::nvmf_tcp::FIRMWARE_REVISION;
+    use serde_json::json;
 
-    let Some(_bed) = prepare("nvme_tcp_against_nacre_target") else {
+    let Some(_bed) = prepare("nvme_tcp_against_nacred") else {
         return;
     };
     let nqn = "nqn.2014-08.io.nacre:testbed";
     let (serial, model) = ("NACRETESTBED0001", "nacre testbed");
-    let target = NvmfTarget::new();
-    target.create_subsystem(nqn, serial, model, true).unwrap();
-    let ns1: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(64 * MIB, 4096).unwrap());
-    target
-        .add_namespace(nqn, Some(1), ns1.clone(), [0x11; 16], "ns1".into())
-        .unwrap();
-    let bound = target
-        .add_listener(nqn, "127.0.0.1:0".parse().unwrap())
-        .unwrap();
+    let d = Nacred::start_args(&["--no-default"]);
+    d.ok(
+        "volume_create",
+        json!({"name": "ns1", "size": 64 * MIB, "block_size": 4096, "backend": "file"}),
+    );
+    d.ok(
+        "nvmf_subsystem_create",
+        json!({"nqn": nqn, "serial": serial, "model": model, "allow_any_host": true}),
+    );
+    d.ok(
+        "nvmf_subsystem_add_ns",
+        json!({"nqn": nqn, "volume": "ns1"}),
+    );
+    let listener = d.ok(
+        "nvmf_subsystem_add_listener",
+        json!({"nqn": nqn, "address": "127.0.0.1", "port": 0}),
+    );
+    let port = listener["port"].as_u64().expect("bound port") as u16;
 
     let guest = Boot::new("nvme-tcp")
         .param("nqn", nqn)
@@ -343,24 +386,30 @@ fn nvme_tcp_against_nacre_target() {
         .param("mib", 32)
         .param("hotplug", 1)
         .ctl()
-        .qemu(testbed::guestfwd_args("10.0.2.100", 4420, bound.port()))
+        .qemu(testbed::guestfwd_args("10.0.2.100", 4420, port))
         .timeout(Duration::from_secs(300))
         .spawn()
         .expect("guest");
     hotplug_step(&guest, "ns-add", || {
-        let ns2: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(32 * MIB, 512).unwrap());
-        assert_eq!(
-            target
-                .add_namespace(nqn, Some(2), ns2, [0x22; 16], "ns2".into())
-                .unwrap(),
-            2
+        d.ok(
+            "volume_create",
+            json!({"name": "ns2", "size": 32 * MIB, "block_size": 512, "backend": "ram"}),
+        );
+        d.ok(
+            "nvmf_subsystem_add_ns",
+            json!({"nqn": nqn, "volume": "ns2", "nsid": 2}),
         );
     });
     hotplug_step(&guest, "ns-remove", || {
-        target.remove_namespace(nqn, 2).unwrap()
+        d.ok("nvmf_subsystem_remove_ns", json!({"nqn": nqn, "nsid": 2}));
     });
     let out = guest.wait(Duration::from_secs(360)).expect("guest");
-    out.assert_success();
+    assert!(
+        out.success(),
+        "{}\nnacred log tail:\n{}",
+        out.tail(60),
+        log_tail(&d.log_text(), 40)
+    );
     check_nvme_tcp_passes(&out, nqn, 64 * MIB, 2, 32);
     for digests in ["off", "on"] {
         assert_eq!(out.fact(&format!("model_{digests}")), model);
@@ -369,8 +418,10 @@ fn nvme_tcp_against_nacre_target() {
     }
     assert_eq!(out.fact("ns2_added_bytes"), (32 * MIB).to_string());
     assert_eq!(out.fact("ns2_removed"), "yes");
-    // the last pattern the guest wrote (digests on) is on the volume
-    let mut buf = vec![0u8; 32 * MIB as usize];
-    ns1.read_at(0, &mut buf).unwrap();
-    assert_eq!(testbed::sha256(&buf).unwrap(), out.fact("pattern_sha256"));
+    // the last pattern the guest wrote (digests on) is in the volume's file
+    let image = d.state_dir.join("volumes/ns1.img");
+    assert_eq!(
+        testbed::sha256_of_range(&image, 0, 32 * MIB).unwrap(),
+        out.fact("pattern_sha256")
+    );
 }

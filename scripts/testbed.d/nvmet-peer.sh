@@ -1,7 +1,9 @@
 # kernel nvmet-tcp target on eth0:4420 for host-side peers (hostfwd): the storage shelf for fabric tests
 # Serves tb.nqn (default nqn.2014-08.io.nacre.testbed:peer): namespace 1 is a RAM disk of
 # tb.ns_mib MiB (default 64). Prints TB-READY, then obeys lines on the control channel (--ctl):
-# ns-add (namespace 2: a second RAM disk of the same size), ns-remove (namespace 2), stop.
+# ns-add (namespace 2: a second RAM disk of the same size), ns-remove (namespace 2),
+# sha OFFSET_MIB MIB (TB-FACT peer_sha=<sha256 of that range of namespace 1's RAM disk>: what the
+# shelf really holds), stop.
 NQN=$(param nqn nqn.2014-08.io.nacre.testbed:peer)
 modprobe virtio_pci; modprobe virtio_net; modprobe nvmet-tcp
 modprobe brd rd_nr=2 rd_size=$(($(param ns_mib 64) * 1024))
@@ -19,6 +21,9 @@ while read -r -t 600 cmd <&3; do
     ns-add)
         nvmet_subsys "$NQN" 2 /dev/ram1; echo "TB-FACT peer_ns2=added" ;;
     ns-remove) nvmet_ns_remove "$NQN" 2; echo "TB-FACT peer_ns2=removed" ;;
+    sha\ *)
+        set -- $cmd
+        echo "TB-FACT peer_sha=$(dd if=/dev/ram0 bs=1M skip="$2" count="$3" 2>/dev/null | sha256sum | cut -d' ' -f1)" ;;
     stop) break ;;
     *) echo "peer: ignoring '$cmd'" ;;
     esac

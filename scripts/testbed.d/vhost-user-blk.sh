@@ -2,8 +2,9 @@
 # Boot with tb.phase=write, then again (same backend) with tb.phase=verify tb.sha256=<from the first>.
 # Params: phase, bytes (expected size of vda), queues (expected virtqueues), lbs (expected logical
 # block size, default 512), mib (pattern size, default 8), offset_mib (where the pattern goes,
-# default 1), sha256 (verify phase). Facts: bytes, queues, logical_block_size of vda and
-# <vdX>_bytes of every virtio disk, sha256, verified.
+# default 1), sha256 (verify phase), restart (1: in the verify phase, wait for the host to restart
+# the backend, then check old data and new I/O; the chardev needs QEMU's reconnect option). Facts: bytes, queues, logical_block_size of vda and
+# <vdX>_bytes of every virtio disk, sha256, verified, survived_restart.
 phase=$(param phase)
 mib=$(param mib 8)
 [ "$mib" -ge 4 ] || fail "mib must be at least 4"
@@ -48,6 +49,21 @@ verify)
         cmp /tmp/c /tmp/first4 || fail "parallel copy $i differs after reboot"
     done
     fact verified "${mib}MiB"
+    if [ "$(param restart 0)" = 1 ]; then
+        # The backend is killed and restarted while this guest runs (QEMU's chardev reconnects):
+        # what was there must still be there, and new I/O must work.
+        wait_host restarted 120
+        step "I/O after the backend restarted"
+        dd if=/dev/vda of=/tmp/again bs=1M skip="$off" count="$mib" iflag=direct 2>/dev/null ||
+            fail "read after the backend restarted"
+        cmp /tmp/again /tmp/back || fail "data differs after the backend restarted"
+        dd if=/dev/urandom of=/tmp/new bs=1M count=4 2>/dev/null
+        dd if=/tmp/new of=/dev/vda bs=1M seek=$((off + mib + 8)) count=4 oflag=direct conv=fsync 2>/dev/null ||
+            fail "write after the backend restarted"
+        dd if=/dev/vda of=/tmp/new2 bs=1M skip=$((off + mib + 8)) count=4 iflag=direct 2>/dev/null
+        cmp /tmp/new /tmp/new2 || fail "new data differs after the backend restarted"
+        fact survived_restart yes
+    fi
     ;;
 *) fail "phase must be write or verify" ;;
 esac

@@ -443,7 +443,8 @@ impl Outcome {
 
 /// QEMU arguments that attach vhost-user-blk sockets as virtio-blk-pci devices (vda, vdb, ... in
 /// this order), each `(socket, num_queues)`; the guest's memory becomes a shared memfd so the
-/// backend can map it (`mem` must equal the guest's memory size, default 1G).
+/// backend can map it (`mem` must equal the guest's memory size, default 1G). The chardevs
+/// reconnect when the backend goes away and comes back.
 pub fn vhost_user_blk_args(devices: &[(&Path, u32)], mem: &str) -> Vec<String> {
     let mut args = vec![
         "-object".into(),
@@ -451,15 +452,43 @@ pub fn vhost_user_blk_args(devices: &[(&Path, u32)], mem: &str) -> Vec<String> {
         "-numa".into(),
         "node,memdev=mem".into(),
     ];
+    let reconnect = chardev_reconnect_option();
     for (i, (sock, queues)) in devices.iter().enumerate() {
         args.push("-chardev".into());
-        args.push(format!("socket,id=vub{i},path={}", sock.display()));
+        args.push(format!(
+            "socket,id=vub{i},path={},{reconnect}",
+            sock.display()
+        ));
         args.push("-device".into());
         args.push(format!(
             "vhost-user-blk-pci,chardev=vub{i},num-queues={queues}"
         ));
     }
     args
+}
+
+/// The socket chardev's reconnect option: `reconnect-ms` since QEMU 9.2 (QEMU 10 dropped the
+/// older `reconnect`, in seconds, that Debian 12's QEMU 7.2 has).
+pub fn chardev_reconnect_option() -> &'static str {
+    let qemu = std::env::var("NACRE_TESTBED_QEMU").unwrap_or_else(|_| "qemu-system-x86_64".into());
+    let out = Command::new(qemu).arg("--version").output();
+    let text = out
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    // "QEMU emulator version 10.0.2 (...)"
+    let version: Vec<u32> = text
+        .split_whitespace()
+        .nth(3)
+        .unwrap_or("0.0")
+        .split('.')
+        .map(|p| p.parse().unwrap_or(0))
+        .collect();
+    let (major, minor) = (version[0], version.get(1).copied().unwrap_or(0));
+    if (major, minor) >= (9, 2) {
+        "reconnect-ms=500"
+    } else {
+        "reconnect=1"
+    }
 }
 
 /// QEMU arguments for user networking that reaches nothing but `guest_addr:guest_port` ->
@@ -471,7 +500,8 @@ pub fn guestfwd_args(guest_addr: &str, guest_port: u16, host_port: u16) -> Vec<S
             "user,id=n0,restrict=on,ipv6=off,guestfwd=tcp:{guest_addr}:{guest_port}-cmd:socat - TCP:127.0.0.1:{host_port}"
         ),
         "-device".into(),
-        "virtio-net-pci,netdev=n0".into(),
+        // no option ROM: nothing boots from the network, and QEMU need not find efi-virtio.rom
+        "virtio-net-pci,netdev=n0,romfile=".into(),
     ]
 }
 
@@ -481,7 +511,8 @@ pub fn hostfwd_args(host_port: u16, guest_port: u16) -> Vec<String> {
         "-netdev".into(),
         format!("user,id=n0,restrict=on,ipv6=off,hostfwd=tcp:127.0.0.1:{host_port}-:{guest_port}"),
         "-device".into(),
-        "virtio-net-pci,netdev=n0".into(),
+        // no option ROM: nothing boots from the network, and QEMU need not find efi-virtio.rom
+        "virtio-net-pci,netdev=n0,romfile=".into(),
     ]
 }
 
