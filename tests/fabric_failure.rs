@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use nacre_dpu::fabric::{Controller, ControllerConfig, Phase, RemoteNamespace};
 use nacre_dpu::volume::{BlockDevice, Completion, IoError, IoKind, IoRequest, IoResult, Segment};
-use nacre_tests::fabric_support::{pattern, FakeTarget, Proxy, Storage, TargetOpts};
+use nacre_tests::fabric_support::{pattern, FakeTarget, Fault, Proxy, Storage, TargetOpts};
 
 const HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-0000-0000-0000000000f1";
 /// How long a test waits for something that must happen before declaring it hung. Not a
@@ -356,5 +356,62 @@ fn a_reconnect_to_a_different_namespace_fails_the_controller() {
     assert!(
         b.read(1, 0, 512).iter().all(|&x| x == 0),
         "nothing was written to it"
+    );
+}
+
+/// SPDK #3593: a write the target still executes after the host gave up on its connection
+/// must not land after a newer write. The initiator waits `quiesce_time` after a loss before
+/// resending anything, so the stale copy lands first and the newer write wins.
+#[test]
+fn a_stale_write_from_a_lost_connection_never_overwrites_a_newer_one() {
+    let storage = Storage::new(&[(1, 1 << 20, 512, [0x61; 16])]);
+    let opts = TargetOpts {
+        fault: Some((Fault::LateWrite, 1)),
+        late_ms: 300,
+        ..Default::default()
+    };
+    let target = FakeTarget::start(opts.clone(), storage.clone());
+    let proxy = Proxy::start(target.addr);
+    let mut c = ControllerConfig::new("127.0.0.1", proxy.port(), &opts.subnqn, HOSTNQN);
+    c.io_queues = 1;
+    c.reconnect_delay = Duration::from_millis(50);
+    c.quiesce_time = Duration::from_millis(800);
+    let ctrl = Controller::start("stale", c, None);
+    let info = ctrl.wait_first_attempt(HANG).unwrap();
+    let dev = RemoteNamespace::new(ctrl.core().clone(), info.namespaces[0].clone());
+    let (done, rx) = chan();
+    let old = vec![0xAA; 4096];
+    // SAFETY: `old` outlives the request (we wait for its completion).
+    let seg = unsafe { Segment::new(old.as_ptr() as *mut u8, old.len()) };
+    dev.submit(
+        IoRequest::new(IoKind::Write, 0, 4096, 1).with_segments([seg]),
+        &done,
+    );
+    let t = Instant::now();
+    while !target.fault_fired() {
+        assert!(t.elapsed() < HANG);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // The target has the write queued; the host loses the connection and gets it back.
+    proxy.sever();
+    wait_phase(&ctrl, Phase::Connecting);
+    proxy.restore();
+    assert_eq!(
+        rx.recv_timeout(HANG).unwrap(),
+        (1, Ok(())),
+        "resent and completed"
+    );
+    // The submitter now issues a newer write to the same blocks.
+    dev.write_at(0, &[0xBB; 4096]).unwrap();
+    let t = Instant::now();
+    while target.late_writes_done() == 0 {
+        assert!(t.elapsed() < HANG);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut back = vec![0u8; 4096];
+    dev.read_at(0, &mut back).unwrap();
+    assert!(
+        back.iter().all(|&b| b == 0xBB),
+        "the stale write landed after the newer one"
     );
 }

@@ -231,3 +231,24 @@ fn wrong_subsystem_is_refused_with_a_reason() {
     let e = ctrl.wait_first_attempt(Duration::from_secs(5)).unwrap_err();
     assert!(e.to_string().contains("refused"), "{e}");
 }
+
+/// In-capsule data never exceeds what the controller advertises (IOCCSZ, SGLS offset bit):
+/// Linux nvmet, for one, sizes it per port.
+#[test]
+fn in_capsule_data_respects_ioccsz() {
+    for (icd, small_in_capsule) in [(4096usize, true), (0, false)] {
+        let st = storage();
+        let opts = TargetOpts {
+            icd,
+            ..Default::default()
+        };
+        let t = FakeTarget::start(opts.clone(), st.clone());
+        let (_ctrl, dev) = connect(t.port(), &opts, Digests::NONE);
+        dev.write_at(0, &pattern(9, 0, 4096)).unwrap();
+        assert_eq!(t.writes_in_capsule() > 0, small_in_capsule, "icd {icd}");
+        let before = t.writes_r2t();
+        dev.write_at(8192, &pattern(9, 8192, 8192)).unwrap();
+        assert_eq!(t.writes_r2t(), before + 1, "8 KiB exceeds {icd}: R2T");
+        assert!(st.read(1, 8192, 8192) == pattern(9, 8192, 8192));
+    }
+}

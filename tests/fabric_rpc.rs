@@ -25,12 +25,16 @@ struct Shelf {
 }
 
 fn shelf_on(addr: &str, vol: Arc<RamVolume>) -> Shelf {
+    shelf_with(addr, vol, [0x77; 16])
+}
+
+fn shelf_with(addr: &str, vol: Arc<RamVolume>, nguid: [u8; 16]) -> Shelf {
     let target = NvmfTarget::new();
     target
         .create_subsystem(NQN, "SHELFRPC", "nacre shelf", true)
         .unwrap();
     target
-        .add_namespace(NQN, Some(1), vol.clone(), [0x77; 16], "v".into())
+        .add_namespace(NQN, Some(1), vol.clone(), nguid, "v".into())
         .unwrap();
     let mut last = None;
     for _ in 0..100 {
@@ -155,7 +159,36 @@ fn remote_errors_are_clear() {
         "nothing half-attached"
     );
 
-    n.ok("remote_attach", attach_params("s", shelf.addr.port()));
+    // Attach through the CLI, as an operator would.
+    let port = shelf.addr.port().to_string();
+    let out = n.cli(&[
+        "remote",
+        "attach",
+        "s",
+        "--address",
+        "127.0.0.1",
+        "--port",
+        &port,
+        "--subnqn",
+        NQN,
+        "--io-queues",
+        "2",
+        "--reconnect-delay-sec",
+        "1",
+        "--ctrl-loss-timeout-sec",
+        "-1",
+        "--header-digest",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("attached remote s") && text.contains("nsid 1"),
+        "{text}"
+    );
     assert_eq!(
         n.err("remote_attach", attach_params("s", shelf.addr.port()))
             .0,
@@ -187,11 +220,23 @@ fn remote_errors_are_clear() {
     );
     assert!(msg.contains("exceeds"), "{msg}");
     // A part of the namespace is fine.
-    let v = n.ok(
-        "volume_create",
-        json!({"name": "x", "backend": "remote", "size": 1 << 20, "remote": {"extents": ["s:1"]}}),
+    let out = n.cli(&[
+        "remote",
+        "volume-create",
+        "x",
+        "--extent",
+        "s:1",
+        "--size",
+        "1M",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(v["size"], 1 << 20);
+    let v = n.ok("volume_list", json!({"name": "x"}));
+    assert_eq!(v[0]["size"], 1 << 20);
+    assert_eq!(v[0]["remote"]["extents"], json!(["s:1"]));
     // Discovery through the RPC and the CLI.
     let d = n.ok(
         "remote_discover",
@@ -261,4 +306,155 @@ fn remote_down_at_start_does_not_block_nacred_and_comes_back() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let _ = &_shelf.target;
+}
+
+/// Encryption composes on top of a remote volume: the shelf only ever holds ciphertext, and
+/// an independent XTS implementation (pyca/cryptography) decrypts what the shelf holds with
+/// the exported data key back to what the client wrote.
+#[test]
+fn encrypted_remote_volume_leaves_only_ciphertext_on_the_shelf() {
+    use nacre_tests::xts_oracle::{python_cryptography_available, python_decrypt_file};
+    assert!(
+        python_cryptography_available(),
+        "the XTS oracle needs python3 with the cryptography package: apt-get install python3-cryptography"
+    );
+    let shelf = shelf_on(
+        "127.0.0.1:0",
+        Arc::new(RamVolume::new(8 << 20, 4096).unwrap()),
+    );
+    let n = Nacred::start_args(&["--no-default"]);
+    let tmp = tempfile::tempdir().unwrap();
+    let kek = tmp.path().join("t.kek");
+    std::fs::write(&kek, pattern(77, 0, 32)).unwrap();
+    n.ok(
+        "tenant_create",
+        json!({"name": "t", "kek": {"key_file": kek}}),
+    );
+    n.ok("remote_attach", attach_params("shelf", shelf.addr.port()));
+    n.ok(
+        "volume_create",
+        json!({"name": "ev", "backend": "remote", "size": 0, "tenant": "t", "encrypt": true,
+               "remote": {"extents": ["shelf:1"]}}),
+    );
+    n.ok("vhost_blk_create", json!({"name": "ev", "volume": "ev"}));
+    let plain = pattern(5, 0, 1 << 20);
+    {
+        let mut c =
+            BlkioClient::connect(&n.run_dir.join("vhost-ev.sock"), &ClientOptions::default())
+                .unwrap();
+        let mut q = c.take_queues().remove(0);
+        let buf = &mut c.mem()[..plain.len()];
+        buf.copy_from_slice(&plain);
+        assert_eq!(write(&mut q, 1 << 20, buf).unwrap(), 0);
+        buf.fill(0);
+        assert_eq!(read(&mut q, 1 << 20, buf).unwrap(), 0);
+        assert!(buf[..] == plain[..], "the client reads its plaintext back");
+    }
+    let mut at_rest = vec![0u8; plain.len()];
+    shelf.vol.read_at(1 << 20, &mut at_rest).unwrap();
+    assert!(at_rest != plain, "the shelf never sees plaintext");
+    let key = tmp.path().join("ev.key");
+    n.ok(
+        "volume_export_key",
+        json!({"name": "ev", "path": key, "confirm": true}),
+    );
+    let dump = tmp.path().join("shelf.img");
+    let mut whole = vec![0u8; 8 << 20];
+    shelf.vol.read_at(0, &mut whole).unwrap();
+    std::fs::write(&dump, &whole).unwrap();
+    let key = std::fs::read(&key).unwrap();
+    let dec = python_decrypt_file(&dump, &key, 4096, "plain64", 1 << 20, plain.len(), 256).unwrap();
+    assert!(
+        dec == plain,
+        "the oracle decrypts the shelf's bytes to the plaintext"
+    );
+}
+
+/// Multipath and stripe layouts through the control plane: one shelf reached through two
+/// portals (two remotes, one namespace), a second shelf, a round-robin multipath volume, a
+/// stripe over both shelves, and the refusal to group different namespaces.
+#[test]
+fn multipath_and_stripe_volumes_over_rpc() {
+    let shelf_a = shelf_on(
+        "127.0.0.1:0",
+        Arc::new(RamVolume::new(8 << 20, 4096).unwrap()),
+    );
+    let second_portal = shelf_a
+        .target
+        .add_listener(NQN, "127.0.0.1:0".parse().unwrap())
+        .unwrap();
+    let shelf_b = shelf_with(
+        "127.0.0.1:0",
+        Arc::new(RamVolume::new(8 << 20, 4096).unwrap()),
+        [0x88; 16],
+    );
+    let mut n = Nacred::start_args(&["--no-default"]);
+    n.ok("remote_attach", attach_params("a1", shelf_a.addr.port()));
+    n.ok("remote_attach", attach_params("a2", second_portal.port()));
+    // shelf_b exports the same NQN and NSID, but it is another namespace (its own NGUID).
+    n.ok("remote_attach", attach_params("b", shelf_b.addr.port()));
+    let mp = n.ok(
+        "volume_create",
+        json!({"name": "mp", "backend": "remote", "size": 0,
+               "remote": {"extents": ["a1:1+a2:1"], "multipath": "round_robin"}}),
+    );
+    assert_eq!(mp["size"], 8u64 << 20);
+    assert_eq!(mp["remote"]["multipath"], "round_robin");
+    let st = n.ok(
+        "volume_create",
+        json!({"name": "st", "backend": "remote", "size": 0,
+               "remote": {"extents": ["a1:1", "b:1"], "stripe_size": 65536}}),
+    );
+    assert_eq!(
+        st["size"],
+        16u64 << 20,
+        "a stripe over two shelves holds both"
+    );
+    for name in ["mp", "st"] {
+        n.ok("vhost_blk_create", json!({"name": name, "volume": name}));
+        let mut c = BlkioClient::connect(
+            &n.run_dir.join(format!("vhost-{name}.sock")),
+            &ClientOptions::default(),
+        )
+        .unwrap();
+        let mut q = c.take_queues().remove(0);
+        let d = pattern(9, 0, 1 << 20);
+        let buf = &mut c.mem()[..d.len()];
+        buf.copy_from_slice(&d);
+        assert_eq!(write(&mut q, 2 << 20, buf).unwrap(), 0);
+        buf.fill(0);
+        assert_eq!(read(&mut q, 2 << 20, buf).unwrap(), 0);
+        assert!(buf[..] == d[..], "{name} reads back what was written");
+    }
+    // The stripe put its second 64 KiB unit of that write on shelf b.
+    let mut unit = vec![0u8; 65536];
+    shelf_b.vol.read_at(1 << 20, &mut unit).unwrap();
+    assert!(unit[..] == pattern(9, 0, 1 << 20)[65536..131072]);
+    // Paths of one extent must be the same namespace (here a1:1 and b:1 share NQN and NSID
+    // but not the namespace).
+    let (_, msg) = n.err(
+        "volume_create",
+        json!({"name": "bad", "backend": "remote", "size": 0,
+               "remote": {"extents": ["a1:1+b:1"]}}),
+    );
+    assert!(msg.contains("not the same namespace"), "{msg}");
+    let l = n.ok("remote_list", json!({"name": "a1"}));
+    assert_eq!(l[0]["used_by"], json!(["mp", "st"]));
+    // Everything is replayed after a restart: remotes reconnect in the background, the
+    // layouts reopen over them and the devices serve the same data.
+    n.restart();
+    for name in ["mp", "st"] {
+        let mut c = BlkioClient::connect(
+            &n.run_dir.join(format!("vhost-{name}.sock")),
+            &ClientOptions::default(),
+        )
+        .unwrap();
+        let mut q = c.take_queues().remove(0);
+        let buf = &mut c.mem()[..1 << 20];
+        assert_eq!(read(&mut q, 2 << 20, buf).unwrap(), 0);
+        assert!(
+            buf[..] == pattern(9, 0, 1 << 20)[..],
+            "{name} after restart"
+        );
+    }
 }

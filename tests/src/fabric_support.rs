@@ -41,6 +41,9 @@ pub enum Fault {
     Drop,
     /// Stop answering on this connection (still reading, never replying).
     Stall,
+    /// Execute this (in-capsule) write only after `TargetOpts::late_ms`, as a target with
+    /// commands queued deep inside may still do after the host gave up on the connection.
+    LateWrite,
 }
 
 #[derive(Debug, Clone)]
@@ -59,6 +62,8 @@ pub struct TargetOpts {
     pub cqt_ms: u16,
     pub fault: Option<(Fault, u64)>,
     pub model: String,
+    /// Delay of [`Fault::LateWrite`].
+    pub late_ms: u64,
 }
 
 impl Default for TargetOpts {
@@ -74,6 +79,7 @@ impl Default for TargetOpts {
             cqt_ms: 0,
             fault: None,
             model: "nacre-fake-target".into(),
+            late_ms: 300,
         }
     }
 }
@@ -128,6 +134,7 @@ struct TState {
     pub connects: AtomicU64,
     pub writes_in_capsule: AtomicU64,
     pub writes_r2t: AtomicU64,
+    pub late_writes_done: AtomicU64,
 }
 
 pub struct FakeTarget {
@@ -157,6 +164,7 @@ impl FakeTarget {
             connects: AtomicU64::new(0),
             writes_in_capsule: AtomicU64::new(0),
             writes_r2t: AtomicU64::new(0),
+            late_writes_done: AtomicU64::new(0),
         });
         l.set_nonblocking(true).unwrap();
         let s2 = st.clone();
@@ -198,6 +206,9 @@ impl FakeTarget {
     }
     pub fn writes_r2t(&self) -> u64 {
         self.st.writes_r2t.load(Ordering::Relaxed)
+    }
+    pub fn late_writes_done(&self) -> u64 {
+        self.st.late_writes_done.load(Ordering::Relaxed)
     }
     pub fn fault_fired(&self) -> bool {
         self.st.fault_fired.load(Ordering::Relaxed)
@@ -390,6 +401,21 @@ fn capsule(st: &Arc<TState>, c: &mut Conn, sqe: Command, data: Vec<u8>) -> std::
     let n = st.io_cmds.fetch_add(1, Ordering::AcqRel) + 1;
     if let Some((fault, after)) = st.opts.fault {
         if n >= after && !st.fault_fired.swap(true, Ordering::AcqRel) {
+            if fault == Fault::LateWrite {
+                assert_eq!(sqe.opcode, io_opcode::WRITE, "LateWrite needs a write");
+                assert!(!data.is_empty(), "LateWrite needs in-capsule data");
+                let (st2, late) = (st.clone(), Duration::from_millis(st.opts.late_ms));
+                std::thread::spawn(move || {
+                    std::thread::sleep(late);
+                    let mut g = st2.storage.namespaces.lock().unwrap();
+                    let ns = g.iter_mut().find(|x| x.nsid == sqe.nsid).unwrap();
+                    let off = sqe.slba() as usize * ns.block_size as usize;
+                    ns.data[off..off + data.len()].copy_from_slice(&data);
+                    drop(g);
+                    st2.late_writes_done.fetch_add(1, Ordering::Release);
+                });
+                return Ok(()); // no completion: the host must not see this one succeed
+            }
             return misbehave(c, fault, &sqe);
         }
     }
@@ -488,6 +514,7 @@ fn misbehave(c: &mut Conn, fault: Fault, sqe: &Command) -> std::io::Result<()> {
             c.stalled = true;
             Ok(())
         }
+        Fault::LateWrite => unreachable!("handled by the caller"),
     }
 }
 
@@ -598,7 +625,12 @@ fn admin(st: &Arc<TState>, c: &mut Conn, sqe: Command) -> std::io::Result<()> {
                         maxcmd: 1024,
                         nn: g.iter().map(|n| n.nsid).max().unwrap_or(0),
                         oncs: identify::oncs::WRITE_ZEROES | identify::oncs::DATASET_MANAGEMENT,
-                        sgls: identify::SGLS_SUPPORTED | identify::SGLS_OFFSET,
+                        sgls: identify::SGLS_SUPPORTED
+                            | if st.opts.icd > 0 {
+                                identify::SGLS_OFFSET
+                            } else {
+                                0
+                            },
                         subnqn: st.opts.subnqn.clone(),
                         ioccsz: ((st.opts.icd + 64) / 16) as u32,
                         iorcsz: 1,

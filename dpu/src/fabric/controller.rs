@@ -220,6 +220,9 @@ pub struct ControllerInfo {
     pub oncs: u16,
     /// Command Quiesce Time in milliseconds (0: not reported).
     pub cqt_ms: u16,
+    /// I/O Queue Command Capsule Supported Size (16-byte units) and SGL Support.
+    pub ioccsz: u32,
+    pub sgls: u32,
     pub io_queues: u16,
     pub queue_depth: u16,
     pub namespaces: Vec<NamespaceInfo>,
@@ -307,7 +310,7 @@ pub struct Ctrl {
     max_transfer: AtomicUsize,
     oncs: AtomicUsize,
     live: AtomicBool,
-    /// Written by tests through the fault-free path only; counts commands submitted.
+    /// Commands submitted to this controller (observability; multipath tests read it).
     pub submitted: AtomicU64,
 }
 
@@ -934,9 +937,15 @@ impl QueueOwner for Ctrl {
     }
 }
 
+/// In-capsule data for I/O queues: what the host wants, capped by what the controller takes
+/// — IOCCSZ (16-byte units, including the 64-byte SQE) and SGLS bit 20 (Offset SGLs, the
+/// only form in-capsule data can take). A controller without it gets every write by R2T.
 fn info_icd(cfg: &ControllerConfig, info: &ControllerInfo) -> usize {
-    let _ = info;
-    cfg.in_capsule_data_size
+    if info.sgls & identify::SGLS_OFFSET == 0 {
+        return 0;
+    }
+    let ctrl = (info.ioccsz as usize * 16).saturating_sub(64);
+    cfg.in_capsule_data_size.min(ctrl)
 }
 
 fn queue_entry_sizes() -> u32 {
@@ -1099,11 +1108,16 @@ fn bring_up(
     let mut namespaces = Vec::new();
     for nsid in list {
         let ns = IdentifyNamespace::decode(&identify(q, cns::NAMESPACE, nsid, deadline)?);
-        if ns.nsze == 0 || !(9..=16).contains(&ns.lbads) {
+        // A broken controller must not make nacre compute an impossible size.
+        if ns.nsze == 0
+            || !(9..=16).contains(&ns.lbads)
+            || ns.nsze.checked_mul(1u64 << ns.lbads).is_none()
+        {
             warn!(
                 nsid,
                 lbads = ns.lbads,
-                "skipping namespace with no size or an unsupported block size"
+                nsze = ns.nsze,
+                "skipping namespace with no size, an impossible size or an unsupported block size"
             );
             continue;
         }
@@ -1138,6 +1152,8 @@ fn bring_up(
             max_transfer,
             oncs: id.oncs,
             cqt_ms,
+            ioccsz: id.ioccsz,
+            sgls: id.sgls,
             io_queues: 0,
             queue_depth: 0,
             namespaces,
@@ -1155,8 +1171,8 @@ fn set_queue_count(q: &Arc<QueueConn>, want: u16, deadline: Instant) -> Result<u
         ..Default::default()
     };
     let (cqe, _) = admin_cmd(q, sqe, Dir::None, Vec::new(), deadline)?;
-    let nsqa = (cqe.dw0 & 0xFFFF) as u16 + 1;
-    let ncqa = (cqe.dw0 >> 16) as u16 + 1;
+    let nsqa = ((cqe.dw0 & 0xFFFF) as u16).saturating_add(1);
+    let ncqa = ((cqe.dw0 >> 16) as u16).saturating_add(1);
     Ok(want.min(nsqa).min(ncqa).max(1))
 }
 

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use nacre_shared::nvme::command::{sgl, PSDT_SGL};
 use nacre_shared::nvme::fabrics::{Connect, ConnectData};
-use nacre_shared::nvme::{Completion as Cqe, SglDescriptor};
+use nacre_shared::nvme::{admin_opcode, Completion as Cqe, SglDescriptor};
 use nacre_shared::nvme_tcp::{
     self as pdu, digest::crc32c, fes, flags, pdu_type, CommonHeader, DataHeader, Digests, IcReq,
     IcResp, CH_LEN, DIGEST_LEN, IC_LEN,
@@ -99,6 +99,9 @@ struct Slots {
 
 struct Tx {
     buf: Vec<u8>,
+    /// The writer is asleep on the condition variable: only then is a wake-up (a futex
+    /// system call) needed; while it is sending it picks new PDUs up by itself.
+    waiting: bool,
     closed: bool,
 }
 
@@ -198,6 +201,7 @@ impl QueueConn {
             }),
             tx: Mutex::new(Tx {
                 buf: Vec::with_capacity(64 << 10),
+                waiting: false,
                 closed: false,
             }),
             tx_cv: Condvar::new(),
@@ -283,23 +287,29 @@ impl QueueConn {
         }
         match s.free.pop() {
             Some(idx) => {
-                self.issue(&mut s, idx, cmd);
+                let wake = self.issue(&mut s, idx, cmd);
                 drop(s);
-                self.tx_cv.notify_one();
+                if wake {
+                    self.tx_cv.notify_one();
+                }
             }
             None => s.overflow.push_back(cmd),
         }
         Ok(())
     }
 
-    /// Put `cmd` in slot `idx` and append its capsule to the send buffer.
-    fn issue(&self, s: &mut Slots, idx: u16, mut cmd: Cmd) {
+    /// Put `cmd` in slot `idx` and append its capsule to the send buffer. Returns whether
+    /// the writer must be woken.
+    fn issue(&self, s: &mut Slots, idx: u16, mut cmd: Cmd) -> bool {
         let slot = &mut s.entries[idx as usize];
         slot.gen = slot.gen.wrapping_add(1) & 0x3F;
         let cid = cid_of(idx, slot.gen);
         cmd.sqe.cid = cid;
         cmd.sqe.flags = (cmd.sqe.flags & !0xC0) | PSDT_SGL;
-        let in_capsule = cmd.dir == Dir::H2C && cmd.len <= self.icd_max();
+        // Fabrics commands (Connect data) always travel in the capsule (NVMe-oF 1.1 §3.3:
+        // a controller accepts Connect data in-capsule whatever its IOCCSZ).
+        let in_capsule = cmd.dir == Dir::H2C
+            && (cmd.len <= self.icd_max() || cmd.sqe.opcode == admin_opcode::FABRICS);
         cmd.sqe.sgl = if in_capsule {
             SglDescriptor::in_capsule(cmd.len as u32)
         } else {
@@ -330,9 +340,11 @@ impl QueueConn {
                 self.neg.cpda,
             );
         }
+        let wake = tx.waiting;
         drop(tx);
         slot.cmd = Some(cmd);
         slot.issued = Instant::now();
+        wake
     }
 
     /// How long the oldest outstanding command has been waiting (commands waiting for a free
@@ -390,7 +402,9 @@ impl QueueConn {
             {
                 let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
                 while tx.buf.is_empty() && !tx.closed {
+                    tx.waiting = true;
                     tx = self.tx_cv.wait(tx).unwrap_or_else(|p| p.into_inner());
+                    tx.waiting = false;
                 }
                 if tx.buf.is_empty() && tx.closed {
                     return;
@@ -577,9 +591,11 @@ impl QueueConn {
         let cmd = s.entries[idx].cmd.take().expect("checked");
         match s.overflow.pop_front() {
             Some(next) => {
-                self.issue(&mut s, idx as u16, next);
+                let wake = self.issue(&mut s, idx as u16, next);
                 drop(s);
-                self.tx_cv.notify_one();
+                if wake {
+                    self.tx_cv.notify_one();
+                }
             }
             None => s.free.push(idx as u16),
         }
@@ -612,7 +628,10 @@ impl QueueConn {
         let (off, len) = (r.datao as usize, r.datal as usize);
         let mut data = Vec::new();
         self.with_cmd(r.cccid, hdr, |cmd| {
-            if cmd.dir != Dir::H2C || cmd.len <= self.icd_max() {
+            if cmd.dir != Dir::H2C
+                || cmd.len <= self.icd_max()
+                || cmd.sqe.opcode == admin_opcode::FABRICS
+            {
                 return Err(Fatal::proto(
                     "R2T for a command with no data to transfer",
                     fes::PDU_SEQUENCE_ERROR,
@@ -652,8 +671,11 @@ impl QueueConn {
             );
             pos += n;
         }
+        let wake = tx.waiting;
         drop(tx);
-        self.tx_cv.notify_one();
+        if wake {
+            self.tx_cv.notify_one();
+        }
         Ok(())
     }
 

@@ -1,0 +1,265 @@
+//! End-to-end 4 KiB random reads through nacre's whole stack, and the same with a RAM volume:
+//!
+//! ```text
+//!  libblkio ──vhost-user-blk──▶ nacred frontend ──▶ [AES-XTS] ──▶ NVMe/TCP initiator
+//!     ──loopback TCP──▶ nacred's NVMe-oF/TCP target ──▶ RAM volume
+//! ```
+//!
+//! Everything runs in this one process, so its CPU time (getrusage) is the total cost of a
+//! request across client, frontend, crypto, initiator and target. Reported per
+//! configuration: IOPS, cores busy (CPU seconds / wall seconds) and IOPS per total core, with
+//! the ratio to the RAM volume measured in the same run.
+//!
+//!   fabric-bench [--seconds S] [--qd N] [--io-queues N] [--digests]
+
+use std::mem::MaybeUninit;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use blkio::{Completion, ReqFlags};
+use nacre_dpu::crypto::volume::EncryptedVolume;
+use nacre_dpu::crypto::{EncryptionPolicy, XtsKey};
+use nacre_dpu::fabric::{Controller, ControllerConfig, RemoteNamespace};
+use nacre_dpu::frontend::nvmf_tcp::NvmfTarget;
+use nacre_dpu::frontend::vhost_user_blk::{VhostBlkConfig, VhostBlkServer};
+use nacre_dpu::volume::ram::RamVolume;
+use nacre_dpu::volume::BlockDevice;
+use nacre_shared::nvme_tcp::Digests;
+use nacre_tests::blkio_client::{BlkioClient, ClientOptions};
+
+const SIZE: u64 = 256 << 20;
+const BS: usize = 4096;
+const NQN: &str = "nqn.2024-01.io.nacre:bench";
+
+struct Opts {
+    seconds: f64,
+    qd: usize,
+    io_queues: u16,
+    digests: bool,
+}
+
+fn parse() -> Result<Opts> {
+    let mut o = Opts {
+        seconds: 5.0,
+        qd: 32,
+        io_queues: 1,
+        digests: false,
+    };
+    let mut a = std::env::args().skip(1);
+    while let Some(k) = a.next() {
+        match k.as_str() {
+            "--seconds" => o.seconds = a.next().context("--seconds N")?.parse()?,
+            "--qd" => o.qd = a.next().context("--qd N")?.parse()?,
+            "--io-queues" => o.io_queues = a.next().context("--io-queues N")?.parse()?,
+            "--digests" => o.digests = true,
+            "-h" | "--help" => {
+                println!("fabric-bench [--seconds S] [--qd N] [--io-queues N] [--digests]");
+                std::process::exit(0);
+            }
+            _ => bail!("unknown argument {k}"),
+        }
+    }
+    Ok(o)
+}
+
+fn cpu_seconds() -> f64 {
+    let mut ru = MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage fills the struct it is given.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, ru.as_mut_ptr()) };
+    // SAFETY: initialised by getrusage (or zeroed).
+    let ru = unsafe { ru.assume_init() };
+    let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+    t(ru.ru_utime) + t(ru.ru_stime)
+}
+
+struct Result1 {
+    iops: f64,
+    cores: f64,
+}
+
+/// Serve `vol` over vhost-user-blk and drive it with libblkio: 4 KiB random reads at `qd`.
+fn run(vol: Arc<dyn BlockDevice>, dir: &Path, name: &str, o: &Opts) -> Result<Result1> {
+    let sock = dir.join(format!("{name}.sock"));
+    let server = VhostBlkServer::start(
+        VhostBlkConfig {
+            socket: sock.clone(),
+            queues: 1,
+            queue_size: 256,
+            read_only: false,
+            serial: "BENCH".into(),
+        },
+        vol,
+    )?;
+    let mut client = None;
+    for _ in 0..200 {
+        match BlkioClient::connect(
+            &sock,
+            &ClientOptions {
+                queues: 1,
+                poll: false,
+                read_only: false,
+                queue_size: 256,
+                mem_len: o.qd * BS,
+            },
+        ) {
+            Ok(c) => {
+                client = Some(c);
+                break;
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+    let mut c = client.context("libblkio could not connect")?;
+    let mut qs = c.take_queues();
+    let q = &mut qs[0];
+    let base = c.mem_ptr();
+    let blocks = SIZE / BS as u64;
+    let mut x = 0x1234_5678_9abc_def1u64;
+    let mut next_off = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        (x % blocks) * BS as u64
+    };
+    for i in 0..o.qd {
+        // SAFETY: slot i of the mapped region, qd * BS bytes long.
+        q.read(
+            next_off(),
+            unsafe { base.add(i * BS) },
+            BS,
+            i,
+            ReqFlags::empty(),
+        );
+    }
+    let mut comps: Vec<MaybeUninit<Completion>> =
+        (0..o.qd).map(|_| MaybeUninit::uninit()).collect();
+    let mut measure = |secs: f64| -> Result<(u64, f64, f64)> {
+        let (t0, c0) = (Instant::now(), cpu_seconds());
+        let mut n = 0u64;
+        while t0.elapsed().as_secs_f64() < secs {
+            let got = q
+                .do_io(&mut comps, 1, None, None)
+                .map_err(|e| anyhow::anyhow!("do_io: {}", e.message()))?;
+            for cm in &comps[..got] {
+                // SAFETY: do_io initialised the first `got` entries.
+                let cm = unsafe { cm.assume_init_read() };
+                if cm.ret != 0 {
+                    bail!("read failed: {}", cm.ret);
+                }
+                let i = cm.user_data;
+                // SAFETY: as above.
+                q.read(
+                    next_off(),
+                    unsafe { base.add(i * BS) },
+                    BS,
+                    i,
+                    ReqFlags::empty(),
+                );
+            }
+            n += got as u64;
+        }
+        Ok((n, t0.elapsed().as_secs_f64(), cpu_seconds() - c0))
+    };
+    measure(0.5)?; // warm-up
+    let (n, wall, cpu) = measure(o.seconds)?;
+    // Drain what is in flight before tearing down.
+    let mut left = o.qd;
+    while left > 0 {
+        let got = q.do_io(&mut comps, 1, None, None).unwrap_or(left);
+        left = left.saturating_sub(got);
+    }
+    drop(qs);
+    drop(c);
+    server.stop();
+    Ok(Result1 {
+        iops: n as f64 / wall,
+        cores: cpu / wall,
+    })
+}
+
+fn main() -> Result<()> {
+    let o = parse()?;
+    let dir = tempfile::tempdir()?;
+    let key = XtsKey::from_bytes(&(0..64u8).collect::<Vec<_>>())?;
+
+    // The shelf: nacred's own NVMe-oF/TCP target over a RAM volume, on loopback.
+    let target = NvmfTarget::new();
+    target.create_subsystem(NQN, "BENCH", "nacre bench shelf", true)?;
+    let shelf_vol: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(SIZE, BS as u32)?);
+    target.add_namespace(NQN, Some(1), shelf_vol, [0xBE; 16], "bench".into())?;
+    let addr = target.add_listener(NQN, "127.0.0.1:0".parse()?)?;
+    let mut cfg = ControllerConfig::new(
+        "127.0.0.1",
+        addr.port(),
+        NQN,
+        "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-0000-0000-00000000bec4",
+    );
+    cfg.io_queues = o.io_queues;
+    cfg.queue_depth = 128;
+    if o.digests {
+        cfg.digests = Digests {
+            header: true,
+            data: true,
+        };
+    }
+    let ctrl = Controller::start("bench", cfg, None);
+    let info = ctrl
+        .wait_first_attempt(Duration::from_secs(10))
+        .map_err(|e| anyhow::anyhow!("initiator: {e}"))?;
+    let remote: Arc<dyn BlockDevice> = Arc::new(RemoteNamespace::new(
+        ctrl.core().clone(),
+        info.namespaces[0].clone(),
+    ));
+
+    let ram: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(SIZE, BS as u32)?);
+    let configs: Vec<(&str, Arc<dyn BlockDevice>)> = vec![
+        ("ram", ram.clone()),
+        (
+            "ram+xts",
+            Arc::new(EncryptedVolume::new(
+                ram,
+                &key,
+                EncryptionPolicy::default(),
+            )?),
+        ),
+        ("nvme-tcp", remote.clone()),
+        (
+            "nvme-tcp+xts",
+            Arc::new(EncryptedVolume::new(
+                remote,
+                &key,
+                EncryptionPolicy::default(),
+            )?),
+        ),
+    ];
+    println!(
+        "4 KiB random read, QD{}, 1 vhost-user-blk queue, {} NVMe/TCP I/O queue(s){}, {} s each, {} CPUs online",
+        o.qd,
+        info.io_queues,
+        if o.digests { ", header+data digests" } else { "" },
+        o.seconds,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    println!(
+        "{:<14} {:>10} {:>7} {:>12} {:>14}",
+        "volume", "IOPS", "cores", "IOPS/core", "per-core vs ram"
+    );
+    let mut ram_per_core = None;
+    for (name, vol) in configs {
+        let r = run(vol, dir.path(), name, &o)?;
+        let per_core = r.iops / r.cores.max(1e-9);
+        let base = *ram_per_core.get_or_insert(per_core);
+        println!(
+            "{:<14} {:>10.0} {:>7.2} {:>12.0} {:>13.2}x",
+            name,
+            r.iops,
+            r.cores,
+            per_core,
+            per_core / base
+        );
+    }
+    ctrl.close();
+    Ok(())
+}
