@@ -39,7 +39,7 @@ fn setup(tweak: impl FnOnce(&mut ControllerConfig)) -> Setup {
     c.quiesce_time = Duration::from_millis(50);
     tweak(&mut c);
     let ctrl = Controller::start("f", c, None);
-    let info = ctrl.wait_first_attempt(HANG).expect("connect");
+    let info = nacre_tests::fabric_support::wait_live(&ctrl, HANG);
     let dev = Arc::new(RemoteNamespace::new(
         ctrl.core().clone(),
         info.namespaces[0].clone(),
@@ -338,7 +338,7 @@ fn a_reconnect_to_a_different_namespace_fails_the_controller() {
     let mut c = ControllerConfig::new("127.0.0.1", port, &opts.subnqn, HOSTNQN);
     c.reconnect_delay = Duration::from_millis(50);
     let ctrl = Controller::start("swap", c, None);
-    let info = ctrl.wait_first_attempt(HANG).unwrap();
+    let info = nacre_tests::fabric_support::wait_live(&ctrl, HANG);
     let dev = RemoteNamespace::new(ctrl.core().clone(), info.namespaces[0].clone());
     dev.write_at(0, &[1u8; 512]).unwrap();
     // The target is replaced by one whose namespace 1 is another namespace.
@@ -377,7 +377,7 @@ fn a_stale_write_from_a_lost_connection_never_overwrites_a_newer_one() {
     c.reconnect_delay = Duration::from_millis(50);
     c.quiesce_time = Duration::from_millis(800);
     let ctrl = Controller::start("stale", c, None);
-    let info = ctrl.wait_first_attempt(HANG).unwrap();
+    let info = nacre_tests::fabric_support::wait_live(&ctrl, HANG);
     let dev = RemoteNamespace::new(ctrl.core().clone(), info.namespaces[0].clone());
     let (done, rx) = chan();
     let old = vec![0xAA; 4096];

@@ -23,7 +23,7 @@ fn attach(t: &FakeTarget, opts: &TargetOpts, name: &str) -> (Controller, Arc<Rem
     c.quiesce_time = Duration::from_millis(50);
     c.io_timeout = Some(Duration::from_millis(800));
     let ctrl = Controller::start(name, c, None);
-    let info = ctrl.wait_first_attempt(Duration::from_secs(10)).unwrap();
+    let info = nacre_tests::fabric_support::wait_live(&ctrl, Duration::from_secs(10));
     let dev = Arc::new(RemoteNamespace::new(
         ctrl.core().clone(),
         info.namespaces[0].clone(),

@@ -30,7 +30,7 @@ fn ctrl_to(port: u16, subnqn: &str, name: &str) -> Controller {
     c.connect_timeout = Duration::from_millis(500);
     c.quiesce_time = Duration::from_millis(100);
     let ctrl = Controller::start(name, c, None);
-    ctrl.wait_first_attempt(HANG).expect("connect");
+    nacre_tests::fabric_support::wait_live(&ctrl, HANG);
     ctrl
 }
 
@@ -207,7 +207,7 @@ fn all_paths_lost_fails_with_path_lost() {
         c.reconnect_delay = Duration::from_millis(50);
         c.ctrl_loss_timeout = Some(Duration::from_millis(400));
         let ctrl = Controller::start(n, c, None);
-        ctrl.wait_first_attempt(HANG).unwrap();
+        nacre_tests::fabric_support::wait_live(&ctrl, HANG);
         ctrl
     };
     let (ca, cb) = (mk(&pa, "a"), mk(&pb, "b"));

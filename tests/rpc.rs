@@ -403,6 +403,12 @@ fn state_survives_orderly_restart_and_crash() {
     assert!(std::path::Path::new(kd["socket"].as_str().unwrap()).exists());
     // The default is not re-created once the operator has configured anything.
     n.ok("vhost_blk_delete", json!({"name": "default"}));
+    let (code, msg) = n.err("volume_delete", json!({"name": "default"}));
+    assert_eq!(code, rpc::BUSY, "still exported over NVMe/TCP: {msg}");
+    n.ok(
+        "nvmf_subsystem_delete",
+        json!({"nqn": "nqn.2014-08.io.nacre:default"}),
+    );
     n.ok("volume_delete", json!({"name": "default"}));
     n.crash_restart();
     let names = volume_names(&n);

@@ -856,3 +856,21 @@ pub fn pattern(seed: u64, off: u64, len: usize) -> Vec<u8> {
     v.truncate(len);
     v
 }
+
+/// Wait until `ctrl` is live, tolerating failed first attempts (the controller keeps retrying
+/// after `reconnect_delay`): on a loaded 2-core machine an ICResp can take longer than the
+/// short connect timeouts the failure tests use, and that is not what they test.
+pub fn wait_live(
+    ctrl: &nacre_dpu::fabric::controller::Controller,
+    timeout: std::time::Duration,
+) -> nacre_dpu::fabric::controller::ControllerInfo {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match ctrl.wait_first_attempt(left) {
+            Ok(info) => return info,
+            Err(e) if left.is_zero() => panic!("controller not live within {timeout:?}: {e}"),
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(20)),
+        }
+    }
+}
