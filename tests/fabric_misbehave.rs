@@ -9,12 +9,19 @@ use std::time::Duration;
 
 use nacre_dpu::fabric::{Controller, ControllerConfig, RemoteNamespace};
 use nacre_dpu::volume::BlockDevice;
+use nacre_shared::nvme_tcp::Digests;
 use nacre_tests::fabric_support::{pattern, FakeTarget, Fault, Storage, TargetOpts};
 
 const HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-0000-0000-0000000000b1";
 
-fn attach(t: &FakeTarget, opts: &TargetOpts, name: &str) -> (Controller, Arc<RemoteNamespace>) {
+fn attach(
+    t: &FakeTarget,
+    opts: &TargetOpts,
+    name: &str,
+    dg: Digests,
+) -> (Controller, Arc<RemoteNamespace>) {
     let mut c = ControllerConfig::new("127.0.0.1", t.port(), &opts.subnqn, HOSTNQN);
+    c.digests = dg;
     c.io_queues = 2;
     c.queue_depth = 8;
     c.reconnect_delay = Duration::from_millis(50);
@@ -32,13 +39,17 @@ fn attach(t: &FakeTarget, opts: &TargetOpts, name: &str) -> (Controller, Arc<Rem
 }
 
 fn check(fault: Fault) {
+    check_with(fault, Digests::NONE)
+}
+
+fn check_with(fault: Fault, dg: Digests) {
     // The bystander: another shelf, another controller, busy the whole time.
     let bopts = TargetOpts::default();
     let bt = FakeTarget::start(
         bopts.clone(),
         Storage::new(&[(1, 2 << 20, 512, [0xB0; 16])]),
     );
-    let (bctrl, bdev) = attach(&bt, &bopts, "bystander");
+    let (bctrl, bdev) = attach(&bt, &bopts, "bystander", Digests::NONE);
     let stop = Arc::new(AtomicBool::new(false));
     let berr = Arc::new(AtomicU64::new(0));
     let bystander = {
@@ -64,7 +75,7 @@ fn check(fault: Fault) {
     };
     let st = Storage::new(&[(1, 2 << 20, 512, [0xA0; 16])]);
     let t = FakeTarget::start(opts.clone(), st.clone());
-    let (ctrl, dev) = attach(&t, &opts, "faulty");
+    let (ctrl, dev) = attach(&t, &opts, "faulty", dg);
     for i in 0..24u64 {
         let len = if i % 2 == 0 { 4096 } else { 32768 };
         let off = i * 65536;
@@ -124,4 +135,26 @@ fn dropped_connection_resets_only_that_controller() {
 #[test]
 fn target_that_stops_processing_io_is_reset_by_the_io_timeout() {
     check(Fault::Stall);
+}
+
+#[test]
+fn header_digest_error_resets_only_that_controller() {
+    check_with(
+        Fault::BadHeaderDigest,
+        Digests {
+            header: true,
+            data: false,
+        },
+    );
+}
+
+#[test]
+fn data_digest_error_resets_only_that_controller_and_the_read_is_retried() {
+    check_with(
+        Fault::BadDataDigest,
+        Digests {
+            header: false,
+            data: true,
+        },
+    );
 }

@@ -41,6 +41,11 @@ pub enum Fault {
     Drop,
     /// Stop answering on this connection (still reading, never replying).
     Stall,
+    /// A CapsuleResp whose header digest is wrong (needs header digests).
+    BadHeaderDigest,
+    /// A read's C2HData whose data digest is wrong (needs data digests; the command must be a
+    /// read).
+    BadDataDigest,
     /// Execute this (in-capsule) write only after `TargetOpts::late_ms`, as a target with
     /// commands queued deep inside may still do after the host gave up on the connection.
     LateWrite,
@@ -515,6 +520,21 @@ fn misbehave(c: &mut Conn, fault: Fault, sqe: &Command) -> std::io::Result<()> {
             Ok(())
         }
         Fault::LateWrite => unreachable!("handled by the caller"),
+        Fault::BadHeaderDigest => {
+            assert!(c.dg.header, "BadHeaderDigest needs header digests");
+            pdu::encode_capsule_resp(&mut v, &Completion::new(sqe.cid, Status::SUCCESS), c.dg);
+            v[24] ^= 0xFF;
+            send(c, &v)
+        }
+        Fault::BadDataDigest => {
+            assert!(c.dg.data, "BadDataDigest needs data digests");
+            assert_eq!(sqe.opcode, io_opcode::READ, "BadDataDigest needs a read");
+            let data = vec![0x5Au8; sqe.sgl.len as usize];
+            pdu::encode_c2h_data(&mut v, sqe.cid, 0, &data, true, true, c.dg, 0);
+            let n = v.len();
+            v[n - 1] ^= 0xFF;
+            send(c, &v)
+        }
     }
 }
 
