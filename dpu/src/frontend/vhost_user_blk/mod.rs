@@ -7,11 +7,13 @@
 //!
 //! Modules:
 //! * [`spec`] — §5.2 constants, configuration space and segment layouts.
+//! * [`guest`] — fast guest-address translation for the data path.
 //! * [`request`] — one request from a descriptor chain (§5.2.6), validated.
 //! * [`queue`] — one request queue: submission, completion, used ring, EVENT_IDX.
 //! * [`backend`] — the vhost-user device: features, config space, vring events.
 
 pub mod backend;
+pub mod guest;
 pub mod queue;
 pub mod request;
 pub mod spec;

@@ -140,6 +140,26 @@ impl Harness {
         self.worker.run(&mut self.queue, &self.mem)
     }
 
+    /// Place raw descriptors (addr, len, flags, next) at table index `base` and make the chain
+    /// starting at `head` available.
+    fn submit_raw(&mut self, base: u16, head: u16, raw: &[(u64, u32, u16, u16)]) -> bool {
+        for (i, &(addr, len, flags, next)) in raw.iter().enumerate() {
+            let d = RawDescriptor::from(SplitDescriptor::new(addr, len, flags, next));
+            let a = self.desc_addr + 16 * u64::from(base + i as u16);
+            self.mem.write_obj(d, GuestAddress(a)).unwrap();
+        }
+        let idx: u16 = self
+            .mem
+            .read_obj(GuestAddress(self.avail_addr + 2))
+            .unwrap();
+        let slot = self.avail_addr + 4 + 2 * u64::from(idx % QSIZE);
+        self.mem.write_obj(head, GuestAddress(slot)).unwrap();
+        self.mem
+            .write_obj(idx.wrapping_add(1), GuestAddress(self.avail_addr + 2))
+            .unwrap();
+        self.worker.run(&mut self.queue, &self.mem)
+    }
+
     fn status(&self) -> u8 {
         self.mem.read_obj(GuestAddress(STATUS)).unwrap()
     }
@@ -575,4 +595,50 @@ fn event_idx_suppresses_interrupts_until_used_event_is_crossed() {
     h.header(spec::T_FLUSH, 0);
     assert!(h.submit(&[r(HDR, 16), w(STATUS, 1)]));
     assert!(h.submit(&[r(HDR, 16), w(STATUS, 1)]));
+}
+
+#[test]
+fn looping_indirect_and_out_of_table_chains_are_dropped() {
+    let mut h = Harness::new(false, 512);
+    h.mem.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
+    h.header(spec::T_IN, 0);
+    let next = VRING_DESC_F_NEXT as u16;
+    let write = VRING_DESC_F_WRITE as u16;
+    // A chain whose last descriptor points back to the first: must not spin forever.
+    h.submit_raw(0, 0, &[(HDR, 16, next, 1), (DATA, 512, write | next, 0)]);
+    assert_eq!(h.used_idx(), 1);
+    assert_eq!(h.used(0), (0, 0));
+    // An indirect descriptor (VIRTIO_F_INDIRECT_DESC is not offered).
+    h.submit_raw(
+        4,
+        4,
+        &[(
+            HDR,
+            16,
+            virtio_bindings::bindings::virtio_ring::VRING_DESC_F_INDIRECT as u16,
+            0,
+        )],
+    );
+    assert_eq!(h.used(1), (4, 0));
+    // A next index beyond the queue.
+    h.submit_raw(6, 6, &[(HDR, 16, next, QSIZE + 3)]);
+    assert_eq!(h.used(2), (6, 0));
+    // An available head beyond the queue is skipped (it cannot be returned).
+    h.submit_raw(8, QSIZE + 1, &[]);
+    assert_eq!(h.used_idx(), 3);
+    assert_eq!(h.status(), 0xff, "no status written for any of them");
+    // The queue still works afterwards.
+    h.vol.write_at(0, &[0x42; 512]).unwrap();
+    h.submit_raw(
+        10,
+        10,
+        &[
+            (HDR, 16, next, 11),
+            (DATA, 512, write | next, 12),
+            (STATUS, 1, write, 0),
+        ],
+    );
+    assert_eq!(h.used_idx(), 4);
+    assert_eq!(h.used(3), (10, 513));
+    assert_eq!(h.status(), S_OK);
 }
