@@ -19,6 +19,7 @@
 
 use std::cell::RefCell;
 use std::num::Wrapping;
+use std::os::unix::io::RawFd;
 use std::sync::atomic::{fence, AtomicU16, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -34,6 +35,21 @@ use super::guest::GuestMap;
 use super::request::{self, Action, Desc, DeviceParams, Mem, Outcome};
 use super::spec::{self, S_IOERR, S_OK, S_UNSUPP};
 use crate::volume::{BlockDevice, Completion, IoError, IoResult};
+
+/// Longest busy-poll after a batch (QEMU's default `poll-max-ns` is the same 32 µs).
+const MAX_POLL_NS: u64 = 32_000;
+/// Shortest non-zero poll window.
+const MIN_POLL_NS: u64 = 4_000;
+
+/// Write the driver's interrupt eventfd.
+fn signal_fd(fd: RawFd) {
+    let one: u64 = 1;
+    // SAFETY: writing 8 bytes from a local u64 to an eventfd the vring owns for this batch.
+    let r = unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+    if r != 8 {
+        debug!(error = %std::io::Error::last_os_error(), "virtio-blk: interrupt eventfd write failed");
+    }
+}
 
 /// Map a volume result to a virtio-blk status (§5.2.6).
 pub fn status_of(result: &IoResult) -> u8 {
@@ -136,6 +152,9 @@ pub struct QueueWorker {
     in_flight_async: usize,
     /// Host view of the current memory table (rebuilt when the driver sends a new one).
     map: Option<GuestMap>,
+    /// Adaptive poll window (ns) and when the worker last went to sleep.
+    poll_ns: u64,
+    slept_at: Option<Instant>,
 }
 
 // SAFETY: the raw status pointers in `slots` point into guest memory that the slot's
@@ -170,6 +189,8 @@ impl QueueWorker {
             finished: Vec::with_capacity(n),
             in_flight_async: 0,
             map: None,
+            poll_ns: 0,
+            slept_at: None,
         })
     }
 
@@ -185,6 +206,18 @@ impl QueueWorker {
     /// Handle a kick or a completion wake-up: process every available chain and every
     /// finished request, publish them, and say whether the driver must be interrupted.
     pub fn run(&mut self, queue: &mut Queue, mem: &Arc<Mem>) -> bool {
+        self.run_polling(queue, mem, None)
+    }
+
+    /// [`run`](Self::run), and with `call` (the driver's interrupt eventfd) also poll the
+    /// avail ring for a short, adaptive window before going back to sleep: interrupts due
+    /// are sent through `call` before polling starts, so polling never delays a completion.
+    ///
+    /// The window follows QEMU's adaptive polling (`poll-max-ns`): it grows when the next
+    /// kick came soon after we went to sleep (a longer poll would have caught it without the
+    /// kick and wake-up), and shrinks when it came later than the maximum. Kicks stay
+    /// suppressed while polling, so the driver saves its eventfd writes too.
+    pub fn run_polling(&mut self, queue: &mut Queue, mem: &Arc<Mem>, call: Option<RawFd>) -> bool {
         let me = self.completer.id();
         INLINE.with(|c| {
             let mut c = c.borrow_mut();
@@ -198,7 +231,10 @@ impl QueueWorker {
             warn!("virtio-blk: queue rings outside guest memory or misaligned; not serving");
             return false;
         };
-        let old_used = Wrapping(queue.next_used());
+        if call.is_some() {
+            self.adapt_poll_window();
+        }
+        let mut old_used = Wrapping(queue.next_used());
         let event_idx = queue.event_idx_enabled();
         loop {
             // Suppress kicks while we are busy anyway (§2.7.10). With EVENT_IDX the stale
@@ -209,6 +245,15 @@ impl QueueWorker {
             self.pop_all(&rings, queue);
             self.drain_remote();
             self.publish(&rings, queue);
+            if let Some(fd) = call.filter(|_| self.poll_ns > 0) {
+                if self.needs_interrupt(&rings, queue, old_used) {
+                    signal_fd(fd);
+                }
+                old_used = Wrapping(queue.next_used());
+                if self.poll(&rings, queue) {
+                    continue;
+                }
+            }
             // Re-arm, then look again: a chain made available before the driver saw the
             // re-armed state would otherwise wait for a kick that never comes.
             if event_idx {
@@ -221,7 +266,44 @@ impl QueueWorker {
                 break;
             }
         }
+        if call.is_some() {
+            self.slept_at = Some(Instant::now());
+        }
         self.needs_interrupt(&rings, queue, old_used)
+    }
+
+    fn adapt_poll_window(&mut self) {
+        let Some(slept) = self.slept_at.take() else {
+            return;
+        };
+        let blocked = slept.elapsed().as_nanos() as u64;
+        if blocked <= MAX_POLL_NS {
+            self.poll_ns = (self.poll_ns * 2).clamp(MIN_POLL_NS, MAX_POLL_NS);
+        } else {
+            self.poll_ns /= 2;
+            if self.poll_ns < MIN_POLL_NS {
+                self.poll_ns = 0;
+            }
+        }
+    }
+
+    /// Spin up to the poll window for new chains or remote completions.
+    fn poll(&self, rings: &Rings, queue: &Queue) -> bool {
+        let start = Instant::now();
+        let window = Duration::from_nanos(self.poll_ns);
+        loop {
+            for _ in 0..64 {
+                if rings.avail_idx() != queue.next_avail()
+                    || self.completer.pending.load(Ordering::Relaxed) != 0
+                {
+                    return true;
+                }
+                std::hint::spin_loop();
+            }
+            if start.elapsed() >= window {
+                return false;
+            }
+        }
     }
 
     /// Only the completions from other threads (eventfd wake-up).
