@@ -503,13 +503,15 @@ fn get_id_returns_the_serial_and_unknown_types_are_unsupported() {
 
 /// A volume that completes every request later, from another thread, as a remote backend
 /// would.
+type Handoff = (IoRequest, Arc<dyn Completion>);
+
 struct LaterVolume {
     inner: RamVolume,
-    tx: Mutex<mpsc::Sender<(IoRequest, Arc<dyn Completion>)>>,
+    tx: Mutex<mpsc::Sender<Handoff>>,
 }
 
 impl LaterVolume {
-    fn new() -> (Arc<Self>, mpsc::Receiver<(IoRequest, Arc<dyn Completion>)>) {
+    fn new() -> (Arc<Self>, mpsc::Receiver<Handoff>) {
         let (tx, rx) = mpsc::channel();
         (
             Arc::new(LaterVolume {
