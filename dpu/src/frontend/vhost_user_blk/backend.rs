@@ -176,7 +176,8 @@ impl VhostUserBackend for BlkBackend {
         let notify = if u64::from(device_event) == self.completion_event_id() {
             worker.run_completions(state.get_queue_mut(), &mem)
         } else if self.poll {
-            worker.run_polling(state.get_queue_mut(), &mem, call)
+            let current = || self.mem.memory().into_inner();
+            worker.run_polling(state.get_queue_mut(), &current, call)
         } else {
             worker.run(state.get_queue_mut(), &mem)
         };

@@ -206,7 +206,7 @@ impl QueueWorker {
     /// Handle a kick or a completion wake-up: process every available chain and every
     /// finished request, publish them, and say whether the driver must be interrupted.
     pub fn run(&mut self, queue: &mut Queue, mem: &Arc<Mem>) -> bool {
-        self.run_polling(queue, mem, None)
+        self.run_polling(queue, &|| mem.clone(), None)
     }
 
     /// [`run`](Self::run), and with `call` (the driver's interrupt eventfd) also poll the
@@ -217,7 +217,16 @@ impl QueueWorker {
     /// kick came soon after we went to sleep (a longer poll would have caught it without the
     /// kick and wake-up), and shrinks when it came later than the maximum. Kicks stay
     /// suppressed while polling, so the driver saves its eventfd writes too.
-    pub fn run_polling(&mut self, queue: &mut Queue, mem: &Arc<Mem>, call: Option<RawFd>) -> bool {
+    ///
+    /// `mem` returns the current memory table. It is consulted before every pass over the
+    /// ring, not once per call: the driver may add a region (and then use it) while this
+    /// worker polls, and a stale table would make its requests untranslatable.
+    pub fn run_polling(
+        &mut self,
+        queue: &mut Queue,
+        mem: &dyn Fn() -> Arc<Mem>,
+        call: Option<RawFd>,
+    ) -> bool {
         let me = self.completer.id();
         INLINE.with(|c| {
             let mut c = c.borrow_mut();
@@ -226,23 +235,37 @@ impl QueueWorker {
                 c.done.reserve(self.slots.len());
             }
         });
-        self.refresh_map(mem);
-        let Some(rings) = Rings::new(self.map(), queue) else {
-            warn!("virtio-blk: queue rings outside guest memory or misaligned; not serving");
-            return false;
-        };
         if call.is_some() {
             self.adapt_poll_window();
         }
         let mut old_used = Wrapping(queue.next_used());
         let event_idx = queue.event_idx_enabled();
+        let mut rings;
         loop {
+            // Snapshot avail->idx, then (re)load the memory table: every chain up to the
+            // snapshot was made available after the driver's memory-table changes it relies
+            // on were acknowledged, so the table loaded now can translate it.
+            let mut avail_idx = None;
+            rings = loop {
+                self.refresh_map(&mem());
+                let Some(r) = Rings::new(self.map(), queue) else {
+                    warn!(
+                        "virtio-blk: queue rings outside guest memory or misaligned; not serving"
+                    );
+                    // Interrupt if anything was published before the table changed.
+                    return Wrapping(queue.next_used()) != old_used;
+                };
+                match avail_idx {
+                    Some(_) => break r,
+                    None => avail_idx = Some(r.avail_idx()),
+                }
+            };
             // Suppress kicks while we are busy anyway (§2.7.10). With EVENT_IDX the stale
             // avail_event already does that.
             if !event_idx {
                 rings.set_used_flags(VRING_USED_F_NO_NOTIFY as u16);
             }
-            self.pop_all(&rings, queue);
+            self.pop_all(&rings, queue, avail_idx.unwrap_or_default());
             self.drain_remote();
             self.publish(&rings, queue);
             if let Some(fd) = call.filter(|_| self.poll_ns > 0) {
@@ -329,9 +352,9 @@ impl QueueWorker {
         self.map.as_ref().expect("refresh_map ran")
     }
 
-    fn pop_all(&mut self, rings: &Rings, queue: &mut Queue) {
+    /// Process the chains made available up to `avail_idx` (a snapshot of avail->idx).
+    fn pop_all(&mut self, rings: &Rings, queue: &mut Queue, avail_idx: u16) {
         let size = rings.size;
-        let avail_idx = rings.avail_idx();
         let mut next = queue.next_avail();
         if avail_idx.wrapping_sub(next) > size {
             error!(

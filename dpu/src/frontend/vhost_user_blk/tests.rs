@@ -644,3 +644,58 @@ fn looping_indirect_and_out_of_table_chains_are_dropped() {
     assert_eq!(h.used(3), (10, 513));
     assert_eq!(h.status(), S_OK);
 }
+
+/// A driver adds a memory region and, once that is acknowledged, makes a request with
+/// buffers in it available while the worker is already running: the worker must translate it
+/// with the new table, not the one it started with. (A stale table made such requests drop
+/// without a status byte, which a client whose status byte happened to be 0 took as success.)
+#[test]
+fn memory_table_swapped_during_a_run_is_used_for_later_chains() {
+    let mut h = Harness::new(false, 512);
+    let extra = 0x100_0000u64;
+    let region =
+        vm_memory::GuestRegionMmap::<()>::from_range(GuestAddress(extra), 1 << 20, None).unwrap();
+    let bigger = Arc::new(h.mem.insert_region(Arc::new(region)).unwrap());
+    h.vol.write_at(0, &[0x6d; 512]).unwrap();
+    h.header(spec::T_IN, 0);
+    // Make the chain available (through the original table, which holds the rings).
+    let next = VRING_DESC_F_NEXT as u16;
+    let write = VRING_DESC_F_WRITE as u16;
+    for (i, &(addr, len, flags, nx)) in [
+        (HDR, 16, next, 1),
+        (extra, 512, write | next, 2),
+        (extra + 512, 1, write, 0),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let d = RawDescriptor::from(SplitDescriptor::new(addr, len, flags, nx));
+        h.mem
+            .write_obj(d, GuestAddress(h.desc_addr + 16 * i as u64))
+            .unwrap();
+    }
+    h.mem
+        .write_obj(0u16, GuestAddress(h.avail_addr + 4))
+        .unwrap();
+    h.mem
+        .write_obj(1u16, GuestAddress(h.avail_addr + 2))
+        .unwrap();
+    // The first look at the table still sees the old one; every later look the new one.
+    let calls = std::cell::Cell::new(0);
+    let old = h.mem.clone();
+    let current = || {
+        calls.set(calls.get() + 1);
+        if calls.get() == 1 {
+            old.clone()
+        } else {
+            bigger.clone()
+        }
+    };
+    h.worker.run_polling(&mut h.queue, &current, None);
+    assert_eq!(h.used_idx(), 1);
+    assert_eq!(h.used(0), (0, 513), "served, not dropped");
+    let mut back = [0u8; 513];
+    bigger.read_slice(&mut back, GuestAddress(extra)).unwrap();
+    assert!(back[..512].iter().all(|&b| b == 0x6d));
+    assert_eq!(back[512], S_OK);
+}
