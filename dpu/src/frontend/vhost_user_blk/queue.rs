@@ -583,7 +583,7 @@ impl Rings {
         })
     }
 
-    fn atomic16(p: *const u8) -> &'static AtomicU16 {
+    fn atomic16(&self, p: *const u8) -> &AtomicU16 {
         // SAFETY: callers pass 2-byte aligned pointers into the rings, which stay mapped
         // (GuestMap holds the mapping) for as long as the Rings value is used; the guest
         // accesses these fields concurrently, hence atomics.
@@ -593,20 +593,29 @@ impl Rings {
     /// avail->idx, with acquire: the ring entries it covers are visible after it.
     fn avail_idx(&self) -> u16 {
         // SAFETY: offset 2 is inside the checked avail ring.
-        u16::from_le(Self::atomic16(unsafe { self.avail.add(2) }).load(Ordering::Acquire))
+        u16::from_le(
+            self.atomic16(unsafe { self.avail.add(2) })
+                .load(Ordering::Acquire),
+        )
     }
 
     fn avail_entry(&self, i: u16) -> u16 {
         let off = 4 + 2 * usize::from(i % self.size);
         // SAFETY: inside the checked avail ring.
-        u16::from_le(Self::atomic16(unsafe { self.avail.add(off) }).load(Ordering::Relaxed))
+        u16::from_le(
+            self.atomic16(unsafe { self.avail.add(off) })
+                .load(Ordering::Relaxed),
+        )
     }
 
     /// used_event, after the avail ring entries (§2.7.10).
     fn used_event(&self) -> u16 {
         let off = 4 + 2 * usize::from(self.size);
         // SAFETY: inside the checked avail ring (6 + 2 * size bytes).
-        u16::from_le(Self::atomic16(unsafe { self.avail.add(off) }).load(Ordering::Relaxed))
+        u16::from_le(
+            self.atomic16(unsafe { self.avail.add(off) })
+                .load(Ordering::Relaxed),
+        )
     }
 
     /// (addr, len, flags, next) of descriptor `i` (< size).
@@ -628,7 +637,7 @@ impl Rings {
     }
 
     fn set_used_flags(&self, v: u16) {
-        Self::atomic16(self.used).store(v.to_le(), Ordering::Relaxed);
+        self.atomic16(self.used).store(v.to_le(), Ordering::Relaxed);
     }
 
     fn set_used_elem(&self, idx: u16, head: u16, len: u32) {
@@ -643,14 +652,16 @@ impl Rings {
     /// used->idx, with release: the elements before it are visible first (§2.7.8).
     fn set_used_idx(&self, v: u16) {
         // SAFETY: offset 2 is inside the checked used ring.
-        Self::atomic16(unsafe { self.used.add(2) }).store(v.to_le(), Ordering::Release);
+        self.atomic16(unsafe { self.used.add(2) })
+            .store(v.to_le(), Ordering::Release);
     }
 
     /// avail_event, after the used ring elements (§2.7.10).
     fn set_avail_event(&self, v: u16) {
         let off = 4 + 8 * usize::from(self.size);
         // SAFETY: inside the checked used ring (6 + 8 * size bytes).
-        Self::atomic16(unsafe { self.used.add(off) }).store(v.to_le(), Ordering::Relaxed);
+        self.atomic16(unsafe { self.used.add(off) })
+            .store(v.to_le(), Ordering::Relaxed);
     }
 }
 
