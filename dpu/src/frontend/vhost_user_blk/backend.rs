@@ -1,6 +1,7 @@
 //! The vhost-user side: what nacre offers the driver (features, protocol features,
 //! configuration space) and how vring events reach the queue workers.
 
+use std::os::unix::io::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -34,6 +35,8 @@ pub struct BlkBackend {
     mem: Gm,
     event_idx: AtomicBool,
     workers: Vec<Mutex<QueueWorker>>,
+    /// Busy-poll the avail ring briefly after each batch (adaptive, at most 32 µs).
+    poll: bool,
 }
 
 impl BlkBackend {
@@ -56,6 +59,7 @@ impl BlkBackend {
             mem,
             event_idx: AtomicBool::new(false),
             workers,
+            poll: std::env::var_os("NACRE_VHOST_NO_POLL").is_none(),
         })
     }
 
@@ -173,8 +177,12 @@ impl VhostUserBackend for BlkBackend {
         let mem = self.mem.memory().into_inner();
         let mut worker = worker.lock().unwrap_or_else(|p| p.into_inner());
         let mut state = vring.get_mut();
+        let call = state.get_call().as_ref().map(|c| c.as_raw_fd());
         let notify = if u64::from(device_event) == self.completion_event_id() {
             worker.run_completions(state.get_queue_mut(), &mem)
+        } else if self.poll {
+            let current = || self.mem.memory().into_inner();
+            worker.run_polling(state.get_queue_mut(), &current, call)
         } else {
             worker.run(state.get_queue_mut(), &mem)
         };

@@ -19,18 +19,37 @@
 
 use std::cell::RefCell;
 use std::num::Wrapping;
-use std::sync::atomic::{fence, AtomicUsize, Ordering};
+use std::os::unix::io::RawFd;
+use std::sync::atomic::{fence, AtomicU16, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tracing::{debug, error, warn};
-use virtio_queue::{Queue, QueueOwnedT, QueueT};
-use vm_memory::{Bytes, GuestAddress};
+use virtio_bindings::bindings::virtio_ring::{
+    VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE, VRING_USED_F_NO_NOTIFY,
+};
+use virtio_queue::{Queue, QueueT};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
+use super::guest::GuestMap;
 use super::request::{self, Action, Desc, DeviceParams, Mem, Outcome};
 use super::spec::{self, S_IOERR, S_OK, S_UNSUPP};
 use crate::volume::{BlockDevice, Completion, IoError, IoResult};
+
+/// Longest busy-poll after a batch (QEMU's default `poll-max-ns` is the same 32 µs).
+const MAX_POLL_NS: u64 = 32_000;
+/// Shortest non-zero poll window.
+const MIN_POLL_NS: u64 = 4_000;
+
+/// Write the driver's interrupt eventfd.
+fn signal_fd(fd: RawFd) {
+    let one: u64 = 1;
+    // SAFETY: writing 8 bytes from a local u64 to an eventfd the vring owns for this batch.
+    let r = unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+    if r != 8 {
+        debug!(error = %std::io::Error::last_os_error(), "virtio-blk: interrupt eventfd write failed");
+    }
+}
 
 /// Map a volume result to a virtio-blk status (§5.2.6).
 pub fn status_of(result: &IoResult) -> u8 {
@@ -131,6 +150,11 @@ pub struct QueueWorker {
     used: Vec<(u16, u32)>,
     finished: Vec<(u64, u8)>,
     in_flight_async: usize,
+    /// Host view of the current memory table (rebuilt when the driver sends a new one).
+    map: Option<GuestMap>,
+    /// Adaptive poll window (ns) and when the worker last went to sleep.
+    poll_ns: u64,
+    slept_at: Option<Instant>,
 }
 
 // SAFETY: the raw status pointers in `slots` point into guest memory that the slot's
@@ -164,6 +188,9 @@ impl QueueWorker {
             used: Vec::with_capacity(n),
             finished: Vec::with_capacity(n),
             in_flight_async: 0,
+            map: None,
+            poll_ns: 0,
+            slept_at: None,
         })
     }
 
@@ -179,6 +206,27 @@ impl QueueWorker {
     /// Handle a kick or a completion wake-up: process every available chain and every
     /// finished request, publish them, and say whether the driver must be interrupted.
     pub fn run(&mut self, queue: &mut Queue, mem: &Arc<Mem>) -> bool {
+        self.run_polling(queue, &|| mem.clone(), None)
+    }
+
+    /// [`run`](Self::run), and with `call` (the driver's interrupt eventfd) also poll the
+    /// avail ring for a short, adaptive window before going back to sleep: interrupts due
+    /// are sent through `call` before polling starts, so polling never delays a completion.
+    ///
+    /// The window follows QEMU's adaptive polling (`poll-max-ns`): it grows when the next
+    /// kick came soon after we went to sleep (a longer poll would have caught it without the
+    /// kick and wake-up), and shrinks when it came later than the maximum. Kicks stay
+    /// suppressed while polling, so the driver saves its eventfd writes too.
+    ///
+    /// `mem` returns the current memory table. It is consulted before every pass over the
+    /// ring, not once per call: the driver may add a region (and then use it) while this
+    /// worker polls, and a stale table would make its requests untranslatable.
+    pub fn run_polling(
+        &mut self,
+        queue: &mut Queue,
+        mem: &dyn Fn() -> Arc<Mem>,
+        call: Option<RawFd>,
+    ) -> bool {
         let me = self.completer.id();
         INLINE.with(|c| {
             let mut c = c.borrow_mut();
@@ -187,56 +235,188 @@ impl QueueWorker {
                 c.done.reserve(self.slots.len());
             }
         });
-        let old_used = Wrapping(queue.next_used());
+        if call.is_some() {
+            self.adapt_poll_window();
+        }
+        let mut old_used = Wrapping(queue.next_used());
+        let event_idx = queue.event_idx_enabled();
+        let mut rings;
         loop {
-            if let Err(e) = queue.disable_notification(&**mem) {
-                warn!(error = %e, "virtio-blk: cannot disable notifications");
+            // Snapshot avail->idx, then (re)load the memory table: every chain up to the
+            // snapshot was made available after the driver's memory-table changes it relies
+            // on were acknowledged, so the table loaded now can translate it.
+            let mut avail_idx = None;
+            rings = loop {
+                self.refresh_map(&mem());
+                let Some(r) = Rings::new(self.map(), queue) else {
+                    warn!(
+                        "virtio-blk: queue rings outside guest memory or misaligned; not serving"
+                    );
+                    // Interrupt if anything was published before the table changed.
+                    return Wrapping(queue.next_used()) != old_used;
+                };
+                match avail_idx {
+                    Some(_) => break r,
+                    None => avail_idx = Some(r.avail_idx()),
+                }
+            };
+            // Suppress kicks while we are busy anyway (§2.7.10). With EVENT_IDX the stale
+            // avail_event already does that.
+            if !event_idx {
+                rings.set_used_flags(VRING_USED_F_NO_NOTIFY as u16);
             }
-            self.pop_all(queue, mem);
+            self.pop_all(&rings, queue, avail_idx.unwrap_or_default());
             self.drain_remote();
-            self.publish(queue, mem);
-            match queue.enable_notification(&**mem) {
-                Ok(true) => continue,
-                Ok(false) => break,
-                Err(e) => {
-                    warn!(error = %e, "virtio-blk: cannot enable notifications");
-                    break;
+            self.publish(&rings, queue);
+            if let Some(fd) = call.filter(|_| self.poll_ns > 0) {
+                if self.needs_interrupt(&rings, queue, old_used) {
+                    signal_fd(fd);
+                }
+                old_used = Wrapping(queue.next_used());
+                if self.poll(&rings, queue) {
+                    continue;
                 }
             }
+            // Re-arm, then look again: a chain made available before the driver saw the
+            // re-armed state would otherwise wait for a kick that never comes.
+            if event_idx {
+                rings.set_avail_event(queue.next_avail());
+            } else {
+                rings.set_used_flags(0);
+            }
+            fence(Ordering::SeqCst);
+            if rings.avail_idx() == queue.next_avail() {
+                break;
+            }
         }
-        self.needs_interrupt(queue, mem, old_used)
+        if call.is_some() {
+            self.slept_at = Some(Instant::now());
+        }
+        self.needs_interrupt(&rings, queue, old_used)
+    }
+
+    fn adapt_poll_window(&mut self) {
+        let Some(slept) = self.slept_at.take() else {
+            return;
+        };
+        let blocked = slept.elapsed().as_nanos() as u64;
+        if blocked <= MAX_POLL_NS {
+            self.poll_ns = (self.poll_ns * 2).clamp(MIN_POLL_NS, MAX_POLL_NS);
+        } else {
+            self.poll_ns /= 2;
+            if self.poll_ns < MIN_POLL_NS {
+                self.poll_ns = 0;
+            }
+        }
+    }
+
+    /// Spin up to the poll window for new chains or remote completions.
+    fn poll(&self, rings: &Rings, queue: &Queue) -> bool {
+        let start = Instant::now();
+        let window = Duration::from_nanos(self.poll_ns);
+        loop {
+            for _ in 0..64 {
+                if rings.avail_idx() != queue.next_avail()
+                    || self.completer.pending.load(Ordering::Relaxed) != 0
+                {
+                    return true;
+                }
+                std::hint::spin_loop();
+            }
+            if start.elapsed() >= window {
+                return false;
+            }
+        }
     }
 
     /// Only the completions from other threads (eventfd wake-up).
     pub fn run_completions(&mut self, queue: &mut Queue, mem: &Arc<Mem>) -> bool {
         let _ = self.completer.event.read();
+        self.refresh_map(mem);
+        let Some(rings) = Rings::new(self.map(), queue) else {
+            return false;
+        };
         let old_used = Wrapping(queue.next_used());
         self.drain_remote();
-        self.publish(queue, mem);
-        self.needs_interrupt(queue, mem, old_used)
+        self.publish(&rings, queue);
+        self.needs_interrupt(&rings, queue, old_used)
     }
 
-    fn pop_all(&mut self, queue: &mut Queue, mem: &Arc<Mem>) {
-        let mut iter = match queue.iter(&**mem) {
-            Ok(it) => it,
-            Err(e) => {
-                debug!(error = %e, "virtio-blk: queue not ready");
-                return;
-            }
-        };
-        for chain in &mut iter {
-            let head = chain.head_index();
-            self.descs.clear();
-            self.descs.extend(chain.map(|d| Desc {
-                addr: d.addr().0,
-                len: d.len(),
-                writable: d.is_write_only(),
-            }));
-            self.handle_chain(head, mem);
+    fn refresh_map(&mut self, mem: &Arc<Mem>) {
+        if !self.map.as_ref().is_some_and(|m| Arc::ptr_eq(m.mem(), mem)) {
+            self.map = Some(GuestMap::new(mem.clone()));
         }
     }
 
-    fn handle_chain(&mut self, head: u16, mem: &Arc<Mem>) {
+    fn map(&self) -> &GuestMap {
+        self.map.as_ref().expect("refresh_map ran")
+    }
+
+    /// Process the chains made available up to `avail_idx` (a snapshot of avail->idx).
+    fn pop_all(&mut self, rings: &Rings, queue: &mut Queue, avail_idx: u16) {
+        let size = rings.size;
+        let mut next = queue.next_avail();
+        if avail_idx.wrapping_sub(next) > size {
+            error!(
+                avail_idx,
+                next, "virtio-blk: driver published more chains than the queue holds"
+            );
+            return;
+        }
+        while next != avail_idx {
+            let head = rings.avail_entry(next);
+            next = next.wrapping_add(1);
+            if head >= size {
+                warn!(
+                    head,
+                    "virtio-blk: available head beyond the queue size; skipped"
+                );
+                continue;
+            }
+            match self.collect_chain(rings, head) {
+                Ok(()) => self.handle_chain(head),
+                Err(reason) => {
+                    warn!(
+                        head,
+                        reason, "virtio-blk: malformed descriptor chain dropped"
+                    );
+                    self.used.push((head, 0));
+                }
+            }
+        }
+        queue.set_next_avail(next);
+    }
+
+    /// Walk a chain (§2.7.5) into `self.descs`, refusing loops and indirect tables.
+    fn collect_chain(&mut self, rings: &Rings, head: u16) -> Result<(), &'static str> {
+        self.descs.clear();
+        let mut i = head;
+        let mut ttl = rings.size;
+        loop {
+            let (addr, len, flags, next) = rings.desc(i);
+            if flags & VRING_DESC_F_INDIRECT as u16 != 0 {
+                return Err("indirect descriptor, but VIRTIO_F_INDIRECT_DESC was not offered");
+            }
+            self.descs.push(Desc {
+                addr,
+                len,
+                writable: flags & VRING_DESC_F_WRITE as u16 != 0,
+            });
+            if flags & VRING_DESC_F_NEXT as u16 == 0 {
+                return Ok(());
+            }
+            ttl -= 1;
+            if ttl == 0 {
+                return Err("descriptor chain longer than the queue (a loop?)");
+            }
+            if next >= rings.size {
+                return Err("next descriptor index beyond the queue size");
+            }
+            i = next;
+        }
+    }
+
+    fn handle_chain(&mut self, head: u16) {
         let Some(slot) = self.slots.get(head as usize) else {
             warn!(
                 head,
@@ -252,7 +432,7 @@ impl QueueWorker {
             );
             return;
         }
-        let parsed = match request::parse(mem, &self.descs, &self.params) {
+        let parsed = match request::parse(self.map(), &self.descs, &self.params) {
             Outcome::Parsed(p) => p,
             Outcome::Drop(reason) => {
                 warn!(head, reason, "virtio-blk: malformed request dropped");
@@ -285,7 +465,7 @@ impl QueueWorker {
                 self.drain_inline();
                 let slot = &mut self.slots[head as usize];
                 if slot.busy {
-                    slot.pinned = Some(mem.clone());
+                    slot.pinned = Some(self.map.as_ref().expect("map").mem().clone());
                     self.in_flight_async += 1;
                 }
             }
@@ -342,37 +522,21 @@ impl QueueWorker {
     }
 
     /// Write the batch's used elements, then the used index once (§2.7.8).
-    fn publish(&mut self, queue: &mut Queue, mem: &Mem) {
+    fn publish(&mut self, rings: &Rings, queue: &mut Queue) {
         if self.used.is_empty() {
             return;
         }
-        let size = queue.size();
-        let ring = queue.used_ring();
-        let mut idx = Wrapping(queue.next_used());
+        let mut idx = queue.next_used();
         for &(head, len) in &self.used {
-            // struct virtq_used_elem { le32 id; le32 len; } at ring + 4 + 8 * slot.
-            let off = 4 + 8 * u64::from(idx.0 % size);
-            let elem = u64::from(head) | (u64::from(len) << 32);
-            if let Err(e) = mem.write_obj(elem.to_le(), GuestAddress(ring.wrapping_add(off))) {
-                error!(error = %e, "virtio-blk: used ring outside guest memory");
-                self.used.clear();
-                return;
-            }
-            idx += Wrapping(1);
+            rings.set_used_elem(idx, head, len);
+            idx = idx.wrapping_add(1);
         }
-        // The elements must be visible before the index that exposes them.
-        if let Err(e) = mem.store(
-            idx.0.to_le(),
-            GuestAddress(ring.wrapping_add(2)),
-            Ordering::Release,
-        ) {
-            error!(error = %e, "virtio-blk: used index outside guest memory");
-        }
-        queue.set_next_used(idx.0);
+        rings.set_used_idx(idx);
+        queue.set_next_used(idx);
         self.used.clear();
     }
 
-    fn needs_interrupt(&self, queue: &Queue, mem: &Mem, old: Wrapping<u16>) -> bool {
+    fn needs_interrupt(&self, rings: &Rings, queue: &Queue, old: Wrapping<u16>) -> bool {
         let new = Wrapping(queue.next_used());
         if new == old {
             return false;
@@ -383,16 +547,121 @@ impl QueueWorker {
         // The used index store must be globally visible before used_event is read, or the
         // driver may have re-armed with a stale view and both sides wait (§2.7.10.1).
         fence(Ordering::SeqCst);
-        // used_event sits after the avail ring: flags, idx, ring[size].
-        let addr = queue
-            .avail_ring()
-            .wrapping_add(4 + 2 * u64::from(queue.size()));
-        let used_event: u16 = match mem.load(GuestAddress(addr), Ordering::Acquire) {
-            Ok(v) => u16::from_le(v),
-            Err(_) => return true,
-        };
+        let used_event = Wrapping(rings.used_event());
         // vring_need_event(event, new, old): notify if event lies in [old, new).
-        (new - Wrapping(used_event) - Wrapping(1)) < (new - old)
+        (new - used_event - Wrapping(1)) < (new - old)
+    }
+}
+
+/// Host pointers to one split virtqueue's three parts (§2.7), valid for one batch.
+struct Rings {
+    size: u16,
+    desc: *const u8,
+    avail: *const u8,
+    used: *mut u8,
+}
+
+impl Rings {
+    fn new(map: &GuestMap, q: &Queue) -> Option<Self> {
+        let size = q.size();
+        if size == 0 || !size.is_power_of_two() {
+            return None;
+        }
+        let n = u64::from(size);
+        let desc = map.ptr(q.desc_table(), 16 * n)?;
+        let avail = map.ptr(q.avail_ring(), 6 + 2 * n)?;
+        let used = map.ptr(q.used_ring(), 6 + 8 * n)?;
+        // §2.7: alignment 16 / 2 / 4. Atomic u16 accesses below rely on it.
+        if desc as usize % 16 != 0 || avail as usize % 2 != 0 || used as usize % 4 != 0 {
+            return None;
+        }
+        Some(Rings {
+            size,
+            desc,
+            avail,
+            used,
+        })
+    }
+
+    fn atomic16(&self, p: *const u8) -> &AtomicU16 {
+        // SAFETY: callers pass 2-byte aligned pointers into the rings, which stay mapped
+        // (GuestMap holds the mapping) for as long as the Rings value is used; the guest
+        // accesses these fields concurrently, hence atomics.
+        unsafe { &*(p as *const AtomicU16) }
+    }
+
+    /// avail->idx, with acquire: the ring entries it covers are visible after it.
+    fn avail_idx(&self) -> u16 {
+        // SAFETY: offset 2 is inside the checked avail ring.
+        u16::from_le(
+            self.atomic16(unsafe { self.avail.add(2) })
+                .load(Ordering::Acquire),
+        )
+    }
+
+    fn avail_entry(&self, i: u16) -> u16 {
+        let off = 4 + 2 * usize::from(i % self.size);
+        // SAFETY: inside the checked avail ring.
+        u16::from_le(
+            self.atomic16(unsafe { self.avail.add(off) })
+                .load(Ordering::Relaxed),
+        )
+    }
+
+    /// used_event, after the avail ring entries (§2.7.10).
+    fn used_event(&self) -> u16 {
+        let off = 4 + 2 * usize::from(self.size);
+        // SAFETY: inside the checked avail ring (6 + 2 * size bytes).
+        u16::from_le(
+            self.atomic16(unsafe { self.avail.add(off) })
+                .load(Ordering::Relaxed),
+        )
+    }
+
+    /// (addr, len, flags, next) of descriptor `i` (< size).
+    fn desc(&self, i: u16) -> (u64, u32, u16, u16) {
+        let mut raw = [0u8; 16];
+        // SAFETY: i < size, so the 16 bytes are inside the checked descriptor table; copied
+        // once, so a concurrent driver write cannot make the fields inconsistent later.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.desc.add(16 * usize::from(i)), raw.as_mut_ptr(), 16)
+        };
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&raw[0..8]);
+        (
+            u64::from_le_bytes(a),
+            u32::from_le_bytes([raw[8], raw[9], raw[10], raw[11]]),
+            u16::from_le_bytes([raw[12], raw[13]]),
+            u16::from_le_bytes([raw[14], raw[15]]),
+        )
+    }
+
+    fn set_used_flags(&self, v: u16) {
+        self.atomic16(self.used).store(v.to_le(), Ordering::Relaxed);
+    }
+
+    fn set_used_elem(&self, idx: u16, head: u16, len: u32) {
+        let off = 4 + 8 * usize::from(idx % self.size);
+        let mut raw = [0u8; 8];
+        raw[0..4].copy_from_slice(&u32::from(head).to_le_bytes());
+        raw[4..8].copy_from_slice(&len.to_le_bytes());
+        // SAFETY: inside the checked used ring.
+        unsafe { std::ptr::copy_nonoverlapping(raw.as_ptr(), self.used.add(off), 8) };
+    }
+
+    /// used->idx, with release: the elements before it are visible first (§2.7.8).
+    fn set_used_idx(&self, v: u16) {
+        // SAFETY: offset 2 is inside the checked used ring.
+        self.atomic16(unsafe { self.used.add(2) })
+            .store(v.to_le(), Ordering::Release);
+    }
+
+    /// avail_event, after the used ring elements (§2.7.10).
+    fn set_avail_event(&self, v: u16) {
+        let off = 4 + 8 * usize::from(self.size);
+        // SAFETY: inside the checked used ring (6 + 8 * size bytes).
+        self.atomic16(unsafe { self.used.add(off) })
+            .store(v.to_le(), Ordering::Relaxed);
     }
 }
 

@@ -12,8 +12,9 @@
 //! byte, or as a logged drop when it has none. The parser never panics and never hands the
 //! volume a segment outside guest memory.
 
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vm_memory::GuestMemoryMmap;
 
+use super::guest::GuestMap;
 use super::spec::{self, S_IOERR, S_UNSUPP};
 use crate::volume::{IoKind, IoRequest, Segment, Segments};
 
@@ -69,13 +70,8 @@ pub enum Outcome {
     Drop(&'static str),
 }
 
-fn host_ptr(mem: &Mem, addr: u64, len: usize) -> Option<*mut u8> {
-    let slice = mem.get_slice(GuestAddress(addr), len).ok()?;
-    Some(slice.ptr_guard_mut().as_ptr())
-}
-
 /// Copy `out.len()` bytes starting `skip` bytes into the concatenation of `descs`.
-fn gather(mem: &Mem, descs: &[Desc], mut skip: u64, out: &mut [u8]) -> bool {
+fn gather(mem: &GuestMap, descs: &[Desc], mut skip: u64, out: &mut [u8]) -> bool {
     let mut done = 0usize;
     for d in descs {
         if done == out.len() {
@@ -90,10 +86,7 @@ fn gather(mem: &Mem, descs: &[Desc], mut skip: u64, out: &mut [u8]) -> bool {
         let Some(addr) = d.addr.checked_add(skip) else {
             return false;
         };
-        if mem
-            .read_slice(&mut out[done..done + n], GuestAddress(addr))
-            .is_err()
-        {
+        if !mem.read(addr, &mut out[done..done + n]) {
             return false;
         }
         done += n;
@@ -104,7 +97,13 @@ fn gather(mem: &Mem, descs: &[Desc], mut skip: u64, out: &mut [u8]) -> bool {
 
 /// Segments over the bytes of `descs` after the first `skip`, without the last `trim` bytes.
 /// `None` if an address is outside guest memory or there are more than `max` segments.
-fn segments(mem: &Mem, descs: &[Desc], mut skip: u64, trim: u64, max: u32) -> Option<Segments> {
+fn segments(
+    mem: &GuestMap,
+    descs: &[Desc],
+    mut skip: u64,
+    trim: u64,
+    max: u32,
+) -> Option<Segments> {
     let total: u64 = descs.iter().map(|d| d.len as u64).sum();
     let mut remaining = total.checked_sub(skip)?.checked_sub(trim)?;
     let mut segs = Segments::new();
@@ -121,8 +120,8 @@ fn segments(mem: &Mem, descs: &[Desc], mut skip: u64, trim: u64, max: u32) -> Op
         if segs.len() as u32 >= max {
             return None;
         }
-        let ptr = host_ptr(mem, d.addr.checked_add(skip)?, n as usize)?;
-        // SAFETY: `ptr..ptr+n` lies inside one mapped guest memory region (get_slice checked
+        let ptr = mem.ptr(d.addr.checked_add(skip)?, n)?;
+        // SAFETY: `ptr..ptr+n` lies inside one mapped guest memory region (GuestMap checked
         // it). The queue holds a reference to that mapping until the request completes, and
         // the driver must not touch a buffer it has made available until it is used.
         segs.push(unsafe { Segment::new(ptr, n as usize) });
@@ -133,7 +132,7 @@ fn segments(mem: &Mem, descs: &[Desc], mut skip: u64, trim: u64, max: u32) -> Op
 }
 
 /// Parse the request carried by `descs` (a whole chain, in order).
-pub fn parse(mem: &Mem, descs: &[Desc], dev: &DeviceParams) -> Outcome {
+pub fn parse(mem: &GuestMap, descs: &[Desc], dev: &DeviceParams) -> Outcome {
     // §5.2.6: the status byte is the last byte of the chain, device-writable.
     let Some(last) = descs.last() else {
         return Outcome::Drop("empty descriptor chain");
@@ -147,7 +146,7 @@ pub fn parse(mem: &Mem, descs: &[Desc], dev: &DeviceParams) -> Outcome {
     let Some(status) = last
         .addr
         .checked_add(last.len as u64 - 1)
-        .and_then(|a| host_ptr(mem, a, 1))
+        .and_then(|a| mem.ptr(a, 1))
     else {
         return Outcome::Drop("status byte outside guest memory");
     };

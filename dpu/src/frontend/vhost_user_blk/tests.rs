@@ -140,6 +140,26 @@ impl Harness {
         self.worker.run(&mut self.queue, &self.mem)
     }
 
+    /// Place raw descriptors (addr, len, flags, next) at table index `base` and make the chain
+    /// starting at `head` available.
+    fn submit_raw(&mut self, base: u16, head: u16, raw: &[(u64, u32, u16, u16)]) -> bool {
+        for (i, &(addr, len, flags, next)) in raw.iter().enumerate() {
+            let d = RawDescriptor::from(SplitDescriptor::new(addr, len, flags, next));
+            let a = self.desc_addr + 16 * u64::from(base + i as u16);
+            self.mem.write_obj(d, GuestAddress(a)).unwrap();
+        }
+        let idx: u16 = self
+            .mem
+            .read_obj(GuestAddress(self.avail_addr + 2))
+            .unwrap();
+        let slot = self.avail_addr + 4 + 2 * u64::from(idx % QSIZE);
+        self.mem.write_obj(head, GuestAddress(slot)).unwrap();
+        self.mem
+            .write_obj(idx.wrapping_add(1), GuestAddress(self.avail_addr + 2))
+            .unwrap();
+        self.worker.run(&mut self.queue, &self.mem)
+    }
+
     fn status(&self) -> u8 {
         self.mem.read_obj(GuestAddress(STATUS)).unwrap()
     }
@@ -483,13 +503,15 @@ fn get_id_returns_the_serial_and_unknown_types_are_unsupported() {
 
 /// A volume that completes every request later, from another thread, as a remote backend
 /// would.
+type Handoff = (IoRequest, Arc<dyn Completion>);
+
 struct LaterVolume {
     inner: RamVolume,
-    tx: Mutex<mpsc::Sender<(IoRequest, Arc<dyn Completion>)>>,
+    tx: Mutex<mpsc::Sender<Handoff>>,
 }
 
 impl LaterVolume {
-    fn new() -> (Arc<Self>, mpsc::Receiver<(IoRequest, Arc<dyn Completion>)>) {
+    fn new() -> (Arc<Self>, mpsc::Receiver<Handoff>) {
         let (tx, rx) = mpsc::channel();
         (
             Arc::new(LaterVolume {
@@ -575,4 +597,105 @@ fn event_idx_suppresses_interrupts_until_used_event_is_crossed() {
     h.header(spec::T_FLUSH, 0);
     assert!(h.submit(&[r(HDR, 16), w(STATUS, 1)]));
     assert!(h.submit(&[r(HDR, 16), w(STATUS, 1)]));
+}
+
+#[test]
+fn looping_indirect_and_out_of_table_chains_are_dropped() {
+    let mut h = Harness::new(false, 512);
+    h.mem.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
+    h.header(spec::T_IN, 0);
+    let next = VRING_DESC_F_NEXT as u16;
+    let write = VRING_DESC_F_WRITE as u16;
+    // A chain whose last descriptor points back to the first: must not spin forever.
+    h.submit_raw(0, 0, &[(HDR, 16, next, 1), (DATA, 512, write | next, 0)]);
+    assert_eq!(h.used_idx(), 1);
+    assert_eq!(h.used(0), (0, 0));
+    // An indirect descriptor (VIRTIO_F_INDIRECT_DESC is not offered).
+    h.submit_raw(
+        4,
+        4,
+        &[(
+            HDR,
+            16,
+            virtio_bindings::bindings::virtio_ring::VRING_DESC_F_INDIRECT as u16,
+            0,
+        )],
+    );
+    assert_eq!(h.used(1), (4, 0));
+    // A next index beyond the queue.
+    h.submit_raw(6, 6, &[(HDR, 16, next, QSIZE + 3)]);
+    assert_eq!(h.used(2), (6, 0));
+    // An available head beyond the queue is skipped (it cannot be returned).
+    h.submit_raw(8, QSIZE + 1, &[]);
+    assert_eq!(h.used_idx(), 3);
+    assert_eq!(h.status(), 0xff, "no status written for any of them");
+    // The queue still works afterwards.
+    h.vol.write_at(0, &[0x42; 512]).unwrap();
+    h.submit_raw(
+        10,
+        10,
+        &[
+            (HDR, 16, next, 11),
+            (DATA, 512, write | next, 12),
+            (STATUS, 1, write, 0),
+        ],
+    );
+    assert_eq!(h.used_idx(), 4);
+    assert_eq!(h.used(3), (10, 513));
+    assert_eq!(h.status(), S_OK);
+}
+
+/// A driver adds a memory region and, once that is acknowledged, makes a request with
+/// buffers in it available while the worker is already running: the worker must translate it
+/// with the new table, not the one it started with. (A stale table made such requests drop
+/// without a status byte, which a client whose status byte happened to be 0 took as success.)
+#[test]
+fn memory_table_swapped_during_a_run_is_used_for_later_chains() {
+    let mut h = Harness::new(false, 512);
+    let extra = 0x100_0000u64;
+    let region =
+        vm_memory::GuestRegionMmap::<()>::from_range(GuestAddress(extra), 1 << 20, None).unwrap();
+    let bigger = Arc::new(h.mem.insert_region(Arc::new(region)).unwrap());
+    h.vol.write_at(0, &[0x6d; 512]).unwrap();
+    h.header(spec::T_IN, 0);
+    // Make the chain available (through the original table, which holds the rings).
+    let next = VRING_DESC_F_NEXT as u16;
+    let write = VRING_DESC_F_WRITE as u16;
+    for (i, &(addr, len, flags, nx)) in [
+        (HDR, 16, next, 1),
+        (extra, 512, write | next, 2),
+        (extra + 512, 1, write, 0),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let d = RawDescriptor::from(SplitDescriptor::new(addr, len, flags, nx));
+        h.mem
+            .write_obj(d, GuestAddress(h.desc_addr + 16 * i as u64))
+            .unwrap();
+    }
+    h.mem
+        .write_obj(0u16, GuestAddress(h.avail_addr + 4))
+        .unwrap();
+    h.mem
+        .write_obj(1u16, GuestAddress(h.avail_addr + 2))
+        .unwrap();
+    // The first look at the table still sees the old one; every later look the new one.
+    let calls = std::cell::Cell::new(0);
+    let old = h.mem.clone();
+    let current = || {
+        calls.set(calls.get() + 1);
+        if calls.get() == 1 {
+            old.clone()
+        } else {
+            bigger.clone()
+        }
+    };
+    h.worker.run_polling(&mut h.queue, &current, None);
+    assert_eq!(h.used_idx(), 1);
+    assert_eq!(h.used(0), (0, 513), "served, not dropped");
+    let mut back = [0u8; 513];
+    bigger.read_slice(&mut back, GuestAddress(extra)).unwrap();
+    assert!(back[..512].iter().all(|&b| b == 0x6d));
+    assert_eq!(back[512], S_OK);
 }

@@ -1,0 +1,80 @@
+//! A flat host view of the driver's memory table, for the data path.
+//!
+//! vm-memory's generic accessors (region lookup, slice iterators, error plumbing) cost more
+//! per request than the rest of the frontend together; a request touches guest memory five
+//! or six times (avail entry, descriptors, header, data, status, used entry). A `GuestMap` is
+//! a snapshot of the (few) mapped regions as `(guest start, length, host address)` built once
+//! per memory table, and translates a guest range with one short scan. It holds the mapping
+//! (`Arc<Mem>`), so every pointer it returns stays valid while the map lives.
+
+use std::sync::Arc;
+
+use smallvec::SmallVec;
+use vm_memory::{GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
+
+use super::request::Mem;
+
+#[derive(Debug, Clone, Copy)]
+struct Region {
+    start: u64,
+    len: u64,
+    host: *mut u8,
+}
+
+pub struct GuestMap {
+    regions: SmallVec<[Region; 8]>,
+    mem: Arc<Mem>,
+}
+
+impl GuestMap {
+    pub fn new(mem: Arc<Mem>) -> Self {
+        let regions = mem
+            .iter()
+            .filter_map(|r| {
+                let host = r.get_host_address(MemoryRegionAddress(0)).ok()?;
+                Some(Region {
+                    start: r.start_addr().0,
+                    len: r.len(),
+                    host,
+                })
+            })
+            .collect();
+        GuestMap { regions, mem }
+    }
+
+    /// The memory table this map was built from.
+    pub fn mem(&self) -> &Arc<Mem> {
+        &self.mem
+    }
+
+    /// Host address of guest range `addr..addr+len`, if it lies inside one region.
+    #[inline]
+    pub fn ptr(&self, addr: u64, len: u64) -> Option<*mut u8> {
+        for r in &self.regions {
+            let off = addr.wrapping_sub(r.start);
+            if off < r.len {
+                if len > r.len - off {
+                    return None;
+                }
+                // SAFETY: off < r.len, so the result stays inside the mapped region.
+                return Some(unsafe { r.host.add(off as usize) });
+            }
+        }
+        None
+    }
+
+    /// Copy guest bytes out (the driver may change them concurrently: callers copy once and
+    /// use the copy).
+    #[inline]
+    pub fn read(&self, addr: u64, out: &mut [u8]) -> bool {
+        match self.ptr(addr, out.len() as u64) {
+            Some(p) => {
+                // SAFETY: `p..p+out.len()` is mapped guest memory (checked above), held by
+                // `self.mem`; `out` is a distinct local buffer.
+                unsafe { std::ptr::copy_nonoverlapping(p, out.as_mut_ptr(), out.len()) };
+                true
+            }
+            None => false,
+        }
+    }
+}
