@@ -387,17 +387,65 @@ impl QueueWorker {
         queue.set_next_avail(next);
     }
 
-    /// Walk a chain (§2.7.5) into `self.descs`, refusing loops and indirect tables.
+    /// Walk a chain (§2.7.5) into `self.descs`, refusing loops. A chain whose head refers to
+    /// an indirect table (§2.7.5.3, VIRTIO_RING_F_INDIRECT_DESC) is walked inside the table:
+    /// Linux puts a whole request there, so long requests take one ring slot. As in QEMU,
+    /// only the head may be indirect; the spec forbids INDIRECT with NEXT and nested tables
+    /// (§2.7.5.3.1), and such chains are dropped like any other malformed one.
     fn collect_chain(&mut self, rings: &Rings, head: u16) -> Result<(), &'static str> {
         self.descs.clear();
-        let mut i = head;
-        let mut ttl = rings.size;
-        loop {
-            let (addr, len, flags, next) = rings.desc(i);
-            if flags & VRING_DESC_F_INDIRECT as u16 != 0 {
-                return Err("indirect descriptor, but VIRTIO_F_INDIRECT_DESC was not offered");
+        let (addr, len, flags, _) = rings.desc(head);
+        if flags & VRING_DESC_F_INDIRECT as u16 != 0 {
+            if flags & VRING_DESC_F_NEXT as u16 != 0 {
+                return Err("indirect descriptor with NEXT set");
             }
-            self.descs.push(Desc {
+            if len == 0 || len % 16 != 0 || len / 16 > MAX_INDIRECT {
+                return Err("indirect table length is not a multiple of 16 within bounds");
+            }
+            let table = self
+                .map()
+                .ptr(addr, u64::from(len))
+                .ok_or("indirect table outside guest memory")?;
+            if table as usize % 16 != 0 {
+                return Err("indirect table not 16-byte aligned");
+            }
+            let n = len / 16;
+            return Self::walk(&mut self.descs, 0, n, true, |i| {
+                // SAFETY: i < n and the table's n * 16 bytes were checked to lie in one
+                // mapped guest region, which stays mapped while the worker runs.
+                unsafe { read_desc(table, i) }
+            });
+        }
+        Self::walk(
+            &mut self.descs,
+            u32::from(head),
+            u32::from(rings.size),
+            false,
+            |i| rings.desc(i as u16),
+        )
+    }
+
+    /// Follow NEXT links from `start` through a table of `n` descriptors (the ring's
+    /// descriptor table, or an indirect table), at most `n` steps.
+    fn walk(
+        descs: &mut Vec<Desc>,
+        start: u32,
+        n: u32,
+        indirect: bool,
+        desc: impl Fn(u32) -> (u64, u32, u16, u16),
+    ) -> Result<(), &'static str> {
+        let mut i = start;
+        let mut ttl = n;
+        loop {
+            let (addr, len, flags, next) = desc(i);
+            if flags & VRING_DESC_F_INDIRECT as u16 != 0 {
+                return Err(if indirect {
+                    "nested indirect descriptor"
+                } else {
+                    "indirect descriptor not at the head of the chain"
+                });
+            }
+            descs.push(Desc {
                 addr,
                 len,
                 writable: flags & VRING_DESC_F_WRITE as u16 != 0,
@@ -407,12 +455,12 @@ impl QueueWorker {
             }
             ttl -= 1;
             if ttl == 0 {
-                return Err("descriptor chain longer than the queue (a loop?)");
+                return Err("descriptor chain longer than its table (a loop?)");
             }
-            if next >= rings.size {
-                return Err("next descriptor index beyond the queue size");
+            if u32::from(next) >= n {
+                return Err("next descriptor index beyond its table");
             }
-            i = next;
+            i = u32::from(next);
         }
     }
 
@@ -554,6 +602,28 @@ impl QueueWorker {
 }
 
 /// Host pointers to one split virtqueue's three parts (§2.7), valid for one batch.
+/// Entries an indirect table may hold: the largest split ring (§2.7: Queue Size ≤ 32768).
+const MAX_INDIRECT: u32 = 32768;
+
+/// Descriptor `i` of a table (§2.7.5: le64 addr, le32 len, le16 flags, le16 next), copied
+/// once so a concurrent driver write cannot make the fields inconsistent later.
+///
+/// # Safety
+/// `table + 16 * i .. + 16` must be mapped guest memory.
+unsafe fn read_desc(table: *const u8, i: u32) -> (u64, u32, u16, u16) {
+    let mut raw = [0u8; 16];
+    // SAFETY: the caller guarantees the 16 bytes are mapped.
+    unsafe { std::ptr::copy_nonoverlapping(table.add(16 * i as usize), raw.as_mut_ptr(), 16) };
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&raw[0..8]);
+    (
+        u64::from_le_bytes(a),
+        u32::from_le_bytes([raw[8], raw[9], raw[10], raw[11]]),
+        u16::from_le_bytes([raw[12], raw[13]]),
+        u16::from_le_bytes([raw[14], raw[15]]),
+    )
+}
+
 struct Rings {
     size: u16,
     desc: *const u8,
@@ -620,20 +690,8 @@ impl Rings {
 
     /// (addr, len, flags, next) of descriptor `i` (< size).
     fn desc(&self, i: u16) -> (u64, u32, u16, u16) {
-        let mut raw = [0u8; 16];
-        // SAFETY: i < size, so the 16 bytes are inside the checked descriptor table; copied
-        // once, so a concurrent driver write cannot make the fields inconsistent later.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.desc.add(16 * usize::from(i)), raw.as_mut_ptr(), 16)
-        };
-        let mut a = [0u8; 8];
-        a.copy_from_slice(&raw[0..8]);
-        (
-            u64::from_le_bytes(a),
-            u32::from_le_bytes([raw[8], raw[9], raw[10], raw[11]]),
-            u16::from_le_bytes([raw[12], raw[13]]),
-            u16::from_le_bytes([raw[14], raw[15]]),
-        )
+        // SAFETY: callers pass i < size, so the 16 bytes are inside the checked table.
+        unsafe { read_desc(self.desc, u32::from(i)) }
     }
 
     fn set_used_flags(&self, v: u16) {

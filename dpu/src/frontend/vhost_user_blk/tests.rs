@@ -610,15 +610,15 @@ fn looping_indirect_and_out_of_table_chains_are_dropped() {
     h.submit_raw(0, 0, &[(HDR, 16, next, 1), (DATA, 512, write | next, 0)]);
     assert_eq!(h.used_idx(), 1);
     assert_eq!(h.used(0), (0, 0));
-    // An indirect descriptor (VIRTIO_F_INDIRECT_DESC is not offered).
+    // An indirect descriptor that also has NEXT set (§2.7.5.3.1 forbids it).
     h.submit_raw(
         4,
         4,
         &[(
             HDR,
             16,
-            virtio_bindings::bindings::virtio_ring::VRING_DESC_F_INDIRECT as u16,
-            0,
+            virtio_bindings::bindings::virtio_ring::VRING_DESC_F_INDIRECT as u16 | next,
+            5,
         )],
     );
     assert_eq!(h.used(1), (4, 0));
@@ -698,4 +698,98 @@ fn memory_table_swapped_during_a_run_is_used_for_later_chains() {
     bigger.read_slice(&mut back, GuestAddress(extra)).unwrap();
     assert!(back[..512].iter().all(|&b| b == 0x6d));
     assert_eq!(back[512], S_OK);
+}
+
+/// Where the indirect tables of the test below live in guest memory.
+const TABLE: u64 = 0x30_0000;
+
+fn write_table(h: &Harness, at: u64, raw: &[(u64, u32, u16, u16)]) {
+    for (i, &(addr, len, flags, next)) in raw.iter().enumerate() {
+        let d = RawDescriptor::from(SplitDescriptor::new(addr, len, flags, next));
+        h.mem
+            .write_obj(d, GuestAddress(at + 16 * i as u64))
+            .unwrap();
+    }
+}
+
+/// VIRTIO_RING_F_INDIRECT_DESC is offered: Linux puts a whole request in an indirect table
+/// (one ring slot however many segments), and the device walks it. Malformed tables — nested
+/// indirect, a loop, a bad length, a table outside guest memory, an indirect descriptor after
+/// the head — are dropped without a status byte and the queue keeps working.
+#[test]
+fn indirect_tables_carry_whole_requests_and_malformed_ones_are_dropped() {
+    use virtio_bindings::bindings::virtio_ring::VRING_DESC_F_INDIRECT;
+    let ind = VRING_DESC_F_INDIRECT as u16;
+    let next = VRING_DESC_F_NEXT as u16;
+    let write = VRING_DESC_F_WRITE as u16;
+    let mut h = Harness::new(false, 512);
+    h.vol.write_at(1024, &[0x5a; 1024]).unwrap();
+    h.header(spec::T_IN, 2);
+    // A read of two sectors in two segments, all inside one table.
+    write_table(
+        &h,
+        TABLE,
+        &[
+            (HDR, 16, next, 1),
+            (DATA, 512, write | next, 2),
+            (DATA + 512, 512, write | next, 3),
+            (STATUS, 1, write, 0),
+        ],
+    );
+    h.submit_raw(0, 0, &[(TABLE, 64, ind, 0)]);
+    assert_eq!(h.used(0), (0, 1025));
+    assert_eq!(h.status(), S_OK);
+    let mut got = [0u8; 1024];
+    h.mem.read_slice(&mut got, GuestAddress(DATA)).unwrap();
+    assert_eq!(got, [0x5a; 1024]);
+
+    h.mem.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
+    let bad: [(&str, u64, u32, &[(u64, u32, u16, u16)]); 4] = [
+        (
+            "nested",
+            TABLE + 0x100,
+            32,
+            &[(HDR, 16, next, 1), (TABLE, 64, ind, 0)],
+        ),
+        (
+            "loop",
+            TABLE + 0x200,
+            32,
+            &[(HDR, 16, next, 1), (DATA, 512, write | next, 0)],
+        ),
+        (
+            "next beyond table",
+            TABLE + 0x300,
+            32,
+            &[(HDR, 16, next, 5), (STATUS, 1, write, 0)],
+        ),
+        (
+            "length not a multiple of 16",
+            TABLE + 0x400,
+            40,
+            &[(HDR, 16, next, 1), (STATUS, 1, write, 0)],
+        ),
+    ];
+    let mut used = 1;
+    for (what, at, len, table) in bad {
+        write_table(&h, at, table);
+        h.submit_raw(2, 2, &[(at, len, ind, 0)]);
+        assert_eq!(h.used_idx(), used + 1, "{what}");
+        assert_eq!(h.used(used), (2, 0), "{what}: dropped, nothing written");
+        used += 1;
+    }
+    // A table outside guest memory, and an indirect descriptor after a direct one.
+    h.submit_raw(2, 2, &[(MEM_SIZE as u64 - 16, 64, ind, 0)]);
+    assert_eq!(h.used(used), (2, 0));
+    h.submit_raw(3, 3, &[(HDR, 16, next, 4), (TABLE, 64, ind, 0)]);
+    assert_eq!(h.used(used + 1), (3, 0));
+    assert_eq!(
+        h.status(),
+        0xff,
+        "no status written for any malformed chain"
+    );
+    // The queue still works.
+    h.submit_raw(5, 5, &[(TABLE, 64, ind, 0)]);
+    assert_eq!(h.used(used + 2), (5, 1025));
+    assert_eq!(h.status(), S_OK);
 }
