@@ -143,6 +143,12 @@ impl SyncIo {
         if self.direct && (offset as usize % DIRECT_ALIGN != 0 || !self.aligned(segs)) {
             return self.rw_bounce(kind, offset, len, segs);
         }
+        self.rw_iov(kind, offset, len, segs)
+    }
+
+    /// `preadv`/`pwritev` until `len` bytes moved, retrying EINTR and short transfers; a read
+    /// past the end of the file (shorter than the volume) returns zeros.
+    fn rw_iov(&self, kind: IoKind, offset: u64, len: usize, segs: &[Segment]) -> IoResult {
         let mut iov: smallvec::SmallVec<[libc::iovec; 8]> = segs
             .iter()
             .map(|s| libc::iovec {
@@ -219,51 +225,10 @@ impl SyncIo {
         // The bounce buffer is aligned; offsets from volume requests are block aligned, and
         // a 512-byte-block volume on a 4 KiB-sector file system is refused by the kernel with
         // EINVAL, which surfaces as a media error rather than silently misbehaving.
-        self.rw_direct_unchecked(kind, offset, len, &[seg])?;
+        self.rw_iov(kind, offset, len, &[seg])?;
         if kind == IoKind::Read {
             // SAFETY: segments in flight.
             unsafe { copy_to_segments(segs, 0, buf.as_mut_slice()) };
-        }
-        Ok(())
-    }
-
-    fn rw_direct_unchecked(
-        &self,
-        kind: IoKind,
-        offset: u64,
-        len: usize,
-        segs: &[Segment],
-    ) -> IoResult {
-        let s = segs[0];
-        let fd = self.fd;
-        let mut done = 0usize;
-        while done < len {
-            // SAFETY: s is our own bounce buffer of len bytes.
-            let n = unsafe {
-                let p = s.as_ptr().add(done) as *mut libc::c_void;
-                let off = (offset + done as u64) as libc::off_t;
-                if kind == IoKind::Read {
-                    libc::pread(fd, p, len - done, off)
-                } else {
-                    libc::pwrite(fd, p, len - done, off)
-                }
-            };
-            if n < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(IoError::from_errno(e));
-            }
-            if n == 0 {
-                if kind == IoKind::Read {
-                    // SAFETY: own buffer.
-                    unsafe { std::ptr::write_bytes(s.as_ptr().add(done), 0, len - done) };
-                    return Ok(());
-                }
-                return Err(IoError::Media("short write".into()));
-            }
-            done += n as usize;
         }
         Ok(())
     }
@@ -299,7 +264,7 @@ impl SyncIo {
         while pos < len {
             let n = (len - pos).min(CHUNK) as usize;
             let seg = Segment::from_slice(&mut zeros.as_mut_slice()[..n]);
-            self.rw_direct_unchecked(IoKind::Write, offset + pos, n, &[seg])?;
+            self.rw_iov(IoKind::Write, offset + pos, n, &[seg])?;
             pos += n as u64;
         }
         Ok(())

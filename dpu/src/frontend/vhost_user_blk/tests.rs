@@ -703,7 +703,10 @@ fn memory_table_swapped_during_a_run_is_used_for_later_chains() {
 /// Where the indirect tables of the test below live in guest memory.
 const TABLE: u64 = 0x30_0000;
 
-fn write_table(h: &Harness, at: u64, raw: &[(u64, u32, u16, u16)]) {
+/// A descriptor as the driver writes it: (addr, len, flags, next).
+type RawDesc = (u64, u32, u16, u16);
+
+fn write_table(h: &Harness, at: u64, raw: &[RawDesc]) {
     for (i, &(addr, len, flags, next)) in raw.iter().enumerate() {
         let d = RawDescriptor::from(SplitDescriptor::new(addr, len, flags, next));
         h.mem
@@ -744,7 +747,7 @@ fn indirect_tables_carry_whole_requests_and_malformed_ones_are_dropped() {
     assert_eq!(got, [0x5a; 1024]);
 
     h.mem.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
-    let bad: [(&str, u64, u32, &[(u64, u32, u16, u16)]); 4] = [
+    let bad: [(&str, u64, u32, &[RawDesc]); 4] = [
         (
             "nested",
             TABLE + 0x100,
