@@ -68,6 +68,7 @@ impl FileVolume {
             }
             o.open(path)
         };
+        let want_direct = want_direct && !on_memory_fs(path);
         let (file, direct) = match want_direct {
             true => match open(true) {
                 Ok(f) => (f, true),
@@ -269,6 +270,31 @@ impl SyncIo {
         }
         Ok(())
     }
+}
+
+/// Whether `path` (or its directory, before the file exists) is on tmpfs or ramfs. There
+/// O_DIRECT bypasses no device and saves no cache — the file *is* memory — and Linux 6.6+
+/// accepts it on tmpfs, which would send the volume down the io_uring path that
+/// `file-engine-bench` measured at 0.43× of synchronous I/O on tmpfs.
+fn on_memory_fs(path: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let probe = if path.exists() {
+        path
+    } else {
+        path.parent().unwrap_or(Path::new("/"))
+    };
+    let Ok(c) = std::ffi::CString::new(probe.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: statfs with a valid NUL-terminated path and a zeroed out-struct.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return false;
+    }
+    // ramfs's magic (linux/magic.h); libc names only tmpfs's.
+    const RAMFS_MAGIC: libc::c_long = 0x8584_58f6;
+    st.f_type == libc::TMPFS_MAGIC || st.f_type == RAMFS_MAGIC
 }
 
 /// # Safety
@@ -485,6 +511,23 @@ mod test {
         b.fill(1);
         v.read_at(1 << 20, b).unwrap();
         assert!(b.iter().all(|&x| x == 0));
+    }
+
+    /// On tmpfs (memory) O_DIRECT buys nothing and costs an io_uring round trip: buffered.
+    #[test]
+    fn memory_file_systems_stay_buffered() {
+        let Ok(dir) = tempfile::tempdir_in("/dev/shm") else {
+            eprintln!("no /dev/shm here; nothing to check");
+            return;
+        };
+        assert!(on_memory_fs(dir.path()));
+        let v = FileVolume::open(&dir.path().join("m.img"), 1 << 20, 4096, true).unwrap();
+        assert!(!v.is_direct() && !v.uses_uring());
+        let disk = tempfile::tempdir().unwrap();
+        if !on_memory_fs(disk.path()) {
+            let v = FileVolume::open(&disk.path().join("d.img"), 1 << 20, 4096, true).unwrap();
+            eprintln!("{}: O_DIRECT {}", disk.path().display(), v.is_direct());
+        }
     }
 
     #[test]
