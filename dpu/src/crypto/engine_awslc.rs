@@ -173,11 +173,12 @@ impl XtsEngine for AwsLcXts {
         EngineKind::AwsLc.name()
     }
 
-    fn encrypt_in_place(
+    fn crypt_in_place(
         &self,
         layout: UnitLayout,
         first_unit: u64,
         buf: &mut [u8],
+        encrypt: bool,
     ) -> Result<(), CryptoError> {
         // SAFETY: buf is valid for its length; source and destination are the same buffer.
         unsafe {
@@ -187,52 +188,7 @@ impl XtsEngine for AwsLcXts {
                 buf.as_ptr(),
                 buf.as_mut_ptr(),
                 buf.len(),
-                true,
-            )
-        }
-    }
-
-    fn decrypt_in_place(
-        &self,
-        layout: UnitLayout,
-        first_unit: u64,
-        buf: &mut [u8],
-    ) -> Result<(), CryptoError> {
-        // SAFETY: as above.
-        unsafe {
-            self.run_raw(
-                layout,
-                first_unit,
-                buf.as_ptr(),
-                buf.as_mut_ptr(),
-                buf.len(),
-                false,
-            )
-        }
-    }
-
-    fn encrypt(
-        &self,
-        layout: UnitLayout,
-        first_unit: u64,
-        src: &[u8],
-        dst: &mut [u8],
-    ) -> Result<(), CryptoError> {
-        if src.len() != dst.len() {
-            return Err(CryptoError::Misaligned {
-                len: dst.len(),
-                unit: layout.unit_len,
-            });
-        }
-        // SAFETY: a shared and an exclusive borrow cannot overlap; both cover len bytes.
-        unsafe {
-            self.run_raw(
-                layout,
-                first_unit,
-                src.as_ptr(),
-                dst.as_mut_ptr(),
-                dst.len(),
-                true,
+                encrypt,
             )
         }
     }

@@ -92,13 +92,24 @@ pub trait XtsEngine: Send + Sync {
     /// Short name, as printed by the benchmark.
     fn name(&self) -> &'static str;
 
+    /// Encrypt (`encrypt`) or decrypt `buf` in place: the one routine an engine provides.
+    fn crypt_in_place(
+        &self,
+        layout: UnitLayout,
+        first_unit: u64,
+        buf: &mut [u8],
+        encrypt: bool,
+    ) -> Result<(), CryptoError>;
+
     /// Encrypt `buf` in place.
     fn encrypt_in_place(
         &self,
         layout: UnitLayout,
         first_unit: u64,
         buf: &mut [u8],
-    ) -> Result<(), CryptoError>;
+    ) -> Result<(), CryptoError> {
+        self.crypt_in_place(layout, first_unit, buf, true)
+    }
 
     /// Decrypt `buf` in place.
     fn decrypt_in_place(
@@ -106,7 +117,9 @@ pub trait XtsEngine: Send + Sync {
         layout: UnitLayout,
         first_unit: u64,
         buf: &mut [u8],
-    ) -> Result<(), CryptoError>;
+    ) -> Result<(), CryptoError> {
+        self.crypt_in_place(layout, first_unit, buf, false)
+    }
 
     /// Encrypt `src` into `dst` (same length). The default copies, then encrypts in place;
     /// engines that can read and write different buffers in one pass override it.
@@ -289,22 +302,14 @@ impl XtsEngine for RustCryptoXts {
         EngineKind::RustCrypto.name()
     }
 
-    fn encrypt_in_place(
+    fn crypt_in_place(
         &self,
         layout: UnitLayout,
         first_unit: u64,
         buf: &mut [u8],
+        encrypt: bool,
     ) -> Result<(), CryptoError> {
-        self.run(layout, first_unit, buf, true)
-    }
-
-    fn decrypt_in_place(
-        &self,
-        layout: UnitLayout,
-        first_unit: u64,
-        buf: &mut [u8],
-    ) -> Result<(), CryptoError> {
-        self.run(layout, first_unit, buf, false)
+        self.run(layout, first_unit, buf, encrypt)
     }
 }
 
@@ -364,22 +369,14 @@ impl XtsEngine for XtsModeXts {
         EngineKind::XtsMode.name()
     }
 
-    fn encrypt_in_place(
+    fn crypt_in_place(
         &self,
         layout: UnitLayout,
         first_unit: u64,
         buf: &mut [u8],
+        encrypt: bool,
     ) -> Result<(), CryptoError> {
-        self.run(layout, first_unit, buf, true)
-    }
-
-    fn decrypt_in_place(
-        &self,
-        layout: UnitLayout,
-        first_unit: u64,
-        buf: &mut [u8],
-    ) -> Result<(), CryptoError> {
-        self.run(layout, first_unit, buf, false)
+        self.run(layout, first_unit, buf, encrypt)
     }
 }
 
@@ -482,22 +479,14 @@ mod openssl_engine {
             "openssl"
         }
 
-        fn encrypt_in_place(
+        fn crypt_in_place(
             &self,
             layout: UnitLayout,
             first_unit: u64,
             buf: &mut [u8],
+            encrypt: bool,
         ) -> Result<(), CryptoError> {
-            self.run(layout, first_unit, buf, true)
-        }
-
-        fn decrypt_in_place(
-            &self,
-            layout: UnitLayout,
-            first_unit: u64,
-            buf: &mut [u8],
-        ) -> Result<(), CryptoError> {
-            self.run(layout, first_unit, buf, false)
+            self.run(layout, first_unit, buf, encrypt)
         }
     }
 }
