@@ -115,7 +115,13 @@ fn main() -> Result<()> {
     let capacity = client.capacity()?;
     let blocks = capacity / bs as u64;
     let base = client.mem_ptr();
-    client.mem().fill(0x5a);
+    // Pseudo-random contents: a constant pattern would flatter any layer below that compresses
+    // or deduplicates (and an encrypted volume's writes never look constant).
+    let mut fill = Rng(0x9e37_79b9_7f4a_7c15);
+    for chunk in client.mem().chunks_mut(8) {
+        let r = fill.next().to_le_bytes();
+        chunk.copy_from_slice(&r[..chunk.len()]);
+    }
     let mut q = client.take_queues().pop().context("no queue")?;
     let mut rng = Rng(0x2545_f491_4f6c_dd1d);
     let mut seq = 0u64;
