@@ -71,14 +71,30 @@ impl RpcError {
 }
 
 /// Parse a method's params into its typed struct; `null`/absent means `{}`.
-pub fn parse_params<T: DeserializeOwned>(params: Value) -> Result<T, RpcError> {
-    let params = if params.is_null() {
-        Value::Object(Default::default())
-    } else {
-        params
-    };
-    serde_json::from_value(params)
-        .map_err(|e| RpcError::invalid_params(format!("invalid params: {e}")))
+///
+/// The typed struct gets its own copies of the strings (types holding secrets zeroize them on
+/// drop), and the JSON tree is scrubbed before it is freed, so a passphrase leaves no copy
+/// behind in freed heap memory.
+pub fn parse_params<T: DeserializeOwned>(mut params: Value) -> Result<T, RpcError> {
+    if params.is_null() {
+        params = Value::Object(Default::default());
+    }
+    let parsed = T::deserialize(&params)
+        .map_err(|e| RpcError::invalid_params(format!("invalid params: {e}")));
+    scrub(&mut params);
+    parsed
+}
+
+/// Overwrite every string in a JSON tree with zeros (and empty it). Request params can carry
+/// passphrases; serde_json's `Value` would free them as they are.
+pub fn scrub(v: &mut Value) {
+    use zeroize::Zeroize;
+    match v {
+        Value::String(s) => s.zeroize(),
+        Value::Array(items) => items.iter_mut().for_each(scrub),
+        Value::Object(map) => map.values_mut().for_each(scrub),
+        Value::Null | Value::Bool(_) | Value::Number(_) => {}
+    }
 }
 
 /// Turn any serializable result into the JSON-RPC result value.
