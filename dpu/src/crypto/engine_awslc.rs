@@ -203,12 +203,7 @@ impl XtsEngine for AwsLcXts {
         src: &[u8],
         dst: &mut [u8],
     ) -> Result<(), CryptoError> {
-        if src.len() != dst.len() {
-            return Err(CryptoError::Misaligned {
-                len: dst.len(),
-                unit: layout.unit_len,
-            });
-        }
+        layout.check_pair(src, dst)?;
         // SAFETY: src and dst are valid for their (equal) lengths; a shared and an exclusive
         // borrow cannot overlap, so they are disjoint.
         unsafe {

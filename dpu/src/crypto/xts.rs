@@ -71,6 +71,17 @@ impl UnitLayout {
         UnitLayout { unit_len, tweak }
     }
 
+    /// Check that an out-of-place source and destination have the same length.
+    pub fn check_pair(&self, src: &[u8], dst: &[u8]) -> Result<(), CryptoError> {
+        if src.len() != dst.len() {
+            return Err(CryptoError::Misaligned {
+                len: dst.len(),
+                unit: self.unit_len,
+            });
+        }
+        Ok(())
+    }
+
     /// Check that `len` bytes are a whole number of data units.
     pub fn check(&self, len: usize) -> Result<(), CryptoError> {
         if self.unit_len == 0 || self.unit_len % AES_BLOCK != 0 || len % self.unit_len != 0 {
@@ -130,12 +141,7 @@ pub trait XtsEngine: Send + Sync {
         src: &[u8],
         dst: &mut [u8],
     ) -> Result<(), CryptoError> {
-        if src.len() != dst.len() {
-            return Err(CryptoError::Misaligned {
-                len: dst.len(),
-                unit: layout.unit_len,
-            });
-        }
+        layout.check_pair(src, dst)?;
         dst.copy_from_slice(src);
         self.encrypt_in_place(layout, first_unit, dst)
     }
