@@ -386,3 +386,35 @@ fn more_writes_awaiting_data_than_queue_entries_is_fatal() {
     assert_eq!(expect_term(&mut h.io[0]).0, fes::DATA_LIMIT_EXCEEDED);
     still_serves(addr);
 }
+
+/// Found by tests/nvmf_fuzz.rs: PDO of a capsule without data is reserved (NVMe/TCP 1.0
+/// §3.6.1: it describes where data starts, and there is none), so a value pointing past the
+/// PDU must be ignored — it panicked the connection thread by indexing with it.
+#[test]
+fn pdo_of_a_capsule_without_data_is_ignored() {
+    let (_t, addr) = target();
+    let mut h = NvmfHost::connect(addr, NQN, HostOptions::default()).unwrap();
+    let cmd = Command {
+        opcode: nacre_shared::nvme::admin_opcode::KEEP_ALIVE,
+        cid: 0x4242,
+        ..Default::default()
+    };
+    let mut pdu = Vec::new();
+    tcp::encode_capsule_cmd(&mut pdu, &cmd, &[], Digests::NONE, 0);
+    assert_eq!(pdu.len(), 72);
+    pdu[3] = 200; // PDO, far past PLEN
+    h.admin.send_raw(&pdu).unwrap();
+    h.admin
+        .socket()
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let resp = h
+        .admin
+        .recv_pdu_raw()
+        .expect("a CapsuleResp, not a dead connection");
+    assert_eq!(CommonHeader::decode(&resp).pdu_type, pdu_type::CAPSULE_RESP);
+    let cqe = nacre_shared::nvme::Completion::decode(&resp[tcp::CH_LEN..]);
+    assert_eq!(cqe.cid, 0x4242);
+    assert_eq!(cqe.status >> 1, 0, "Keep Alive must succeed: {cqe:?}");
+    still_serves(addr);
+}

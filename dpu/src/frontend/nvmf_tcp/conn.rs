@@ -522,7 +522,12 @@ impl Conn {
                 return Err(fatal(fes::HEADER_DIGEST_ERROR, 0, &pdu[..hlen]));
             }
         }
-        let data = &pdu[pdo..pdo + dlen];
+        // PDO means nothing in a PDU without data, and may point anywhere.
+        let data = if dlen == 0 {
+            &[][..]
+        } else {
+            &pdu[pdo..pdo + dlen]
+        };
         let data_ok = !self.q.digests.data || dlen == 0 || {
             let d = &pdu[pdo + dlen..pdo + dlen + 4];
             digest::crc32c(data) == u32::from_le_bytes([d[0], d[1], d[2], d[3]])
