@@ -338,7 +338,18 @@ pub(crate) fn serve(target: &Arc<TargetInner>, sock: TcpStream, listener: Socket
         next_ttag: 0,
         done: q.clone(),
     };
-    let end = c.run();
+    // A bug in this connection's handling must cost the host this connection, not leave it
+    // open with no thread reading it (the writer half and the controller would live on).
+    let end = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.run())) {
+        Ok(end) => end,
+        Err(_) => {
+            tracing::error!(
+                peer = ?q.sock.peer_addr().ok(),
+                "internal error serving an NVMe/TCP connection: closing it"
+            );
+            Err(End::Closed)
+        }
+    };
     if let Err(End::Fatal { fes, fei, hdr }) = end {
         warn!(
             peer = ?q.sock.peer_addr().ok(),
