@@ -405,6 +405,20 @@ fn tenant_rpc_refuses_bad_input_with_clear_errors() {
             "aes-xts-256",
         ),
         (json!({"name": "../t", "kek": {"key_file": k}}), "invalid"),
+        // Argon2id costs are bounded: 4 TiB of memory would abort nacred, 2^32 passes would
+        // hold the control plane for days.
+        (
+            json!({"name": "t", "kek": {"passphrase": "pw", "argon2_m_cost_kib": u32::MAX}}),
+            "memory (m_cost, KiB) 4294967295 is outside",
+        ),
+        (
+            json!({"name": "t", "kek": {"passphrase": "pw", "argon2_t_cost": u32::MAX}}),
+            "passes (t_cost)",
+        ),
+        (
+            json!({"name": "t", "kek": {"passphrase": "pw", "argon2_t_cost": 0}}),
+            "passes (t_cost)",
+        ),
         (
             json!({"name": "t", "kek": {"key_file": dir.path().join("missing").to_str()}}),
             "key file",

@@ -44,6 +44,42 @@ impl Default for Argon2Params {
     }
 }
 
+/// Upper bounds on what an operator (or a malformed request) may ask Argon2id for: the
+/// memory cost is allocated in one piece, so an unbounded value would abort nacred, and the
+/// time cost runs on the control plane's thread. 4 GiB and 64 passes are far beyond RFC
+/// 9106's recommendations (2 GiB/1 pass, 64 MiB/3 passes).
+pub const ARGON2_MAX_M_COST_KIB: u32 = 4 << 20;
+pub const ARGON2_MAX_T_COST: u32 = 64;
+pub const ARGON2_MAX_P_COST: u32 = 16;
+
+impl Argon2Params {
+    /// Refuse costs beyond the bounds above (and below Argon2's minimums).
+    pub fn check(&self) -> Result<(), CryptoError> {
+        let bad = |what: &str, v: u32, lo: u32, hi: u32| {
+            Err(CryptoError::KekSource(format!(
+                "Argon2id {what} {v} is outside {lo}..={hi}"
+            )))
+        };
+        if !(1..=ARGON2_MAX_P_COST).contains(&self.p_cost) {
+            return bad("lanes (p_cost)", self.p_cost, 1, ARGON2_MAX_P_COST);
+        }
+        // Argon2 needs at least 8 KiB per lane.
+        let m_min = 8 * self.p_cost;
+        if !(m_min..=ARGON2_MAX_M_COST_KIB).contains(&self.m_cost_kib) {
+            return bad(
+                "memory (m_cost, KiB)",
+                self.m_cost_kib,
+                m_min,
+                ARGON2_MAX_M_COST_KIB,
+            );
+        }
+        if !(1..=ARGON2_MAX_T_COST).contains(&self.t_cost) {
+            return bad("passes (t_cost)", self.t_cost, 1, ARGON2_MAX_T_COST);
+        }
+        Ok(())
+    }
+}
+
 /// Length of the random Argon2 salt (RFC 9106 recommends 16 bytes).
 pub const SALT_LEN: usize = 16;
 
@@ -147,6 +183,7 @@ impl PassphraseKek {
         if passphrase.is_empty() {
             return Err(CryptoError::KekSource("the passphrase is empty".into()));
         }
+        params.check()?;
         Ok(PassphraseKek {
             passphrase: Zeroizing::new(passphrase.to_vec()),
             salt,
@@ -243,6 +280,32 @@ mod test {
         );
         assert!(!format!("{a:?}").contains("horse"));
         assert!(PassphraseKek::new(b"", TEST_PARAMS).is_err());
+    }
+
+    #[test]
+    fn argon2_costs_are_bounded() {
+        let ok = Argon2Params::default();
+        assert!(PassphraseKek::new(b"pw", ok).is_ok());
+        for bad in [
+            Argon2Params {
+                m_cost_kib: u32::MAX,
+                ..ok
+            },
+            Argon2Params {
+                m_cost_kib: 7,
+                ..ok
+            },
+            Argon2Params { t_cost: 0, ..ok },
+            Argon2Params {
+                t_cost: ARGON2_MAX_T_COST + 1,
+                ..ok
+            },
+            Argon2Params { p_cost: 0, ..ok },
+            Argon2Params { p_cost: 1000, ..ok },
+        ] {
+            let e = PassphraseKek::new(b"pw", bad).unwrap_err().to_string();
+            assert!(e.contains("outside"), "{bad:?}: {e}");
+        }
     }
 
     #[test]
