@@ -84,6 +84,8 @@ impl Nacred {
             .args(&defaults)
             .args(&self.extra_args)
             .env_remove("NACRE_RPC")
+            // A relative path in a request must never land in the checkout.
+            .current_dir(self.state_dir.parent().expect("test root"))
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
             .stderr(log)
