@@ -743,6 +743,10 @@ const STALL: u8 = 2;
 pub struct Proxy {
     pub addr: SocketAddr,
     mode: Arc<AtomicU8>,
+    /// Flip one bit in about one of this many bytes flowing from the target (0: never).
+    corrupt_one_in: Arc<AtomicU64>,
+    /// Bits flipped so far.
+    pub flipped: Arc<AtomicU64>,
     socks: Arc<Mutex<Vec<TcpStream>>>,
     stop: Arc<AtomicBool>,
     pub accepted: Arc<AtomicU64>,
@@ -757,7 +761,10 @@ impl Proxy {
         let socks = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
         let accepted = Arc::new(AtomicU64::new(0));
+        let corrupt_one_in = Arc::new(AtomicU64::new(0));
+        let flipped = Arc::new(AtomicU64::new(0));
         let (m, so, sp, acc) = (mode.clone(), socks.clone(), stop.clone(), accepted.clone());
+        let (co, fl) = (corrupt_one_in.clone(), flipped.clone());
         std::thread::spawn(move || {
             while !sp.load(Ordering::Acquire) {
                 let (down, _) = match l.accept() {
@@ -784,22 +791,31 @@ impl Proxy {
                     g.push(down.try_clone().unwrap());
                     g.push(up.try_clone().unwrap());
                 }
-                for (a, b) in [
-                    (down.try_clone().unwrap(), up.try_clone().unwrap()),
-                    (up, down),
+                let n = acc.load(Ordering::Relaxed);
+                for (a, b, corrupt) in [
+                    (down.try_clone().unwrap(), up.try_clone().unwrap(), None),
+                    (up, down, Some((co.clone(), fl.clone(), n))),
                 ] {
                     let m = m.clone();
-                    std::thread::spawn(move || pump(a, b, m));
+                    std::thread::spawn(move || pump(a, b, m, corrupt));
                 }
             }
         });
         Proxy {
             addr,
             mode,
+            corrupt_one_in,
+            flipped,
             socks,
             stop,
             accepted,
         }
+    }
+
+    /// Flip a random bit in about one of `one_in` bytes the target sends (0 stops it), on
+    /// connections open now and later: a flaky link or NIC that the digests must catch.
+    pub fn corrupt(&self, one_in: u64) {
+        self.corrupt_one_in.store(one_in, Ordering::Release);
     }
 
     pub fn port(&self) -> u16 {
@@ -834,9 +850,19 @@ impl Drop for Proxy {
     }
 }
 
-fn pump(mut from: TcpStream, mut to: TcpStream, mode: Arc<AtomicU8>) {
+/// (one-in rate, flip counter, seed) for a pump that corrupts.
+type Corrupt = Option<(Arc<AtomicU64>, Arc<AtomicU64>, u64)>;
+
+fn pump(mut from: TcpStream, mut to: TcpStream, mode: Arc<AtomicU8>, corrupt: Corrupt) {
     let _ = from.set_read_timeout(Some(Duration::from_millis(20)));
     let mut buf = vec![0u8; 64 << 10];
+    let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ corrupt.as_ref().map_or(0, |c| c.2 << 32);
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
     loop {
         match mode.load(Ordering::Acquire) {
             SEVER => break,
@@ -849,6 +875,17 @@ fn pump(mut from: TcpStream, mut to: TcpStream, mode: Arc<AtomicU8>) {
         match from.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => {
+                if let Some((one_in, flipped, _)) = &corrupt {
+                    let k = one_in.load(Ordering::Acquire);
+                    if k > 0 {
+                        for b in &mut buf[..n] {
+                            if next() % k == 0 {
+                                *b ^= 1 << (next() % 8);
+                                flipped.fetch_add(1, Ordering::Relaxed);
+                            }
+                        }
+                    }
+                }
                 if mode.load(Ordering::Acquire) == SEVER || to.write_all(&buf[..n]).is_err() {
                     break;
                 }
