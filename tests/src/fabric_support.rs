@@ -745,6 +745,8 @@ pub struct Proxy {
     mode: Arc<AtomicU8>,
     /// Flip one bit in about one of this many bytes flowing from the target (0: never).
     corrupt_one_in: Arc<AtomicU64>,
+    /// The same for bytes flowing to the target.
+    corrupt_up_one_in: Arc<AtomicU64>,
     /// Bits flipped so far.
     pub flipped: Arc<AtomicU64>,
     socks: Arc<Mutex<Vec<TcpStream>>>,
@@ -762,9 +764,14 @@ impl Proxy {
         let stop = Arc::new(AtomicBool::new(false));
         let accepted = Arc::new(AtomicU64::new(0));
         let corrupt_one_in = Arc::new(AtomicU64::new(0));
+        let corrupt_up_one_in = Arc::new(AtomicU64::new(0));
         let flipped = Arc::new(AtomicU64::new(0));
         let (m, so, sp, acc) = (mode.clone(), socks.clone(), stop.clone(), accepted.clone());
-        let (co, fl) = (corrupt_one_in.clone(), flipped.clone());
+        let (co, cu, fl) = (
+            corrupt_one_in.clone(),
+            corrupt_up_one_in.clone(),
+            flipped.clone(),
+        );
         std::thread::spawn(move || {
             while !sp.load(Ordering::Acquire) {
                 let (down, _) = match l.accept() {
@@ -793,7 +800,11 @@ impl Proxy {
                 }
                 let n = acc.load(Ordering::Relaxed);
                 for (a, b, corrupt) in [
-                    (down.try_clone().unwrap(), up.try_clone().unwrap(), None),
+                    (
+                        down.try_clone().unwrap(),
+                        up.try_clone().unwrap(),
+                        Some((cu.clone(), fl.clone(), n ^ 0xff)),
+                    ),
                     (up, down, Some((co.clone(), fl.clone(), n))),
                 ] {
                     let m = m.clone();
@@ -805,6 +816,7 @@ impl Proxy {
             addr,
             mode,
             corrupt_one_in,
+            corrupt_up_one_in,
             flipped,
             socks,
             stop,
@@ -816,6 +828,11 @@ impl Proxy {
     /// connections open now and later: a flaky link or NIC that the digests must catch.
     pub fn corrupt(&self, one_in: u64) {
         self.corrupt_one_in.store(one_in, Ordering::Release);
+    }
+
+    /// [`Proxy::corrupt`] for the bytes the host sends to the target.
+    pub fn corrupt_upstream(&self, one_in: u64) {
+        self.corrupt_up_one_in.store(one_in, Ordering::Release);
     }
 
     pub fn port(&self) -> u16 {

@@ -481,6 +481,16 @@ impl Conn {
             if (ch.flags & flags::HDGSTF != 0) != dg.header {
                 return Err(fatal(fes::INVALID_HEADER_FIELD, ch_offset::FLAGS, &chb));
             }
+            if hd != 0 {
+                // Check the header digest before trusting PLEN or PDO: a bit flipped there
+                // would otherwise have us wait for bytes the host never sends.
+                self.need(hlen + hd)?;
+                let h = &self.rbuf[self.rstart..self.rstart + hlen + hd];
+                let want = u32::from_le_bytes([h[hlen], h[hlen + 1], h[hlen + 2], h[hlen + 3]]);
+                if digest::crc32c(&h[..hlen]) != want {
+                    return Err(fatal(fes::HEADER_DIGEST_ERROR, 0, &h[..hlen]));
+                }
+            }
             let plen = ch.plen as usize;
             if plen < hlen + hd {
                 return Err(fatal(fes::INVALID_HEADER_FIELD, ch_offset::PLEN, &chb));
@@ -511,7 +521,7 @@ impl Conn {
             self.need(plen)?;
             let buf = std::mem::take(&mut self.rbuf);
             let pdu = &buf[self.rstart..self.rstart + plen];
-            let r = self.pdu(&ch, pdu, hlen, hd, pdo, dlen);
+            let r = self.pdu(&ch, pdu, hlen, pdo, dlen);
             self.rbuf = buf;
             self.rstart += plen;
             r?;
@@ -523,16 +533,9 @@ impl Conn {
         ch: &CommonHeader,
         pdu: &[u8],
         hlen: usize,
-        hd: usize,
         pdo: usize,
         dlen: usize,
     ) -> Result<(), End> {
-        if hd != 0 {
-            let want = u32::from_le_bytes([pdu[hlen], pdu[hlen + 1], pdu[hlen + 2], pdu[hlen + 3]]);
-            if digest::crc32c(&pdu[..hlen]) != want {
-                return Err(fatal(fes::HEADER_DIGEST_ERROR, 0, &pdu[..hlen]));
-            }
-        }
         // PDO means nothing in a PDU without data, and may point anywhere.
         let data = if dlen == 0 {
             &[][..]
