@@ -445,3 +445,28 @@ fn pdo_of_a_capsule_without_data_is_ignored() {
     assert_eq!(cqe.status >> 1, 0, "Keep Alive must succeed: {cqe:?}");
     still_serves(addr);
 }
+
+/// A peer that never finishes setting up (no ICReq, or an ICReq but no Fabrics Connect) is
+/// disconnected after the setup timeout; a connected queue that is merely idle is not.
+#[test]
+fn connections_that_never_connect_a_queue_are_closed() {
+    let (t, addr) = target();
+    t.set_setup_timeout(Duration::from_millis(300));
+    let closed_by_target = |s: &mut TcpStream| {
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut b = Vec::new();
+        s.read_to_end(&mut b).is_ok()
+    };
+    // Silent from the start.
+    let mut s = TcpStream::connect(addr).unwrap();
+    assert!(closed_by_target(&mut s), "a silent peer was kept");
+    // ICReq, then silence.
+    let q = Queue::open(addr, Digests::NONE).unwrap();
+    let mut s = q.socket().try_clone().unwrap();
+    assert!(closed_by_target(&mut s), "a peer that never sent Connect was kept");
+    // Connected and idle past the setup timeout: still served.
+    let mut h = NvmfHost::connect(addr, NQN, HostOptions::default()).unwrap();
+    std::thread::sleep(Duration::from_millis(900));
+    h.write(0, 1, 9, &[0x3C; 512], 512).unwrap();
+    assert_eq!(h.read(0, 1, 9, 1, 512).unwrap(), vec![0x3C; 512]);
+}

@@ -42,8 +42,6 @@ const FLUSH_AT: usize = 256 * 1024;
 /// replies are also sent from other threads (completions, asynchronous events raised by the
 /// control plane), which must not hang on one stuck host.
 const WRITE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
-/// How long a new connection may take to send its ICReq.
-const IC_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A pending I/O command handed to a volume; indexed by the request tag.
 #[derive(Default)]
@@ -281,10 +279,12 @@ pub(crate) fn serve(target: &Arc<TargetInner>, sock: TcpStream, listener: Socket
     let _ = wr.set_write_timeout(Some(WRITE_TIMEOUT));
     let Ok(shut) = sock.try_clone() else { return };
     let mut rd = sock;
-    // A peer that connects and says nothing must not hold a thread forever.
-    let _ = rd.set_read_timeout(Some(IC_TIMEOUT));
+    // A peer that connects and says nothing must not hold a thread forever: the timeout
+    // stays until the queue's Fabrics Connect succeeds (`connect` clears it); from then on
+    // keep-alive watches the controller.
+    let setup = target.setup_timeout_ms.load(Ordering::Relaxed);
+    let _ = rd.set_read_timeout(Some(std::time::Duration::from_millis(setup)));
     let ic = initialize(&mut rd);
-    let _ = rd.set_read_timeout(None);
     let ic = match ic {
         Ok(ic) => ic,
         Err(End::Fatal { fes, fei, hdr }) => {
@@ -854,6 +854,8 @@ impl Conn {
         self.q.sqhd.store(self.head as u16, Ordering::Relaxed);
         let cntlid = ctrl.cntlid;
         debug!(cntlid, qid = c.qid, sqsize = c.sqsize, "queue connected");
+        // Set up: an idle connected queue is keep-alive's business, not a read timeout's.
+        let _ = self.rd.set_read_timeout(None);
         self.ctrl = Some(ctrl);
         self.subsys = Some(subsys);
         (Status::SUCCESS, cntlid as u64)

@@ -137,8 +137,14 @@ pub(crate) struct TargetInner {
     next_cntlid: AtomicU16,
     /// Discovery log generation counter (GENCTR).
     pub(crate) genctr: AtomicU64,
+    /// Milliseconds a new connection may take to send its ICReq and then its Fabrics
+    /// Connect; see [`NvmfTarget::set_setup_timeout`].
+    pub(crate) setup_timeout_ms: AtomicU64,
     stop: AtomicBool,
 }
+
+/// Default for [`NvmfTarget::set_setup_timeout`].
+pub const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 
 struct Listener {
     /// Port ID reported in discovery log entries.
@@ -168,6 +174,7 @@ impl NvmfTarget {
             next_conn: AtomicU64::new(1),
             next_cntlid: AtomicU16::new(1),
             genctr: AtomicU64::new(1),
+            setup_timeout_ms: AtomicU64::new(SETUP_TIMEOUT.as_millis() as u64),
             stop: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&inner);
@@ -179,6 +186,15 @@ impl NvmfTarget {
             inner,
             reaper: Mutex::new(reaper),
         })
+    }
+
+    /// How long a new connection may take to send its ICReq and then its Fabrics Connect
+    /// before it is closed (default [`SETUP_TIMEOUT`]). Until a queue is connected no
+    /// keep-alive covers it, so without this a peer could hold connections (and their
+    /// threads) open forever without ever authenticating as a host.
+    pub fn set_setup_timeout(&self, d: Duration) {
+        let ms = d.as_millis().clamp(1, u64::MAX as u128) as u64;
+        self.inner.setup_timeout_ms.store(ms, Ordering::Relaxed);
     }
 
     /// Create an NVM subsystem. `serial` at most 20 and `model` at most 40 printable ASCII
