@@ -463,7 +463,10 @@ fn connections_that_never_connect_a_queue_are_closed() {
     // ICReq, then silence.
     let q = Queue::open(addr, Digests::NONE).unwrap();
     let mut s = q.socket().try_clone().unwrap();
-    assert!(closed_by_target(&mut s), "a peer that never sent Connect was kept");
+    assert!(
+        closed_by_target(&mut s),
+        "a peer that never sent Connect was kept"
+    );
     // Connected and idle past the setup timeout: still served.
     let mut h = NvmfHost::connect(addr, NQN, HostOptions::default()).unwrap();
     std::thread::sleep(Duration::from_millis(900));

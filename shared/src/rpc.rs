@@ -140,10 +140,21 @@ impl Client {
         let id = self.next_id;
         self.next_id += 1;
         let params = (!params.is_null()).then_some(params);
-        let mut line = serde_json::to_vec(&Request::new(method, params, id))
+        let mut req = Request::new(method, params, id);
+        // Params may carry a passphrase: serialize into a buffer of the exact size (a growing
+        // Vec would free copies as it reallocates) that is zeroed when dropped, and scrub the
+        // params once sent.
+        let mut size = ByteCount(0);
+        serde_json::to_writer(&mut size, &req).map_err(|e| ClientError::BadReply(e.to_string()))?;
+        let mut line = zeroize::Zeroizing::new(Vec::with_capacity(size.0 + 1));
+        serde_json::to_writer(&mut *line, &req)
             .map_err(|e| ClientError::BadReply(e.to_string()))?;
         line.push(b'\n');
-        self.writer.write_all(&line)?;
+        let sent = self.writer.write_all(&line);
+        if let Some(p) = req.params.as_mut() {
+            scrub(p);
+        }
+        sent?;
         let mut reply = String::new();
         if self.reader.read_line(&mut reply)? == 0 {
             return Err(ClientError::BadReply("connection closed".into()));
@@ -164,5 +175,30 @@ impl Client {
             (Some(v), None) => Ok(v),
             (None, None) => Err(ClientError::BadReply("neither result nor error".into())),
         }
+    }
+}
+
+/// Counts the bytes written to it.
+struct ByteCount(usize);
+
+impl std::io::Write for ByteCount {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0 += b.len();
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Overwrite every string in a JSON tree with zeros (and empty it). Request params can carry
+/// passphrases; serde_json's `Value` would free them as they are.
+pub fn scrub(v: &mut Value) {
+    use zeroize::Zeroize;
+    match v {
+        Value::String(s) => s.zeroize(),
+        Value::Array(items) => items.iter_mut().for_each(scrub),
+        Value::Object(map) => map.values_mut().for_each(scrub),
+        Value::Null | Value::Bool(_) | Value::Number(_) => {}
     }
 }

@@ -85,17 +85,7 @@ pub fn parse_params<T: DeserializeOwned>(mut params: Value) -> Result<T, RpcErro
     parsed
 }
 
-/// Overwrite every string in a JSON tree with zeros (and empty it). Request params can carry
-/// passphrases; serde_json's `Value` would free them as they are.
-pub fn scrub(v: &mut Value) {
-    use zeroize::Zeroize;
-    match v {
-        Value::String(s) => s.zeroize(),
-        Value::Array(items) => items.iter_mut().for_each(scrub),
-        Value::Object(map) => map.values_mut().for_each(scrub),
-        Value::Null | Value::Bool(_) | Value::Number(_) => {}
-    }
-}
+pub use nacre_shared::rpc::scrub;
 
 /// Turn any serializable result into the JSON-RPC result value.
 pub fn to_value<T: serde::Serialize>(v: T) -> Result<Value, RpcError> {
