@@ -6,33 +6,21 @@
 //! Without digests, corruption is not detectable, so that test asks only for no panic, no
 //! hang, and recovery.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Once};
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use nacre_dpu::fabric::{Controller, ControllerConfig, Phase, RemoteNamespace};
 use nacre_dpu::volume::{BlockDevice, Completion, IoKind, IoRequest, IoResult, Segment};
 use nacre_shared::nvme_tcp::Digests;
 use nacre_tests::fabric_support::{pattern, wait_live, FakeTarget, Proxy, Storage, TargetOpts};
+use nacre_tests::fuzz::{count_panics, panics, Rng};
 
 const HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-0000-0000-0000000000c7";
 const NS_LEN: u64 = 4 << 20;
 /// Longer than anything the test configures (io_timeout 2 s, reconnects every 50 ms): a
 /// request not done by then is hung.
 const HANG: Duration = Duration::from_secs(60);
-
-static PANICS: AtomicUsize = AtomicUsize::new(0);
-
-fn count_panics() {
-    static HOOK: Once = Once::new();
-    HOOK.call_once(|| {
-        let default = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            PANICS.fetch_add(1, Ordering::SeqCst);
-            default(info);
-        }));
-    });
-}
 
 struct Chan(std::sync::Mutex<mpsc::Sender<IoResult>>);
 impl Completion for Chan {
@@ -59,16 +47,6 @@ fn io(
         let status = ctrl.core().status();
         panic!("{kind:?} at {off} did not complete: hung; controller: {status:?}")
     })
-}
-
-struct Rng(u64);
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
 }
 
 /// Run reads (first half of the namespace) and writes (second half, each 64 KiB slot written
@@ -103,7 +81,7 @@ fn run(digests: bool) -> (u32, u32, u32, u32, u64) {
     // About one flipped bit per 30 KB from the target: many requests see one, and a
     // reconnect (four 4 KiB Identify transfers) still gets through more often than not.
     proxy.corrupt(30_000);
-    let mut rng = Rng(0x1234_5678_9abc_def1);
+    let mut rng = Rng::new(0x1234_5678_9abc_def1);
     let (mut r_ok, mut r_err, mut w_ok, mut w_err) = (0, 0, 0, 0);
     let mut written = Vec::new();
     let slots = half / (64 << 10);
@@ -138,7 +116,7 @@ fn run(digests: bool) -> (u32, u32, u32, u32, u64) {
                 Err(_) => r_err += 1,
             }
         }
-        assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
+        assert_eq!(panics(), 0, "a thread panicked");
     }
     let flipped = proxy.flipped.load(Ordering::Relaxed);
 
@@ -166,7 +144,7 @@ fn run(digests: bool) -> (u32, u32, u32, u32, u64) {
             );
         }
     }
-    assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a thread panicked");
+    assert_eq!(panics(), 0, "a thread panicked");
     drop(ctrl);
     (r_ok, r_err, w_ok, w_err, flipped)
 }

@@ -13,6 +13,7 @@ use nacre_dpu::volume::ram::RamVolume;
 use nacre_dpu::volume::BlockDevice;
 use nacre_shared::nvme_tcp::Digests;
 use nacre_tests::fabric_support::{pattern, Proxy};
+use nacre_tests::fuzz::Rng;
 use nacre_tests::nvmf_host::{HostOptions, NvmfHost};
 
 const NQN: &str = "nqn.2024-01.io.nacre:corrupt";
@@ -46,16 +47,6 @@ fn connect(addr: SocketAddr) -> NvmfHost {
     }
 }
 
-struct Rng(u64);
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
-}
-
 #[test]
 fn with_digests_corrupted_commands_and_data_never_reach_the_volume() {
     let t = NvmfTarget::new();
@@ -69,7 +60,7 @@ fn with_digests_corrupted_commands_and_data_never_reach_the_volume() {
     let proxy = Proxy::start(target_addr);
     proxy.corrupt_upstream(20_000);
     let mut h = connect(proxy.addr);
-    let mut rng = Rng(0x0bad_c0de_1234_5678);
+    let mut rng = Rng::new(0x0bad_c0de_1234_5678);
     // Writes go to the upper half, one 64 KiB slot each; reads to the lower half.
     let half = VOL_LEN / 2;
     let slots = half / SLOT;

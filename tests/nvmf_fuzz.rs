@@ -16,8 +16,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Once};
+use std::sync::Arc;
 use std::time::Duration;
 
 use nacre_dpu::frontend::nvmf_tcp::NvmfTarget;
@@ -25,6 +24,7 @@ use nacre_dpu::volume::ram::RamVolume;
 use nacre_dpu::volume::BlockDevice;
 use nacre_shared::nvme::{Command, SglDescriptor};
 use nacre_shared::nvme_tcp::{self as tcp, pdu_type, CommonHeader, Digests, IcReq};
+use nacre_tests::fuzz::{count_panics, env_u64, panics, Rng};
 use nacre_tests::nvmf_host::{HostOptions, NvmfHost, Queue};
 
 const NQN: &str = "nqn.2024-01.io.nacre:fuzz";
@@ -36,55 +36,19 @@ const IO_WRITES: [u8; 6] = [0x01, 0x04, 0x08, 0x09, 0x19, 0x7d];
 /// Admin opcodes that change data or namespaces (Base 2.0 §5).
 const ADMIN_WRITES: [u8; 4] = [0x0d, 0x15, 0x80, 0x84];
 
-static PANICS: AtomicUsize = AtomicUsize::new(0);
-
-fn count_panics() {
-    static HOOK: Once = Once::new();
-    HOOK.call_once(|| {
-        let default = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            PANICS.fetch_add(1, Ordering::SeqCst);
-            default(info);
-        }));
-    });
-}
-
-/// xorshift64*: small, seedable, good enough to pick bytes.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn chance(&mut self, one_in: u64) -> bool {
-        self.below(one_in) == 0
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-    /// A length near the interesting edges more often than uniformly.
-    fn len(&mut self, max: u32) -> u32 {
-        match self.below(6) {
-            0 => 0,
-            1 => max,
-            2 => max.wrapping_add(1 + self.below(16) as u32),
-            3 => u32::MAX - self.below(16) as u32,
-            _ => self.below(max as u64 + 1) as u32,
-        }
+/// A length near the interesting edges more often than uniformly.
+fn edge_len(r: &mut Rng, max: u32) -> u32 {
+    match r.below(6) {
+        0 => 0,
+        1 => max,
+        2 => max.wrapping_add(1 + r.below(16) as u32),
+        3 => u32::MAX - r.below(16) as u32,
+        _ => r.below(max as u64 + 1) as u32,
     }
 }
 
 fn seed() -> u64 {
-    std::env::var("NACRE_FUZZ_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0x6e61_6372_6566_757a)
+    env_u64("NACRE_FUZZ_SEED", 0x6e61_6372_6566_757a)
 }
 
 /// The case seeds to run: NACRE_FUZZ_CASE alone, or `default` drawn from `r`.
@@ -93,20 +57,15 @@ fn case_seeds(r: &mut Rng, default: u64) -> Vec<u64> {
         let one = one.trim_start_matches("0x");
         return vec![u64::from_str_radix(one, 16).expect("NACRE_FUZZ_CASE=0xHEX")];
     }
-    (0..cases(default)).map(|_| r.next()).collect()
+    (0..env_u64("NACRE_FUZZ_CASES", default))
+        .map(|_| r.next())
+        .collect()
 }
 
 /// The panic counter is process-wide, so the tests take turns.
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn cases(default: u64) -> u64 {
-    std::env::var("NACRE_FUZZ_CASES")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(default)
 }
 
 fn target() -> (Arc<NvmfTarget>, SocketAddr, Arc<RamVolume>) {
@@ -181,7 +140,7 @@ fn half_valid_pdu(r: &mut Rng, dg: Digests) -> Vec<u8> {
     };
     let total = (hlen as usize).max(8) + hd + body;
     let plen = if r.chance(4) {
-        r.len(total as u32 * 2)
+        edge_len(r, total as u32 * 2)
     } else {
         total as u32
     };
@@ -232,9 +191,9 @@ fn capsule(r: &mut Rng, banned: &[u8], digests: Digests) -> Vec<u8> {
     if r.chance(2) {
         cmd.flags = nacre_shared::nvme::command::PSDT_SGL;
         cmd.sgl = if r.chance(2) {
-            SglDescriptor::in_capsule(r.len(data_len))
+            SglDescriptor::in_capsule(edge_len(r, data_len))
         } else {
-            SglDescriptor::transport(r.len(data_len))
+            SglDescriptor::transport(edge_len(r, data_len))
         };
         cmd.nsid = r.below(3) as u32;
         cmd.cdw10 = r.below(VOL_LEN / LBA as u64 + 4) as u32;
@@ -265,14 +224,21 @@ fn h2c_data(r: &mut Rng) -> Vec<u8> {
     .encode(&mut b);
     b[8..10].copy_from_slice(&(r.below(64) as u16).to_le_bytes());
     b[10..12].copy_from_slice(&(r.below(64) as u16).to_le_bytes());
-    b[12..16].copy_from_slice(&r.len(8192).to_le_bytes());
-    b[16..20].copy_from_slice(&(if r.chance(2) { len as u32 } else { r.len(8192) }).to_le_bytes());
+    b[12..16].copy_from_slice(&edge_len(r, 8192).to_le_bytes());
+    b[16..20].copy_from_slice(
+        &(if r.chance(2) {
+            len as u32
+        } else {
+            edge_len(r, 8192)
+        })
+        .to_le_bytes(),
+    );
     b.extend(r.bytes(len));
     b
 }
 
 fn check_nothing_changed(addr: SocketAddr, vol: &RamVolume, before: &[u8]) {
-    assert_eq!(PANICS.load(Ordering::SeqCst), 0, "a target thread panicked");
+    assert_eq!(panics(), 0, "a target thread panicked");
     assert!(
         contents(vol) == before,
         "the namespace changed although no command asked for a write"
@@ -288,9 +254,9 @@ fn garbage_and_half_valid_pdus_before_and_after_icreq() {
     count_panics();
     let (_t, addr, vol) = target();
     let before = contents(&vol);
-    let mut r = Rng(seed());
+    let mut r = Rng::new(seed());
     for (case, case_seed) in case_seeds(&mut r, 3000).into_iter().enumerate() {
-        let mut cr = Rng(case_seed | 1);
+        let mut cr = Rng::new(case_seed);
         let mut s = TcpStream::connect(addr).unwrap();
         let mut stream = Vec::new();
         let mut dg = Digests::NONE;
@@ -313,7 +279,7 @@ fn garbage_and_half_valid_pdus_before_and_after_icreq() {
         let _ = s.write_all(&stream);
         finish(s, case_seed);
         assert_eq!(
-            PANICS.load(Ordering::SeqCst),
+            panics(),
             0,
             "case {case} (seed {case_seed:#x}) panicked the target"
         );
@@ -327,9 +293,9 @@ fn random_commands_and_data_on_connected_queues() {
     count_panics();
     let (_t, addr, vol) = target();
     let before = contents(&vol);
-    let mut r = Rng(seed() ^ 0x5555);
+    let mut r = Rng::new(seed() ^ 0x5555);
     for (case, case_seed) in case_seeds(&mut r, 300).into_iter().enumerate() {
-        let mut cr = Rng(case_seed | 1);
+        let mut cr = Rng::new(case_seed);
         let digests = Digests {
             header: cr.chance(3),
             data: cr.chance(3),
@@ -364,7 +330,7 @@ fn random_commands_and_data_on_connected_queues() {
             finish(q.socket().try_clone().unwrap(), case_seed);
         }
         assert_eq!(
-            PANICS.load(Ordering::SeqCst),
+            panics(),
             0,
             "case {case} (seed {case_seed:#x}) panicked the target"
         );

@@ -13,34 +13,8 @@
 
 use nacre_shared::rpc::ClientError;
 use nacre_tests::daemon::Nacred;
+use nacre_tests::fuzz::{env_u64, Rng};
 use serde_json::{json, Map, Value};
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-    fn chance(&mut self, one_in: usize) -> bool {
-        self.below(one_in) == 0
-    }
-    fn pick<T: Clone>(&mut self, items: &[T]) -> T {
-        items[self.below(items.len())].clone()
-    }
-}
-
-fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(default)
-}
 
 /// The fields a method's params accept, from serde's "unknown field `x`, expected one of
 /// `a`, `b`" (or "expected `a`") message.
@@ -321,7 +295,7 @@ fn random_rpc_calls_get_replies_and_leave_a_restartable_state() {
         "could not learn the methods' parameters: {fields:?}"
     );
     let mut g = Gen {
-        rng: Rng(env_u64("NACRE_FUZZ_SEED", 0x7270_6366_757a_7a21)),
+        rng: Rng::new(env_u64("NACRE_FUZZ_SEED", 0x7270_6366_757a_7a21)),
         dir: dir.to_str().unwrap().to_string(),
     };
     let calls = env_u64("NACRE_FUZZ_CASES", 600);
@@ -332,7 +306,7 @@ fn random_rpc_calls_get_replies_and_leave_a_restartable_state() {
         // Two calls in three are plausible (every field an operator would give, one of them
         // sometimes off); the rest are edge values throughout, fields left out at random.
         let plausible = !g.rng.chance(3);
-        let odd_one = g.rng.below(keys.len() * 3);
+        let odd_one = g.rng.below(keys.len() as u64 * 3) as usize;
         for (j, k) in keys.iter().enumerate() {
             let v = if plausible && j != odd_one {
                 g.good(&method, k)
