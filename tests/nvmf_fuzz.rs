@@ -58,7 +58,7 @@ fn case_seeds(r: &mut Rng, default: u64) -> Vec<u64> {
         return vec![u64::from_str_radix(one, 16).expect("NACRE_FUZZ_CASE=0xHEX")];
     }
     (0..env_u64("NACRE_FUZZ_CASES", default))
-        .map(|_| r.next())
+        .map(|_| r.next_u64())
         .collect()
 }
 
@@ -120,14 +120,14 @@ fn icreq(r: &mut Rng) -> (Vec<u8>, Digests) {
 /// flags and PLEN mostly consistent, PDO anywhere), then random bytes.
 fn half_valid_pdu(r: &mut Rng, dg: Digests) -> Vec<u8> {
     let t = match r.below(6) {
-        0 => r.next() as u8,
+        0 => r.next_u64() as u8,
         1 => r.below(10) as u8,
         2 => pdu_type::H2C_DATA,
         3 => pdu_type::H2C_TERM_REQ,
         _ => pdu_type::CAPSULE_CMD,
     };
     let hlen = if r.chance(4) {
-        [8u8, 24, 72, 128, r.next() as u8][r.below(5) as usize]
+        [8u8, 24, 72, 128, r.next_u64() as u8][r.below(5) as usize]
     } else {
         tcp::expected_hlen(t).unwrap_or(24) as u8
     };
@@ -145,7 +145,7 @@ fn half_valid_pdu(r: &mut Rng, dg: Digests) -> Vec<u8> {
         total as u32
     };
     let flags = if r.chance(4) {
-        r.next() as u8
+        r.next_u64() as u8
     } else {
         (if dg.header { tcp::flags::HDGSTF } else { 0 })
             | (if dg.data && body > 0 {
@@ -157,7 +157,7 @@ fn half_valid_pdu(r: &mut Rng, dg: Digests) -> Vec<u8> {
     let pdo = match r.below(3) {
         0 => hlen.wrapping_add(hd as u8),
         1 => hlen,
-        _ => r.next() as u8,
+        _ => r.next_u64() as u8,
     };
     let mut b = vec![0u8; 8];
     CommonHeader {
@@ -177,7 +177,7 @@ fn half_valid_pdu(r: &mut Rng, dg: Digests) -> Vec<u8> {
 fn capsule(r: &mut Rng, banned: &[u8], digests: Digests) -> Vec<u8> {
     let mut cmd = Command::decode(&r.bytes(64));
     while banned.contains(&cmd.opcode) {
-        cmd.opcode = r.next() as u8;
+        cmd.opcode = r.next_u64() as u8;
     }
     if r.chance(3) {
         // Mostly the commands a queue really serves: Read, Flush, Identify, Get Log Page,
@@ -216,7 +216,7 @@ fn h2c_data(r: &mut Rng) -> Vec<u8> {
     let mut b = vec![0u8; 24];
     CommonHeader {
         pdu_type: pdu_type::H2C_DATA,
-        flags: if r.chance(2) { 0x04 } else { r.next() as u8 },
+        flags: if r.chance(2) { 0x04 } else { r.next_u64() as u8 },
         hlen: 24,
         pdo: 24,
         plen: (24 + len) as u32,

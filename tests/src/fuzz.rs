@@ -13,7 +13,7 @@ impl Rng {
         // Zero is xorshift's one fixed point.
         Rng(seed | 1)
     }
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
@@ -21,7 +21,7 @@ impl Rng {
     }
     /// Uniform in 0..n (0 when n is 0).
     pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
+        self.next_u64() % n.max(1)
     }
     pub fn chance(&mut self, one_in: u64) -> bool {
         self.below(one_in) == 0
@@ -30,7 +30,7 @@ impl Rng {
         items[self.below(items.len() as u64) as usize].clone()
     }
     pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
+        (0..n).map(|_| self.next_u64() as u8).collect()
     }
 }
 
