@@ -216,7 +216,11 @@ fn h2c_data(r: &mut Rng) -> Vec<u8> {
     let mut b = vec![0u8; 24];
     CommonHeader {
         pdu_type: pdu_type::H2C_DATA,
-        flags: if r.chance(2) { 0x04 } else { r.next_u64() as u8 },
+        flags: if r.chance(2) {
+            0x04
+        } else {
+            r.next_u64() as u8
+        },
         hlen: 24,
         pdo: 24,
         plen: (24 + len) as u32,
