@@ -212,8 +212,9 @@ fn oversize_in_capsule_data_exceeds_the_limit() {
     still_serves(addr);
 }
 
-#[test]
-fn header_digest_error_is_fatal() {
+/// A read capsule with a header digest, flipped at byte `at` by `mask` before it is sent:
+/// the target must answer with a fatal Header Digest Error.
+fn expect_header_digest_error(at: usize, mask: u8) {
     let (_t, addr) = target();
     let mut q = Queue::open(
         addr,
@@ -231,37 +232,22 @@ fn header_digest_error_is_fatal() {
         q.digests,
         0,
     );
-    b[72] ^= 0xFF;
+    b[at] ^= mask;
     q.send_raw(&b).unwrap();
     assert_eq!(expect_term(&mut q).0, fes::HEADER_DIGEST_ERROR);
     still_serves(addr);
+}
+
+#[test]
+fn header_digest_error_is_fatal() {
+    expect_header_digest_error(72, 0xFF); // the digest itself
 }
 
 /// A bit flipped in PLEN of a header that carries a digest: the target must check the digest
 /// before believing PLEN, and answer at once — not wait for bytes the host never sends.
 #[test]
 fn corrupted_plen_is_caught_by_the_header_digest_without_waiting() {
-    let (_t, addr) = target();
-    let mut q = Queue::open(
-        addr,
-        Digests {
-            header: true,
-            data: false,
-        },
-    )
-    .unwrap();
-    let mut b = Vec::new();
-    tcp::encode_capsule_cmd(
-        &mut b,
-        &Command::rw(io_opcode::READ, 1, 1, 0, 1, SglDescriptor::transport(512)),
-        &[],
-        q.digests,
-        0,
-    );
-    b[4] ^= 0x02; // PLEN 76 -> 78: two bytes that never come
-    q.send_raw(&b).unwrap();
-    assert_eq!(expect_term(&mut q).0, fes::HEADER_DIGEST_ERROR);
-    still_serves(addr);
+    expect_header_digest_error(4, 0x02); // PLEN 76 -> 78: two bytes that never come
 }
 
 #[test]
