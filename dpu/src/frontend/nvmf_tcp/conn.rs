@@ -254,11 +254,6 @@ struct Conn {
     target: Arc<TargetInner>,
     q: Arc<Queue>,
     rd: TcpStream,
-    /// The read timeout now set on `rd`: the setup timeout until a queue is connected, then
-    /// the PDU timeout while part of a PDU has arrived, none between PDUs.
-    rd_timeout: Option<std::time::Duration>,
-    /// When the PDU being received must be complete (set once part of it has arrived).
-    pdu_deadline: Option<std::time::Instant>,
     listener: SocketAddr,
     local_ip: IpAddr,
     rbuf: Vec<u8>,
@@ -327,8 +322,6 @@ pub(crate) fn serve(target: &Arc<TargetInner>, sock: TcpStream, listener: Socket
         target: target.clone(),
         q: q.clone(),
         rd,
-        rd_timeout: Some(std::time::Duration::from_millis(setup)),
-        pdu_deadline: None,
         listener,
         local_ip,
         rbuf: vec![0u8; RBUF_LEN],
@@ -447,32 +440,6 @@ impl Conn {
             }
             // About to block: send what the batch produced.
             self.q.flush();
-            if self.ctrl.is_some() {
-                // Connected: between PDUs a host may be idle as long as keep-alive allows,
-                // but once part of a PDU is here the whole PDU must arrive within the PDU
-                // timeout, or a host that stalls (or trickles bytes) mid-PDU would hold this
-                // thread. A deadline, not a per-read timeout, so trickling does not reset it.
-                let want = if self.rend > self.rstart {
-                    let now = std::time::Instant::now();
-                    let deadline = *self.pdu_deadline.get_or_insert_with(|| {
-                        now + std::time::Duration::from_millis(
-                            self.target.pdu_timeout_ms.load(Ordering::Relaxed),
-                        )
-                    });
-                    let left = deadline.saturating_duration_since(now);
-                    if left.is_zero() {
-                        debug!("host stalled in the middle of a PDU: closing the connection");
-                        return Err(End::Closed);
-                    }
-                    Some(left)
-                } else {
-                    None
-                };
-                if want != self.rd_timeout {
-                    let _ = self.rd.set_read_timeout(want);
-                    self.rd_timeout = want;
-                }
-            }
             match self.rd.read(&mut self.rbuf[self.rend..]) {
                 Ok(0) | Err(_) => return Err(End::Closed),
                 Ok(k) => {
@@ -494,7 +461,6 @@ impl Conn {
         let hd = if dg.header { tcp::DIGEST_LEN } else { 0 };
         let dd = if dg.data { tcp::DIGEST_LEN } else { 0 };
         loop {
-            self.pdu_deadline = None;
             self.need(tcp::CH_LEN)?;
             let ch = CommonHeader::decode(&self.rbuf[self.rstart..]);
             let mut chb = [0u8; tcp::CH_LEN];
@@ -890,7 +856,6 @@ impl Conn {
         debug!(cntlid, qid = c.qid, sqsize = c.sqsize, "queue connected");
         // Set up: an idle connected queue is keep-alive's business, not a read timeout's.
         let _ = self.rd.set_read_timeout(None);
-        self.rd_timeout = None;
         self.ctrl = Some(ctrl);
         self.subsys = Some(subsys);
         (Status::SUCCESS, cntlid as u64)

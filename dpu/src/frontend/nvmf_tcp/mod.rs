@@ -140,17 +140,11 @@ pub(crate) struct TargetInner {
     /// Milliseconds a new connection may take to send its ICReq and then its Fabrics
     /// Connect; see [`NvmfTarget::set_setup_timeout`].
     pub(crate) setup_timeout_ms: AtomicU64,
-    /// Milliseconds the rest of a PDU may take once part of it has arrived; see
-    /// [`NvmfTarget::set_pdu_timeout`].
-    pub(crate) pdu_timeout_ms: AtomicU64,
     stop: AtomicBool,
 }
 
 /// Default for [`NvmfTarget::set_setup_timeout`].
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
-/// Default for [`NvmfTarget::set_pdu_timeout`]: the largest PDU nacre accepts moves in
-/// milliseconds even on a slow link.
-pub const PDU_TIMEOUT: Duration = Duration::from_secs(30);
 
 struct Listener {
     /// Port ID reported in discovery log entries.
@@ -181,7 +175,6 @@ impl NvmfTarget {
             next_cntlid: AtomicU16::new(1),
             genctr: AtomicU64::new(1),
             setup_timeout_ms: AtomicU64::new(SETUP_TIMEOUT.as_millis() as u64),
-            pdu_timeout_ms: AtomicU64::new(PDU_TIMEOUT.as_millis() as u64),
             stop: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&inner);
@@ -202,14 +195,6 @@ impl NvmfTarget {
     pub fn set_setup_timeout(&self, d: Duration) {
         let ms = d.as_millis().clamp(1, u64::MAX as u128) as u64;
         self.inner.setup_timeout_ms.store(ms, Ordering::Relaxed);
-    }
-
-    /// How long the rest of a PDU may take once part of it has arrived on a connected queue
-    /// before the connection is closed (default [`PDU_TIMEOUT`]). Keep-alive cannot catch a
-    /// host that stalls mid-PDU: it may still be trickling bytes, or have keep-alive off.
-    pub fn set_pdu_timeout(&self, d: Duration) {
-        let ms = d.as_millis().clamp(1, u64::MAX as u128) as u64;
-        self.inner.pdu_timeout_ms.store(ms, Ordering::Relaxed);
     }
 
     /// Create an NVM subsystem. `serial` at most 20 and `model` at most 40 printable ASCII
