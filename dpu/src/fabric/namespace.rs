@@ -139,28 +139,24 @@ impl BlockDevice for RemoteNamespace {
             let slba = (offset + pos) >> shift;
             let nlb = len >> shift;
             let c = match kind {
-                IoKind::Read => self.rw(
-                    io_opcode::READ,
-                    slba,
-                    nlb,
-                    Dir::C2H,
-                    len as usize,
-                    Target::Io {
-                        parent: parent.clone(),
-                        data: IoData::Segs { off: pos as usize },
-                    },
-                ),
-                IoKind::Write => self.rw(
-                    io_opcode::WRITE,
-                    slba,
-                    nlb,
-                    Dir::H2C,
-                    len as usize,
-                    Target::Io {
-                        parent: parent.clone(),
-                        data: IoData::Segs { off: pos as usize },
-                    },
-                ),
+                IoKind::Read | IoKind::Write => {
+                    let (op, dir) = if kind == IoKind::Read {
+                        (io_opcode::READ, Dir::C2H)
+                    } else {
+                        (io_opcode::WRITE, Dir::H2C)
+                    };
+                    self.rw(
+                        op,
+                        slba,
+                        nlb,
+                        dir,
+                        len as usize,
+                        Target::Io {
+                            parent: parent.clone(),
+                            data: IoData::Segs { off: pos as usize },
+                        },
+                    )
+                }
                 IoKind::WriteZeroes => self.rw(
                     io_opcode::WRITE_ZEROES,
                     slba,
