@@ -37,6 +37,46 @@ pub struct BlkBackend {
     workers: Vec<Mutex<QueueWorker>>,
     /// Busy-poll the avail ring briefly after each batch (adaptive, at most 32 µs).
     poll: bool,
+    /// The read ends of the exit events handed to the framework, closed when the device is
+    /// dropped: see [`ExitEvents`].
+    exit_events: ExitEvents,
+}
+
+/// vhost-user-backend 0.24 registers the consumer end of each worker thread's exit event with
+/// `into_raw_fd()` and never closes it (event_loop.rs, `VringEpollHandler::new`), so every
+/// connection would leak one eventfd per queue thread: a VM that reboots often, or a client
+/// that reconnects, would run nacred out of descriptors. The device remembers those fds and
+/// closes them once the framework's worker threads and epoll instances are gone, which is when
+/// the last reference to the device (held by each worker's handler) is dropped.
+/// Cargo.toml pins the framework's version because this depends on that behaviour.
+#[derive(Default)]
+struct ExitEvents(Mutex<Vec<std::os::unix::io::RawFd>>);
+
+impl ExitEvents {
+    fn make(&self) -> Option<(EventConsumer, EventNotifier)> {
+        let (consumer, notifier) = new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()?;
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(consumer.as_raw_fd());
+        Some((consumer, notifier))
+    }
+}
+
+impl Drop for ExitEvents {
+    fn drop(&mut self) {
+        for fd in self
+            .0
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            // SAFETY: `fd` is the consumer end we created in `make`; the framework turned it
+            // into a raw fd it never closes, and every holder of it (the worker epoll
+            // instances) is gone, because they hold the device this is part of.
+            unsafe { libc::close(fd) };
+        }
+    }
 }
 
 impl BlkBackend {
@@ -60,6 +100,7 @@ impl BlkBackend {
             event_idx: AtomicBool::new(false),
             workers,
             poll: std::env::var_os("NACRE_VHOST_NO_POLL").is_none(),
+            exit_events: ExitEvents::default(),
         })
     }
 
@@ -158,7 +199,7 @@ impl VhostUserBackend for BlkBackend {
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
         // Without an exit event the framework could never stop the worker threads, and
         // dropping the daemon after a disconnect would hang joining them.
-        new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()
+        self.exit_events.make()
     }
 
     fn handle_event(
