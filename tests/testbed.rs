@@ -30,6 +30,30 @@ fn log_tail(text: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
+/// What a test prints when a guest did not get where it should in time: the guest's log, nacred's
+/// log, and where every thread of QEMU and of nacred stands (a hang in a vhost-user handshake
+/// shows up as QEMU waiting in `vhost_user_read` and nacred's thread that should answer).
+fn stuck_report(guest: &testbed::Guest, d: &Nacred, err: &anyhow::Error) -> String {
+    let qemu = guest
+        .qemu_pid()
+        .map(testbed::thread_stacks)
+        .unwrap_or_else(|| "(QEMU not started)".into());
+    format!(
+        "{err}
+guest log tail:
+{}
+nacred log tail:
+{}
+QEMU threads:
+{qemu}
+nacred threads:
+{}",
+        log_tail(&guest.lines().join("\n"), 40),
+        log_tail(&d.log_text(), 60),
+        testbed::thread_stacks(d.pid()),
+    )
+}
+
 /// The bed itself: kernel nvmet-tcp target and nvme-tcp host inside one guest on 127.0.0.1.
 #[test]
 fn kernel_selftest() {
@@ -160,9 +184,9 @@ fn vhost_user_blk_nacred_survives_reboot() {
         .ctl()
         .spawn()
         .expect("second boot");
-    second
-        .wait_for("TB-WAIT restarted", Duration::from_secs(150))
-        .unwrap_or_else(|e| panic!("{e}\n{}", log_tail(&second.lines().join("\n"), 40)));
+    if let Err(e) = second.wait_for("TB-WAIT restarted", Duration::from_secs(150)) {
+        panic!("{}", stuck_report(&second, &d, &e));
+    }
     d.crash_restart();
     second.signal("restarted").expect("signal guest");
     let second = second.wait(Duration::from_secs(200)).expect("second boot");
@@ -179,10 +203,10 @@ fn vhost_user_blk_nacred_survives_reboot() {
 
 /// Drive the `nvme-tcp` scenario's hot-plug handshake: when the guest waits for `word`, run
 /// `action` (which changes the target), then tell the guest to look.
-fn hotplug_step(guest: &testbed::Guest, word: &str, action: impl FnOnce()) {
-    guest
-        .wait_for(&format!("TB-WAIT {word}"), Duration::from_secs(240))
-        .unwrap_or_else(|e| panic!("{e}"));
+fn hotplug_step(guest: &testbed::Guest, d: &Nacred, word: &str, action: impl FnOnce()) {
+    if let Err(e) = guest.wait_for(&format!("TB-WAIT {word}"), Duration::from_secs(240)) {
+        panic!("{}", stuck_report(guest, d, &e));
+    }
     action();
     guest.signal(word).expect("signal guest");
 }
@@ -390,7 +414,7 @@ fn nvme_tcp_against_nacred() {
         .timeout(Duration::from_secs(300))
         .spawn()
         .expect("guest");
-    hotplug_step(&guest, "ns-add", || {
+    hotplug_step(&guest, &d, "ns-add", || {
         d.ok(
             "volume_create",
             json!({"name": "ns2", "size": 32 * MIB, "block_size": 512, "backend": "ram"}),
@@ -400,7 +424,7 @@ fn nvme_tcp_against_nacred() {
             json!({"nqn": nqn, "volume": "ns2", "nsid": 2}),
         );
     });
-    hotplug_step(&guest, "ns-remove", || {
+    hotplug_step(&guest, &d, "ns-remove", || {
         d.ok("nvmf_subsystem_remove_ns", json!({"nqn": nqn, "nsid": 2}));
     });
     let out = guest.wait(Duration::from_secs(360)).expect("guest");

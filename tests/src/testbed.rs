@@ -312,6 +312,11 @@ impl Guest {
             .context("writing to the guest's control channel")
     }
 
+    /// QEMU's pid, once the script has started it.
+    pub fn qemu_pid(&self) -> Option<u32> {
+        self.qemu_pid.lock().unwrap().map(|p| p as u32)
+    }
+
     /// Lines logged so far.
     pub fn lines(&self) -> Vec<String> {
         self.log.lines.lock().unwrap().clone()
@@ -578,6 +583,33 @@ impl Drop for HostProcess {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Every thread's stack of process `pid`, from `gdb` (when installed; bounded to 60 s), for the
+/// message of a test that found a guest or a daemon stuck: where QEMU waits (a vhost-user reply,
+/// the BQL, a vCPU) and where nacred's threads are tell a hang in our code from one in the peer.
+pub fn thread_stacks(pid: u32) -> String {
+    let out = Command::new("timeout")
+        .args(["60", "gdb", "-p", &pid.to_string(), "-batch", "-nx"])
+        .args(["-ex", "set pagination off", "-ex", "thread apply all bt 30"])
+        .stdin(Stdio::null())
+        .output();
+    match out {
+        Ok(o) if o.status.success() => {
+            let text = String::from_utf8_lossy(&o.stdout);
+            // gdb's own chatter (symbol loading) precedes the first "Thread" line
+            match text.find("\nThread ") {
+                Some(i) => text[i + 1..].to_string(),
+                None => text.into_owned(),
+            }
+        }
+        Ok(o) => format!(
+            "(gdb on pid {pid} failed: {}: {})",
+            o.status,
+            String::from_utf8_lossy(&o.stderr).trim()
+        ),
+        Err(e) => format!("(no stacks for pid {pid}: {e})"),
     }
 }
 
