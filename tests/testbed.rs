@@ -33,25 +33,46 @@ fn log_tail(text: &str, n: usize) -> String {
 /// What a test prints when a guest did not get where it should in time: the guest's log, nacred's
 /// log, and where every thread of QEMU and of nacred stands (a hang in a vhost-user handshake
 /// shows up as QEMU waiting in `vhost_user_read` and nacred's thread that should answer).
-fn stuck_report(guest: &testbed::Guest, d: &Nacred, err: &anyhow::Error) -> String {
-    let qemu = guest
+struct StuckReport {
+    qemu_stacks: String,
+    text: String,
+}
+
+fn stuck_report(guest: &testbed::Guest, d: &Nacred, err: &anyhow::Error) -> StuckReport {
+    let qemu_stacks = guest
         .qemu_pid()
         .map(testbed::thread_stacks)
         .unwrap_or_else(|| "(QEMU not started)".into());
-    format!(
-        "{err}
-guest log tail:
-{}
-nacred log tail:
-{}
-QEMU threads:
-{qemu}
-nacred threads:
-{}",
+    let text = format!(
+        "{err}\nguest log tail:\n{}\nnacred log tail:\n{}\nQEMU threads:\n{qemu_stacks}\nnacred threads:\n{}",
         log_tail(&guest.lines().join("\n"), 40),
         log_tail(&d.log_text(), 60),
         testbed::thread_stacks(d.pid()),
-    )
+    );
+    StuckReport { qemu_stacks, text }
+}
+
+fn boot_served(make: impl Fn() -> Boot, d: &Nacred) -> testbed::Guest {
+    for attempt in 1..=2 {
+        let guest = make().spawn().expect("boot");
+        let Err(e) = guest.wait_for("TB-INIT", Duration::from_secs(90)) else {
+            return guest;
+        };
+        let report = stuck_report(&guest, d, &e);
+        // Debian's QEMU is stripped of static symbols, but a wait for a vhost-user reply always
+        // passes through an exported vhost_* frame (vhost_dev_init, vhost_dev_start, ...).
+        if report.qemu_stacks.contains("vhost") || attempt == 2 {
+            panic!(
+                "guest never reached its init (attempt {attempt}):\n{}",
+                report.text
+            );
+        }
+        eprintln!(
+            "guest never reached its init; QEMU is not waiting for nacred; booting again\n{}",
+            report.text
+        );
+    }
+    unreachable!()
 }
 
 /// The bed itself: kernel nvmet-tcp target and nvme-tcp host inside one guest on 127.0.0.1.
@@ -152,7 +173,9 @@ fn vhost_user_blk_nacred_survives_reboot() {
             ))
             .timeout(Duration::from_secs(180))
     };
-    let first = boot("write").run().expect("first boot");
+    let first = boot_served(|| boot("write"), &d)
+        .wait(Duration::from_secs(240))
+        .expect("first boot");
     assert!(
         first.success(),
         "{}\nnacred log tail:\n{}",
@@ -178,14 +201,17 @@ fn vhost_user_blk_nacred_survives_reboot() {
         image.display()
     );
 
-    let second = boot("verify")
-        .param("sha256", &sha)
-        .param("restart", 1)
-        .ctl()
-        .spawn()
-        .expect("second boot");
+    let second = boot_served(
+        || {
+            boot("verify")
+                .param("sha256", &sha)
+                .param("restart", 1)
+                .ctl()
+        },
+        &d,
+    );
     if let Err(e) = second.wait_for("TB-WAIT restarted", Duration::from_secs(150)) {
-        panic!("{}", stuck_report(&second, &d, &e));
+        panic!("{}", stuck_report(&second, &d, &e).text);
     }
     d.crash_restart();
     second.signal("restarted").expect("signal guest");
@@ -205,7 +231,7 @@ fn vhost_user_blk_nacred_survives_reboot() {
 /// `action` (which changes the target), then tell the guest to look.
 fn hotplug_step(guest: &testbed::Guest, d: &Nacred, word: &str, action: impl FnOnce()) {
     if let Err(e) = guest.wait_for(&format!("TB-WAIT {word}"), Duration::from_secs(240)) {
-        panic!("{}", stuck_report(guest, d, &e));
+        panic!("{}", stuck_report(guest, d, &e).text);
     }
     action();
     guest.signal(word).expect("signal guest");
