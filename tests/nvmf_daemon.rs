@@ -177,3 +177,72 @@ fn cli_manages_subsystems() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("does not exist"));
 }
+
+/// nacred's open descriptors and threads, from /proc.
+fn fds_and_threads(pid: u32) -> (usize, usize) {
+    let count = |dir: String| std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0);
+    (
+        count(format!("/proc/{pid}/fd")),
+        count(format!("/proc/{pid}/task")),
+    )
+}
+
+/// Hosts that connect (admin and two I/O queues), do I/O and go away, over and over (an
+/// initiator's reconnect loop, `nvme connect`/`disconnect` in a job script), must leave no
+/// socket, thread or controller behind in nacred; half of them vanish without a
+/// Disconnect-style goodbye (the socket just closes mid-session).
+#[test]
+fn reconnecting_hosts_leak_no_descriptors_or_threads() {
+    let n = Nacred::start_args(&["--no-default"]);
+    let addr = setup(&n);
+    n.ok(
+        "nvmf_subsystem_add_host",
+        json!({"nqn": NQN, "host": HostOptions::default().hostnqn}),
+    );
+    let opts = || HostOptions {
+        io_queues: 2,
+        ..Default::default()
+    };
+    let cycle = |round: u32| {
+        let mut h = NvmfHost::connect(addr, NQN, opts())
+            .unwrap_or_else(|e| panic!("connect {round}: {e}\n{}", n.log_text()));
+        let data = vec![round as u8; 4096];
+        h.write((round % 2) as usize, 1, u64::from(round), &data, 4096)
+            .unwrap();
+        assert_eq!(h.read(0, 1, u64::from(round), 1, 4096).unwrap(), data);
+        if round % 2 == 0 {
+            // leave a command outstanding on the way out
+            let cmd = nacre_shared::nvme::Command::default();
+            let _ = h.io[1].submit(cmd, &[], 0);
+            let _ = h.io[1].flush();
+        }
+    };
+    // Settles when nacred has torn the connections down (their threads notice the close).
+    let settled = || {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let mut last = fds_and_threads(n.pid());
+        loop {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            let now = fds_and_threads(n.pid());
+            if now == last || std::time::Instant::now() > deadline {
+                return now;
+            }
+            last = now;
+        }
+    };
+    cycle(0);
+    let before = settled();
+    const ROUNDS: u32 = 30;
+    for round in 1..=ROUNDS {
+        cycle(round);
+    }
+    let after = settled();
+    assert!(
+        after.0 <= before.0 && after.1 <= before.1,
+        "nacred holds {} fds and {} threads after {ROUNDS} more host sessions, {} and {} before",
+        after.0,
+        after.1,
+        before.0,
+        before.1
+    );
+}
