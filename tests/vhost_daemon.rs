@@ -135,19 +135,21 @@ fn devices_made_over_rpc_serve_and_come_back() {
     assert!(BlkioClient::connect(&sock, &opts(1)).is_err());
 }
 
-/// nacred's open descriptors, from /proc.
-fn open_fds(pid: u32) -> usize {
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|d| d.count())
-        .unwrap_or(0)
+/// nacred's open descriptors and threads, from /proc.
+fn fds_and_threads(pid: u32) -> (usize, usize) {
+    let count = |dir: String| std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0);
+    (
+        count(format!("/proc/{pid}/fd")),
+        count(format!("/proc/{pid}/task")),
+    )
 }
 
 /// A client that connects, does I/O and goes away, again and again (a VM rebooting, a libblkio
-/// job per epoch), must not leave descriptors behind in nacred: each connection gets fresh
-/// kick/call eventfds, worker threads with exit events, a memory table. A leak of one fd per
-/// connection ends a long-lived daemon with EMFILE.
+/// job per epoch), must not leave descriptors or threads behind in nacred: each connection
+/// gets fresh kick/call eventfds, worker threads with exit events, a memory table. A leak of
+/// one fd per connection ends a long-lived daemon with EMFILE.
 #[test]
-fn reconnecting_clients_leak_no_descriptors() {
+fn reconnecting_clients_leak_no_descriptors_or_threads() {
     let n = Nacred::start_args(&["--no-default"]);
     n.ok(
         "volume_create",
@@ -167,10 +169,10 @@ fn reconnecting_clients_leak_no_descriptors() {
     // Settles when the device is back to waiting for a client (teardown is asynchronous).
     let settled = || {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        let mut last = open_fds(n.pid());
+        let mut last = fds_and_threads(n.pid());
         loop {
             std::thread::sleep(std::time::Duration::from_millis(200));
-            let now = open_fds(n.pid());
+            let now = fds_and_threads(n.pid());
             let connected = n.ok("vhost_blk_list", json!({}))[0]["connected"] == true;
             if (now == last && !connected) || std::time::Instant::now() > deadline {
                 return now;
@@ -187,9 +189,11 @@ fn reconnecting_clients_leak_no_descriptors() {
     }
     let after = settled();
     assert!(
-        after <= before,
-        "nacred holds {after} descriptors after {ROUNDS} more connections, {before} before \
-         ({:.1} per connection)",
-        (after as f64 - before as f64) / ROUNDS as f64
+        after.0 <= before.0 && after.1 <= before.1,
+        "nacred holds {} fds and {} threads after {ROUNDS} more connections, {} and {} before",
+        after.0,
+        after.1,
+        before.0,
+        before.1
     );
 }
