@@ -459,15 +459,6 @@ fn multipath_and_stripe_volumes_over_rpc() {
     }
 }
 
-/// nacred's open descriptors and threads, from /proc.
-fn fds_and_threads(pid: u32) -> (usize, usize) {
-    let count = |dir: String| std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0);
-    (
-        count(format!("/proc/{pid}/fd")),
-        count(format!("/proc/{pid}/task")),
-    )
-}
-
 /// A shelf link that drops and comes back, again and again (a flapping switch port, shelf
 /// failovers), must not leave sockets or threads of dead connections behind in nacred: each
 /// reconnect opens an admin and two I/O queues anew.
@@ -504,33 +495,14 @@ fn a_flapping_shelf_link_leaks_no_descriptors_or_threads() {
         proxy.restore();
         wait_state("live");
     };
-    let settled = || {
-        let mut last = fds_and_threads(n.pid());
-        for _ in 0..50 {
-            std::thread::sleep(Duration::from_millis(200));
-            let now = fds_and_threads(n.pid());
-            if now == last {
-                break;
-            }
-            last = now;
-        }
-        last
-    };
     flap();
-    let before = settled();
+    let before = n.settled_footprint(|| true);
     const FLAPS: usize = 6;
     for _ in 0..FLAPS {
         flap();
     }
-    let after = settled();
-    assert!(
-        after.0 <= before.0 && after.1 <= before.1,
-        "nacred holds {} fds and {} threads after {FLAPS} more reconnects, {} and {} before",
-        after.0,
-        after.1,
-        before.0,
-        before.1
-    );
+    let after = n.settled_footprint(|| true);
+    after.assert_no_more_than(before, FLAPS, "reconnects");
     // the controller is live at the end (I/O across flaps: fabric_failure.rs)
     assert_eq!(state(), "live");
     drop(shelf);

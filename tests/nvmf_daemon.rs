@@ -178,15 +178,6 @@ fn cli_manages_subsystems() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("does not exist"));
 }
 
-/// nacred's open descriptors and threads, from /proc.
-fn fds_and_threads(pid: u32) -> (usize, usize) {
-    let count = |dir: String| std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0);
-    (
-        count(format!("/proc/{pid}/fd")),
-        count(format!("/proc/{pid}/task")),
-    )
-}
-
 /// Hosts that connect (admin and two I/O queues), do I/O and go away, over and over (an
 /// initiator's reconnect loop, `nvme connect`/`disconnect` in a job script), must leave no
 /// socket, thread or controller behind in nacred; half of them vanish without a
@@ -217,32 +208,12 @@ fn reconnecting_hosts_leak_no_descriptors_or_threads() {
             let _ = h.io[1].flush();
         }
     };
-    // Settles when nacred has torn the connections down (their threads notice the close).
-    let settled = || {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        let mut last = fds_and_threads(n.pid());
-        loop {
-            std::thread::sleep(std::time::Duration::from_millis(200));
-            let now = fds_and_threads(n.pid());
-            if now == last || std::time::Instant::now() > deadline {
-                return now;
-            }
-            last = now;
-        }
-    };
     cycle(0);
-    let before = settled();
+    let before = n.settled_footprint(|| true);
     const ROUNDS: u32 = 30;
     for round in 1..=ROUNDS {
         cycle(round);
     }
-    let after = settled();
-    assert!(
-        after.0 <= before.0 && after.1 <= before.1,
-        "nacred holds {} fds and {} threads after {ROUNDS} more host sessions, {} and {} before",
-        after.0,
-        after.1,
-        before.0,
-        before.1
-    );
+    let after = n.settled_footprint(|| true);
+    after.assert_no_more_than(before, ROUNDS as usize, "host sessions");
 }

@@ -86,17 +86,24 @@ fn embedded_default_survives_a_crash_of_nacred() {
     verify(&mut c, &all);
 }
 
-#[test]
-fn devices_made_over_rpc_serve_and_come_back() {
-    let mut n = Nacred::start_args(&["--no-default"]);
+/// A nacred without the embedded default, serving a 1 GiB file volume `volume` (512-byte
+/// blocks) as vhost-user-blk device `d` with two queues, made over RPC.
+fn nacred_with_device(volume: &str) -> Nacred {
+    let n = Nacred::start_args(&["--no-default"]);
     n.ok(
         "volume_create",
-        json!({"name": "f", "size": 1 << 30, "block_size": 512}),
+        json!({"name": volume, "size": 1 << 30, "block_size": 512}),
     );
     n.ok(
         "vhost_blk_create",
-        json!({"name": "d", "volume": "f", "queues": 2}),
+        json!({"name": "d", "volume": volume, "queues": 2}),
     );
+    n
+}
+
+#[test]
+fn devices_made_over_rpc_serve_and_come_back() {
+    let mut n = nacred_with_device("f");
     n.ok(
         "vhost_blk_create",
         json!({"name": "ro", "volume": "f", "queues": 1, "read_only": true}),
@@ -135,30 +142,13 @@ fn devices_made_over_rpc_serve_and_come_back() {
     assert!(BlkioClient::connect(&sock, &opts(1)).is_err());
 }
 
-/// nacred's open descriptors and threads, from /proc.
-fn fds_and_threads(pid: u32) -> (usize, usize) {
-    let count = |dir: String| std::fs::read_dir(dir).map(|d| d.count()).unwrap_or(0);
-    (
-        count(format!("/proc/{pid}/fd")),
-        count(format!("/proc/{pid}/task")),
-    )
-}
-
 /// A client that connects, does I/O and goes away, again and again (a VM rebooting, a libblkio
 /// job per epoch), must not leave descriptors or threads behind in nacred: each connection
 /// gets fresh kick/call eventfds, worker threads with exit events, a memory table. A leak of
 /// one fd per connection ends a long-lived daemon with EMFILE.
 #[test]
 fn reconnecting_clients_leak_no_descriptors_or_threads() {
-    let n = Nacred::start_args(&["--no-default"]);
-    n.ok(
-        "volume_create",
-        json!({"name": "v", "size": 1 << 30, "block_size": 512}),
-    );
-    n.ok(
-        "vhost_blk_create",
-        json!({"name": "d", "volume": "v", "queues": 2}),
-    );
+    let n = nacred_with_device("v");
     let sock = n.run_dir.join("vhost-d.sock");
     let cycle = |round: u64| {
         let mut c = BlkioClient::connect(&sock, &opts(2))
@@ -166,34 +156,15 @@ fn reconnecting_clients_leak_no_descriptors_or_threads() {
         let written = write_spread(&mut c, round);
         verify(&mut c, &written[..2]);
     };
-    // Settles when the device is back to waiting for a client (teardown is asynchronous).
-    let settled = || {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        let mut last = fds_and_threads(n.pid());
-        loop {
-            std::thread::sleep(std::time::Duration::from_millis(200));
-            let now = fds_and_threads(n.pid());
-            let connected = n.ok("vhost_blk_list", json!({}))[0]["connected"] == true;
-            if (now == last && !connected) || std::time::Instant::now() > deadline {
-                return now;
-            }
-            last = now;
-        }
-    };
+    // The device is back to waiting for a client.
+    let idle = || n.ok("vhost_blk_list", json!({}))[0]["connected"] == false;
     // The first connection may allocate what later ones reuse.
     cycle(0);
-    let before = settled();
+    let before = n.settled_footprint(idle);
     const ROUNDS: u64 = 25;
     for round in 1..=ROUNDS {
         cycle(round);
     }
-    let after = settled();
-    assert!(
-        after.0 <= before.0 && after.1 <= before.1,
-        "nacred holds {} fds and {} threads after {ROUNDS} more connections, {} and {} before",
-        after.0,
-        after.1,
-        before.0,
-        before.1
-    );
+    let after = n.settled_footprint(idle);
+    after.assert_no_more_than(before, ROUNDS as usize, "connections");
 }

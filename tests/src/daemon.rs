@@ -25,6 +25,28 @@ pub fn bin(name: &str) -> PathBuf {
     p
 }
 
+/// What a nacred process holds: a test that opens and closes sessions over and over compares
+/// it before and after, so that a leak of one fd or thread per session shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Footprint {
+    pub fds: usize,
+    pub threads: usize,
+}
+
+impl Footprint {
+    /// Fails if `self` holds more than `before` did, after `sessions` sessions of `what`.
+    pub fn assert_no_more_than(self, before: Footprint, sessions: usize, what: &str) {
+        assert!(
+            self.fds <= before.fds && self.threads <= before.threads,
+            "nacred holds {} fds and {} threads after {sessions} more {what}, {} and {} before",
+            self.fds,
+            self.threads,
+            before.fds,
+            before.threads
+        );
+    }
+}
+
 /// A nacred process over its own temporary state and run directories.
 pub struct Nacred {
     child: Option<Child>,
@@ -125,6 +147,34 @@ impl Nacred {
 
     pub fn pid(&self) -> u32 {
         self.child.as_ref().expect("running").id()
+    }
+
+    /// nacred's open descriptors and threads now, from /proc.
+    pub fn footprint(&self) -> Footprint {
+        let count = |what: &str| {
+            std::fs::read_dir(format!("/proc/{}/{what}", self.pid()))
+                .map(|d| d.count())
+                .unwrap_or(0)
+        };
+        Footprint {
+            fds: count("fd"),
+            threads: count("task"),
+        }
+    }
+
+    /// The footprint once it has stopped changing for 200 ms and `idle()` holds (nacred tears a
+    /// connection down asynchronously after the peer leaves); whatever it is after 20 s.
+    pub fn settled_footprint(&self, idle: impl Fn() -> bool) -> Footprint {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut last = self.footprint();
+        loop {
+            std::thread::sleep(Duration::from_millis(200));
+            let now = self.footprint();
+            if (now == last && idle()) || Instant::now() > deadline {
+                return now;
+            }
+            last = now;
+        }
     }
 
     pub fn client(&self) -> Client {
