@@ -168,3 +168,42 @@ fn reconnecting_clients_leak_no_descriptors_or_threads() {
     let after = n.settled_footprint(idle);
     after.assert_no_more_than(before, ROUNDS as usize, "connections");
 }
+
+/// nacred's open-file limit (soft, hard), from /proc.
+fn fd_limits(pid: u32) -> (u64, u64) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("Max open files line");
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    (v[0], v[1])
+}
+
+/// Started by a service manager with the usual soft limit of 1,024 open files (or less),
+/// nacred raises it to the hard limit: every VM queue and NVMe-oF queue holds descriptors. A
+/// hard limit that is itself low is logged as a warning an operator can act on.
+#[test]
+fn nacred_raises_its_open_file_limit() {
+    // A hard limit can be lowered but not raised without privilege: stay under the test's own.
+    let own_hard = fd_limits(std::process::id()).1;
+    let hard = own_hard.min(8192);
+    let n = Nacred::start_with_fd_limit(&["--no-default"], 256, hard);
+    assert_eq!(fd_limits(n.pid()), (hard, hard));
+    assert!(
+        n.log_text().contains("raised the open-file limit"),
+        "{}",
+        n.log_text()
+    );
+    let low_hard = own_hard.min(1024);
+    let low = Nacred::start_with_fd_limit(&["--no-default"], 512.min(low_hard), low_hard);
+    assert_eq!(fd_limits(low.pid()), (low_hard, low_hard));
+    assert!(
+        low.log_text().contains("open-file limit is low"),
+        "{}",
+        low.log_text()
+    );
+}

@@ -56,6 +56,8 @@ pub struct Nacred {
     pub rpc: PathBuf,
     pub log: PathBuf,
     extra_args: Vec<String>,
+    /// RLIMIT_NOFILE (soft, hard) nacred starts with, instead of the test's own.
+    fd_limit: Option<(u64, u64)>,
 }
 
 impl Nacred {
@@ -66,6 +68,16 @@ impl Nacred {
 
     /// A fresh nacred with extra command-line arguments (e.g. `--no-default`).
     pub fn start_args(args: &[&str]) -> Self {
+        Self::start_limited(args, None)
+    }
+
+    /// [`Nacred::start_args`], started with the open-file limit (soft, hard) a service manager
+    /// might give it.
+    pub fn start_with_fd_limit(args: &[&str], soft: u64, hard: u64) -> Self {
+        Self::start_limited(args, Some((soft, hard)))
+    }
+
+    fn start_limited(args: &[&str], fd_limit: Option<(u64, u64)>) -> Self {
         let tmp = tempfile::Builder::new()
             .prefix("nacre-test-")
             .tempdir()
@@ -79,6 +91,7 @@ impl Nacred {
             rpc: root.join("run").join("nacred.sock"),
             log: root.join("nacred.log"),
             extra_args: args.iter().map(|s| s.to_string()).collect(),
+            fd_limit,
         };
         n.spawn();
         n
@@ -96,7 +109,25 @@ impl Nacred {
             // port instead of 4420.
             defaults.extend(["--nvmf-listen", "127.0.0.1:0"]);
         }
-        let child = Command::new(bin("nacred"))
+        let mut cmd = Command::new(bin("nacred"));
+        if let Some((soft, hard)) = self.fd_limit {
+            use std::os::unix::process::CommandExt;
+            let lim = libc::rlimit {
+                rlim_cur: soft,
+                rlim_max: hard,
+            };
+            // SAFETY: the hook runs in the forked child before exec and only calls setrlimit,
+            // which is async-signal-safe, with a struct it owns.
+            unsafe {
+                cmd.pre_exec(move || {
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let child = cmd
             .arg("--state-dir")
             .arg(&self.state_dir)
             .arg("--run-dir")

@@ -61,6 +61,43 @@ struct Args {
     log: String,
 }
 
+/// Every vhost-user connection holds a kick and a call eventfd per queue and a memory-table fd
+/// per region, and every NVMe-oF queue a socket: a DPU serving many VMs and hosts outgrows the
+/// soft limit of 1,024 that service managers usually start daemons with. Raise the soft limit
+/// to the hard one, as QEMU and SPDK do, and say so when that is still low.
+fn raise_fd_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit with a valid out pointer.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return;
+    }
+    // The kernel refuses a soft limit above fs.nr_open (1 Mi by default), infinity included.
+    let target = lim.rlim_max.min(1 << 20);
+    let mut now = lim.rlim_cur;
+    if now < target {
+        let want = libc::rlimit {
+            rlim_cur: target,
+            rlim_max: lim.rlim_max,
+        };
+        // SAFETY: setrlimit with a valid, initialised struct; raising the soft limit up to the
+        // hard one needs no privilege.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &want) } == 0 {
+            info!(from = now, to = target, "raised the open-file limit");
+            now = target;
+        }
+    }
+    if now < 4096 {
+        warn!(
+            limit = now,
+            "the open-file limit is low for a storage daemon (every VM queue and NVMe-oF queue \
+             takes descriptors); raise it (LimitNOFILE= in the service unit)"
+        );
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     tracing_subscriber::fmt()
@@ -77,6 +114,8 @@ fn main() -> anyhow::Result<()> {
     let signals = stop_signals();
     // SAFETY: pthread_sigmask with a valid, initialised set.
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &signals, std::ptr::null_mut()) };
+
+    raise_fd_limit();
 
     let (daemon, existed) = Daemon::open(DaemonConfig {
         state_dir: args.state_dir.clone(),
