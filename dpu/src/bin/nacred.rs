@@ -64,7 +64,7 @@ struct Args {
 /// Every vhost-user connection holds a kick and a call eventfd per queue and a memory-table fd
 /// per region, and every NVMe-oF queue a socket: a DPU serving many VMs and hosts outgrows the
 /// soft limit of 1,024 that service managers usually start daemons with. Raise the soft limit
-/// to the hard one, as QEMU and SPDK do, and say so when that is still low.
+/// to the hard one, as QEMU does for itself, and say so when that is still low.
 fn raise_fd_limit() {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
