@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use nacre_dpu::fabric::{Controller, ControllerConfig, Phase, RemoteNamespace};
 use nacre_dpu::volume::{BlockDevice, Completion, IoKind, IoRequest, IoResult, Segment};
 use nacre_shared::nvme_tcp::Digests;
-use nacre_tests::fabric_support::{pattern, wait_live, FakeTarget, Proxy, Storage, TargetOpts};
+use nacre_tests::fabric_support::{behind_proxy, pattern, wait_live, Storage, TargetOpts};
 use nacre_tests::fuzz::{count_panics, panics, Rng};
 
 const HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-0000-0000-0000000000c7";
@@ -55,10 +55,7 @@ fn io(
 fn run(digests: bool) -> (u32, u32, u32, u32, u64) {
     count_panics();
     let storage = Storage::new(&[(1, NS_LEN, 512, [0x47; 16])]);
-    let opts = TargetOpts::default();
-    let target = FakeTarget::start(opts.clone(), storage.clone());
-    let proxy = Proxy::start(target.addr);
-    let mut c = ControllerConfig::new("127.0.0.1", proxy.port(), &opts.subnqn, HOSTNQN);
+    let (target, proxy, mut c) = behind_proxy(TargetOpts::default(), &storage, HOSTNQN);
     c.io_queues = 2;
     c.queue_depth = 8;
     c.digests = Digests {

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use nacre_dpu::fabric::{Controller, ControllerConfig, Phase, RemoteNamespace};
 use nacre_dpu::volume::{BlockDevice, Completion, IoError, IoKind, IoRequest, IoResult, Segment};
-use nacre_tests::fabric_support::{pattern, FakeTarget, Fault, Proxy, Storage, TargetOpts};
+use nacre_tests::fabric_support::{
+    behind_proxy, pattern, FakeTarget, Fault, Proxy, Storage, TargetOpts,
+};
 
 const HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-0000-0000-0000000000f1";
 /// How long a test waits for something that must happen before declaring it hung. Not a
@@ -26,10 +28,7 @@ struct Setup {
 
 fn setup(tweak: impl FnOnce(&mut ControllerConfig)) -> Setup {
     let storage = Storage::new(&[(1, 4 << 20, 512, [0x31; 16])]);
-    let opts = TargetOpts::default();
-    let target = FakeTarget::start(opts.clone(), storage.clone());
-    let proxy = Proxy::start(target.addr);
-    let mut c = ControllerConfig::new("127.0.0.1", proxy.port(), &opts.subnqn, HOSTNQN);
+    let (target, proxy, mut c) = behind_proxy(TargetOpts::default(), &storage, HOSTNQN);
     c.io_queues = 2;
     c.queue_depth = 8;
     c.reconnect_delay = Duration::from_millis(100);
@@ -370,9 +369,7 @@ fn a_stale_write_from_a_lost_connection_never_overwrites_a_newer_one() {
         late_ms: 300,
         ..Default::default()
     };
-    let target = FakeTarget::start(opts.clone(), storage.clone());
-    let proxy = Proxy::start(target.addr);
-    let mut c = ControllerConfig::new("127.0.0.1", proxy.port(), &opts.subnqn, HOSTNQN);
+    let (target, proxy, mut c) = behind_proxy(opts, &storage, HOSTNQN);
     c.io_queues = 1;
     c.reconnect_delay = Duration::from_millis(50);
     c.quiesce_time = Duration::from_millis(800);

@@ -931,6 +931,20 @@ pub fn pattern(seed: u64, off: u64, len: usize) -> Vec<u8> {
     v
 }
 
+/// A fake target for `storage` behind a [`Proxy`] (to cut, stall or corrupt the link), and a
+/// controller configuration for `hostnqn` that points at the proxy; the test sets the rest.
+pub fn behind_proxy(
+    opts: TargetOpts,
+    storage: &Storage,
+    hostnqn: &str,
+) -> (FakeTarget, Proxy, nacre_dpu::fabric::ControllerConfig) {
+    let target = FakeTarget::start(opts.clone(), storage.clone());
+    let proxy = Proxy::start(target.addr);
+    let config =
+        nacre_dpu::fabric::ControllerConfig::new("127.0.0.1", proxy.port(), &opts.subnqn, hostnqn);
+    (target, proxy, config)
+}
+
 /// Wait until `ctrl` is live, tolerating failed first attempts (the controller keeps retrying
 /// after `reconnect_delay`): on a loaded 2-core machine an ICResp can take longer than the
 /// short connect timeouts the failure tests use, and that is not what they test.
