@@ -25,7 +25,7 @@ use nacre_dpu::volume::BlockDevice;
 use nacre_shared::nvme::{Command, SglDescriptor};
 use nacre_shared::nvme_tcp::{self as tcp, pdu_type, CommonHeader, Digests, IcReq};
 use nacre_tests::fuzz::{count_panics, env_u64, panics, Rng};
-use nacre_tests::nvmf_host::{HostOptions, NvmfHost, Queue};
+use nacre_tests::nvmf_host::{raw_pdu, HostOptions, NvmfHost, Queue};
 
 const NQN: &str = "nqn.2024-01.io.nacre:fuzz";
 const VOL_LEN: u64 = 1 << 20;
@@ -159,15 +159,7 @@ fn half_valid_pdu(r: &mut Rng, dg: Digests) -> Vec<u8> {
         1 => hlen,
         _ => r.next_u64() as u8,
     };
-    let mut b = vec![0u8; 8];
-    CommonHeader {
-        pdu_type: t,
-        flags,
-        hlen,
-        pdo,
-        plen,
-    }
-    .encode(&mut b);
+    let mut b = raw_pdu(t, flags, hlen, pdo, plen, 8);
     b.extend(r.bytes(total - 8));
     b
 }
@@ -213,19 +205,12 @@ fn capsule(r: &mut Rng, banned: &[u8], digests: Digests) -> Vec<u8> {
 /// An H2CData PDU with random CCCID, TTAG, offset and length.
 fn h2c_data(r: &mut Rng) -> Vec<u8> {
     let len = r.below(4200) as usize;
-    let mut b = vec![0u8; 24];
-    CommonHeader {
-        pdu_type: pdu_type::H2C_DATA,
-        flags: if r.chance(2) {
-            0x04
-        } else {
-            r.next_u64() as u8
-        },
-        hlen: 24,
-        pdo: 24,
-        plen: (24 + len) as u32,
-    }
-    .encode(&mut b);
+    let flags = if r.chance(2) {
+        0x04
+    } else {
+        r.next_u64() as u8
+    };
+    let mut b = raw_pdu(pdu_type::H2C_DATA, flags, 24, 24, (24 + len) as u32, 24);
     b[8..10].copy_from_slice(&(r.below(64) as u16).to_le_bytes());
     b[10..12].copy_from_slice(&(r.below(64) as u16).to_le_bytes());
     b[12..16].copy_from_slice(&edge_len(r, 8192).to_le_bytes());

@@ -14,7 +14,7 @@ use nacre_shared::nvme_tcp::{
     self as tcp, ch_offset, data_offset_of, fes, icreq_offset, pdu_type, CommonHeader, Digests,
     IcReq,
 };
-use nacre_tests::nvmf_host::{HostOptions, NvmfHost, Queue};
+use nacre_tests::nvmf_host::{raw_pdu, HostOptions, NvmfHost, Queue};
 
 const NQN: &str = "nqn.2024-01.io.nacre:malformed";
 
@@ -69,24 +69,11 @@ fn still_serves(addr: SocketAddr) {
     assert_eq!(h.read(0, 1, 3, 1, 512).unwrap(), vec![0x5A; 512]);
 }
 
-fn header(t: u8, flags: u8, hlen: u8, pdo: u8, plen: u32, total: usize) -> Vec<u8> {
-    let mut b = vec![0u8; total];
-    CommonHeader {
-        pdu_type: t,
-        flags,
-        hlen,
-        pdo,
-        plen,
-    }
-    .encode(&mut b);
-    b
-}
-
 #[test]
 fn first_pdu_must_be_icreq() {
     let (_t, addr) = target();
     let mut s = TcpStream::connect(addr).unwrap();
-    s.write_all(&header(pdu_type::CAPSULE_CMD, 0, 72, 0, 72, 72))
+    s.write_all(&raw_pdu(pdu_type::CAPSULE_CMD, 0, 72, 0, 72, 72))
         .unwrap();
     assert_eq!(expect_term_raw(&mut s).0, fes::PDU_SEQUENCE_ERROR);
     still_serves(addr);
@@ -110,7 +97,7 @@ fn icreq_with_unsupported_pfv_or_bad_length() {
         (fes::UNSUPPORTED_PARAMETER, icreq_offset::PFV)
     );
     let mut s = TcpStream::connect(addr).unwrap();
-    s.write_all(&header(pdu_type::IC_REQ, 0, 128, 0, 64, 128))
+    s.write_all(&raw_pdu(pdu_type::IC_REQ, 0, 128, 0, 64, 128))
         .unwrap();
     assert_eq!(
         expect_term_raw(&mut s),
@@ -157,7 +144,7 @@ fn unknown_and_controller_to_host_types_are_invalid() {
         pdu_type::R2T,
     ] {
         let mut q = Queue::open(addr, Digests::NONE).unwrap();
-        q.send_raw(&header(t, 0, 24, 0, 24, 24)).unwrap();
+        q.send_raw(&raw_pdu(t, 0, 24, 0, 24, 24)).unwrap();
         let (f, i, _) = expect_term(&mut q);
         assert_eq!(
             (f, i),
@@ -173,22 +160,22 @@ fn bad_lengths_and_offsets() {
     let (_t, addr) = target();
     // hlen wrong for a CapsuleCmd.
     let mut q = Queue::open(addr, Digests::NONE).unwrap();
-    q.send_raw(&header(pdu_type::CAPSULE_CMD, 0, 64, 0, 72, 72))
+    q.send_raw(&raw_pdu(pdu_type::CAPSULE_CMD, 0, 64, 0, 72, 72))
         .unwrap();
     assert_eq!(expect_term(&mut q).1, ch_offset::HLEN);
     // plen shorter than the header.
     let mut q = Queue::open(addr, Digests::NONE).unwrap();
-    q.send_raw(&header(pdu_type::CAPSULE_CMD, 0, 72, 0, 40, 72))
+    q.send_raw(&raw_pdu(pdu_type::CAPSULE_CMD, 0, 72, 0, 40, 72))
         .unwrap();
     assert_eq!(expect_term(&mut q).1, ch_offset::PLEN);
     // Data offset inside the header.
     let mut q = Queue::open(addr, Digests::NONE).unwrap();
-    q.send_raw(&header(pdu_type::CAPSULE_CMD, 0, 72, 10, 100, 100))
+    q.send_raw(&raw_pdu(pdu_type::CAPSULE_CMD, 0, 72, 10, 100, 100))
         .unwrap();
     assert_eq!(expect_term(&mut q).1, ch_offset::PDO);
     // Header digest flag set though no digest was negotiated.
     let mut q = Queue::open(addr, Digests::NONE).unwrap();
-    q.send_raw(&header(pdu_type::CAPSULE_CMD, 1, 72, 0, 76, 76))
+    q.send_raw(&raw_pdu(pdu_type::CAPSULE_CMD, 1, 72, 0, 76, 76))
         .unwrap();
     assert_eq!(expect_term(&mut q).1, ch_offset::FLAGS);
     still_serves(addr);
@@ -199,7 +186,7 @@ fn oversize_in_capsule_data_exceeds_the_limit() {
     let (_t, addr) = target();
     let mut q = Queue::open(addr, Digests::NONE).unwrap();
     // 1 MiB of in-capsule data announced: beyond the 8 KiB the queue accepts.
-    q.send_raw(&header(
+    q.send_raw(&raw_pdu(
         pdu_type::CAPSULE_CMD,
         0,
         72,

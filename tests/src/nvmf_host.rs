@@ -67,6 +67,21 @@ impl From<io::Error> for HostError {
 
 pub type Result<T> = std::result::Result<T, HostError>;
 
+/// A PDU of `total` zero bytes whose common header says what the arguments say (NVMe/TCP
+/// 1.0 §3.3.1), true or not: what tests build malformed and half-valid PDUs from.
+pub fn raw_pdu(pdu_type: u8, flags: u8, hlen: u8, pdo: u8, plen: u32, total: usize) -> Vec<u8> {
+    let mut b = vec![0u8; total];
+    CommonHeader {
+        pdu_type,
+        flags,
+        hlen,
+        pdo,
+        plen,
+    }
+    .encode(&mut b);
+    b
+}
+
 /// A completed command: its CQE and the data the target returned.
 #[derive(Debug, Clone)]
 pub struct Reply {
