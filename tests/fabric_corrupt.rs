@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use nacre_dpu::fabric::{Controller, ControllerConfig, Phase, RemoteNamespace};
+use nacre_dpu::fabric::{Controller, Phase, RemoteNamespace};
 use nacre_dpu::volume::{BlockDevice, Completion, IoKind, IoRequest, IoResult, Segment};
 use nacre_shared::nvme_tcp::Digests;
 use nacre_tests::fabric_support::{behind_proxy, pattern, wait_live, Storage, TargetOpts};
@@ -55,7 +55,7 @@ fn io(
 fn run(digests: bool) -> (u32, u32, u32, u32, u64) {
     count_panics();
     let storage = Storage::new(&[(1, NS_LEN, 512, [0x47; 16])]);
-    let (target, proxy, mut c) = behind_proxy(TargetOpts::default(), &storage, HOSTNQN);
+    let (_target, proxy, mut c) = behind_proxy(TargetOpts::default(), &storage, HOSTNQN);
     c.io_queues = 2;
     c.queue_depth = 8;
     c.digests = Digests {

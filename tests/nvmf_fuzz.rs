@@ -23,7 +23,7 @@ use nacre_dpu::frontend::nvmf_tcp::NvmfTarget;
 use nacre_dpu::volume::ram::RamVolume;
 use nacre_dpu::volume::BlockDevice;
 use nacre_shared::nvme::{Command, SglDescriptor};
-use nacre_shared::nvme_tcp::{self as tcp, pdu_type, CommonHeader, Digests, IcReq};
+use nacre_shared::nvme_tcp::{self as tcp, pdu_type, Digests, IcReq};
 use nacre_tests::fuzz::{count_panics, env_u64, panics, Rng};
 use nacre_tests::nvmf_host::{raw_pdu, HostOptions, NvmfHost, Queue};
 
