@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Parser;
 use nacre_dpu::config;
+use nacre_dpu::control::host_channel::HostListener;
 use nacre_dpu::control::{server::RpcServer, vhost, volume, Daemon, DaemonConfig};
 use nacre_shared::api::vhost::VhostBlkCreate;
 use nacre_shared::api::volume::{BackendKind, VolumeCreate};
@@ -55,6 +56,15 @@ struct Args {
     /// Where the embedded default's NVMe/TCP subsystem listens (port 0: any free port).
     #[arg(long, env = "NACRE_NVMF_LISTEN", default_value = "127.0.0.1:4420")]
     nvmf_listen: SocketAddr,
+
+    /// Listen for host agents (nacre-host) on this TCP address, mutual TLS only (see
+    /// `nacre cert`); on a BlueField, the tmfifo or OOB address. Default: off.
+    #[arg(long, env = "NACRE_HOST_LISTEN")]
+    host_listen: Option<SocketAddr>,
+
+    /// The host channel's certificates (`nacre cert init`) [default: <state-dir>/tls].
+    #[arg(long, env = "NACRE_HOST_TLS_DIR")]
+    host_tls_dir: Option<PathBuf>,
 
     /// Log filter (tracing's EnvFilter syntax), e.g. info, debug, nacre_dpu=trace.
     #[arg(long, env = "NACRE_LOG", default_value = "info")]
@@ -131,6 +141,18 @@ fn main() -> anyhow::Result<()> {
     }
     // Last: a client that reaches the RPC socket finds every device already serving.
     let server = RpcServer::start(daemon.clone(), &rpc_path)?;
+    let host_listener = match args.host_listen {
+        Some(addr) => {
+            let dir = args
+                .host_tls_dir
+                .clone()
+                .unwrap_or_else(|| args.state_dir.join("tls"));
+            let l = HostListener::start(daemon.clone(), addr, &dir)?;
+            eprintln!("nacred: host channel on {}", l.local_addr());
+            Some(l)
+        }
+        None => None,
+    };
     print_attach_hints(&daemon);
     info!(rpc = %rpc_path.display(), state_dir = %args.state_dir.display(), "nacred ready");
     eprintln!("nacred: ready; RPC on {}", rpc_path.display());
@@ -139,6 +161,7 @@ fn main() -> anyhow::Result<()> {
     // SAFETY: sigwait with the same valid set; sig is a valid out pointer.
     unsafe { libc::sigwait(&signals, &mut sig) };
     info!(signal = sig, "stopping");
+    drop(host_listener);
     drop(server);
     daemon.shutdown();
     eprintln!("nacred: stopped");

@@ -4,7 +4,9 @@
 //! result for scripts. Errors are one line on stderr and exit status 1 (2 for usage errors,
 //! from clap).
 
+pub mod cert;
 pub mod nvmf;
+pub mod peer;
 pub mod remote;
 pub mod table;
 pub mod tenant;
@@ -64,6 +66,12 @@ pub enum Command {
     /// Remote NVMe-oF controllers (storage shelves) and volumes on their namespaces.
     #[command(subcommand)]
     Remote(remote::RemoteCmd),
+    /// GPU peer windows hosts registered for the zero-copy RDMA path.
+    #[command(subcommand)]
+    Peer(peer::PeerCmd),
+    /// Certificates of the host channel (files only; nacred need not run).
+    #[command(subcommand)]
+    Cert(cert::CertCmd),
     /// List the methods nacred answers, with a line of help each.
     Methods,
     /// Call any RPC method with raw JSON params and print the raw result.
@@ -97,6 +105,9 @@ impl Ctx {
 }
 
 pub fn run(cli: Cli) -> Result<()> {
+    if let Command::Cert(c) = cli.command {
+        return cert::run(c);
+    }
     let path = cli
         .rpc
         .clone()
@@ -111,6 +122,8 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Nvmf(c) => nvmf::run(&mut ctx, c),
         Command::Tenant(c) => tenant::run(&mut ctx, c),
         Command::Remote(c) => remote::run(&mut ctx, c),
+        Command::Peer(c) => peer::run(&mut ctx, c),
+        Command::Cert(_) => unreachable!("handled above"),
         Command::Methods => {
             let v = ctx.call("rpc_get_methods", serde_json::json!({"verbose": true}))?;
             ctx.print(&v, |v| {

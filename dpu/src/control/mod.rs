@@ -10,7 +10,9 @@
 //! the new state with [`state::save`]; only then commit it in memory. If persisting fails the
 //! live object is torn down again, so what runs and what would be replayed never diverge.
 
+pub mod host_channel;
 pub mod nvmf;
+pub mod peer;
 pub mod remote;
 pub mod server;
 pub mod state;
@@ -111,6 +113,7 @@ pub fn methods() -> impl Iterator<Item = &'static Method> {
         .chain(nvmf::METHODS)
         .chain(tenant::METHODS)
         .chain(remote::METHODS)
+        .chain(peer::METHODS)
 }
 
 const META_METHODS: &[Method] = &[Method {
@@ -166,6 +169,8 @@ pub struct Daemon {
     pub config: DaemonConfig,
     /// Remote NVMe-oF controllers (outside `inner`: volumes need them while it is held).
     pub remotes: remote::Registry,
+    /// GPU peer windows hosts registered (not persisted; see `peer`).
+    pub peers: peer::Registry,
     inner: Mutex<Inner>,
 }
 
@@ -186,6 +191,7 @@ impl Daemon {
         let daemon = Arc::new(Daemon {
             config,
             remotes: Default::default(),
+            peers: Default::default(),
             inner: Mutex::new(Inner {
                 state: state.clone(),
                 live: Live::default(),
