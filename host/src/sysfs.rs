@@ -106,7 +106,7 @@ fn controllers(root: &Path) -> Vec<Controller> {
             }
         })
         .collect();
-    v.sort_by(|a, b| natural_key(&a.name).cmp(&natural_key(&b.name)));
+    v.sort_by_key(|c| natural_key(&c.name));
     v
 }
 
