@@ -652,3 +652,92 @@ fn gpu_commands_without_a_driver_say_so() {
     // A malformed command line is exit 2.
     assert_eq!(run(&["register-gpu", "--size", "0"]).status.code(), Some(2));
 }
+
+/// `nacre-host agent` holds the channel: it connects, reconnects by itself when nacred
+/// restarts under it, and exits 0 on SIGTERM.
+#[test]
+fn the_agent_reconnects_after_nacred_restarts_and_stops_on_sigterm() {
+    let tls = tempfile::tempdir().unwrap();
+    run_ok(
+        Command::new(bin("nacre"))
+            .args(["cert", "init", "--dir"])
+            .arg(tls.path()),
+    );
+    // A fixed port, so the restarted nacred listens where the agent dials.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let dir = tls.path().to_str().unwrap().to_string();
+    let mut d = Nacred::start_args(&[
+        "--no-default",
+        "--host-listen",
+        &addr,
+        "--host-tls-dir",
+        &dir,
+    ]);
+    let kek = tls.path().join("acme.kek");
+    std::fs::write(&kek, [3u8; 32]).unwrap();
+    d.ok(
+        "tenant_create",
+        json!({"name": "acme", "kek": {"key_file": kek.to_str().unwrap()}}),
+    );
+    let b = Bed {
+        d,
+        addr: addr.clone(),
+        tls,
+    };
+    let hostdir = tempfile::tempdir().unwrap();
+    let ca = ca(&b);
+    let (cert, key) = host_creds(
+        &ca,
+        "agent1",
+        "acme",
+        OffsetDateTime::now_utc() - time::Duration::minutes(5),
+        30,
+    );
+    for (f, s) in [
+        (files::CA_CERT, &ca.cert),
+        (files::HOST_CERT, &cert),
+        (files::HOST_KEY, &key),
+    ] {
+        std::fs::write(hostdir.path().join(f), s).unwrap();
+    }
+    let empty_sys = tempfile::tempdir().unwrap();
+    let agent_log = hostdir.path().join("agent.log");
+    let mut agent = Command::new(bin("nacre-host"))
+        .env("NACRE_HOST_DIR", hostdir.path())
+        .env("NACRE_HOST_SYSFS", empty_sys.path())
+        .args(["--dpu", &addr, "agent", "--keepalive", "1"])
+        .stderr(std::fs::File::create(&agent_log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut d = b.d;
+    wait_log(&d, "host connected", 1);
+    d.restart();
+    // The agent notices (keepalive) and dials again, with backoff.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !d.log_text().contains("host connected")
+        || d.log_text().matches("host connected").count() < 2
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the agent did not reconnect:\n{}",
+            std::fs::read_to_string(&agent_log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // SAFETY: kill(2) on our own child's pid.
+    unsafe { libc::kill(agent.id() as i32, libc::SIGTERM) };
+    let status = agent.wait().unwrap();
+    let log = std::fs::read_to_string(&agent_log).unwrap_or_default();
+    assert!(status.success(), "{status}: {log}");
+    assert!(
+        log.contains("connected to nacred") && log.contains("reconnecting"),
+        "{log}"
+    );
+    // (The first session ended with the nacred that held it; the second ends now.)
+    wait_log(&d, "host disconnected", 1);
+}
