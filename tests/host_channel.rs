@@ -671,7 +671,7 @@ fn the_agent_reconnects_after_nacred_restarts_and_stops_on_sigterm() {
         .port();
     let addr = format!("127.0.0.1:{port}");
     let dir = tls.path().to_str().unwrap().to_string();
-    let mut d = Nacred::start_args(&[
+    let d = Nacred::start_args(&[
         "--no-default",
         "--host-listen",
         &addr,
