@@ -327,6 +327,20 @@ fn wrong_missing_or_expired_certificates_are_refused_and_logged() {
     let log = b.d.log_text();
     assert!(log.contains("Expired") || log.contains("expired"), "{log}");
 
+    // nacred's own server certificate, from the right CA, is no host credential (its
+    // extended key usage is serverAuth, and it names no host).
+    let cfg = channel::client_config(
+        &real_ca.cert,
+        &std::fs::read_to_string(b.tls.path().join(files::SERVER_CERT)).unwrap(),
+        &std::fs::read_to_string(b.tls.path().join(files::SERVER_KEY)).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        rt.block_on(first_call(&b.addr, cfg)).is_err(),
+        "server certificate accepted as a host's"
+    );
+    wait_log(&b.d, "host channel: refused", 5);
+
     // The host refuses a server whose certificate is not from the CA it was given.
     let (cert, key) = host_creds(&rogue, "h1", "acme", now - time::Duration::minutes(5), 30);
     let cfg = channel::client_config(&rogue.cert, &cert, &key).unwrap();
