@@ -40,7 +40,9 @@ fn io(
     let (tx, rx) = mpsc::channel();
     let done: Arc<dyn Completion> = Arc::new(Chan(std::sync::Mutex::new(tx)));
     dev.submit(
-        IoRequest::new(kind, off, buf.len() as u64, 0).with_segments([Segment::from_slice(buf)]),
+        // SAFETY: the request is waited for (or completes inline) while the buffer lives.
+        IoRequest::new(kind, off, buf.len() as u64, 0)
+            .with_segments([unsafe { Segment::from_slice(buf) }]),
         &done,
     );
     rx.recv_timeout(HANG).unwrap_or_else(|_| {

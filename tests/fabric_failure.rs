@@ -92,7 +92,9 @@ fn io_held_across_a_cut_completes_when_the_target_is_back() {
         &done,
     );
     s.dev.submit(
-        IoRequest::new(IoKind::Read, 0, 65536, 2).with_segments([Segment::from_slice(&mut r)]),
+        // SAFETY: the request is waited for (or completes inline) while the buffer lives.
+        IoRequest::new(IoKind::Read, 0, 65536, 2)
+            .with_segments([unsafe { Segment::from_slice(&mut r) }]),
         &done,
     );
     assert!(
@@ -185,7 +187,9 @@ fn past_ctrl_loss_timeout_everything_fails_with_path_lost() {
     let (done, rx) = chan();
     let mut r = vec![0u8; 4096];
     s.dev.submit(
-        IoRequest::new(IoKind::Read, 0, 4096, 7).with_segments([Segment::from_slice(&mut r)]),
+        // SAFETY: the request is waited for (or completes inline) while the buffer lives.
+        IoRequest::new(IoKind::Read, 0, 4096, 7)
+            .with_segments([unsafe { Segment::from_slice(&mut r) }]),
         &done,
     );
     let (tag, res) = rx.recv_timeout(HANG).expect("held I/O ends, never hangs");
@@ -272,7 +276,9 @@ fn teardown_of_a_dead_controller_is_prompt() {
     let (done, rx) = chan();
     let mut r = vec![0u8; 4096];
     s.dev.submit(
-        IoRequest::new(IoKind::Read, 0, 4096, 3).with_segments([Segment::from_slice(&mut r)]),
+        // SAFETY: the request is waited for (or completes inline) while the buffer lives.
+        IoRequest::new(IoKind::Read, 0, 4096, 3)
+            .with_segments([unsafe { Segment::from_slice(&mut r) }]),
         &done,
     );
     let t = Instant::now();
