@@ -346,11 +346,20 @@ fn a_host_that_does_not_read_never_holds_the_control_plane() {
         n
     };
     let before = queued();
+    let asked = Instant::now();
     n.ok(
         "nvmf_subsystem_add_ns",
         json!({"nqn": NQN, "volume": "nv2", "nsid": 2}),
     );
     n.ok("volume_list", json!({}));
+    // Old nacred answered only when its stalled send gave up, after the 30 s write timeout;
+    // half of that is an ample bound on a loaded machine (an ordering check alone cannot tell
+    // the two apart: the same send is blocked before and after either way).
+    assert!(
+        asked.elapsed() < Duration::from_secs(15),
+        "the RPCs waited {:?} for a host that does not read",
+        asked.elapsed()
+    );
     // The very same send(2) call is still blocked, and no byte moved: the RPCs did not wait
     // for the stalled send to time out (30 s) or to make progress.
     assert_eq!(
