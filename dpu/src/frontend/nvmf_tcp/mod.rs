@@ -650,11 +650,12 @@ impl TargetInner {
         }
     }
 
-    /// Hand an asynchronous event completion to the event thread.
-    pub(crate) fn post_async(&self, r: AsyncReply) {
-        if let Some(tx) = lock(&self.events).as_ref() {
-            let _ = tx.send(r);
-        }
+    /// Hand an asynchronous event completion to the event thread; false if there is none
+    /// (it could not be started, or the target is stopping).
+    pub(crate) fn post_async(&self, r: AsyncReply) -> bool {
+        lock(&self.events)
+            .as_ref()
+            .is_some_and(|tx| tx.send(r).is_ok())
     }
 }
 
