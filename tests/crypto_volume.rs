@@ -99,7 +99,11 @@ fn write_split(dev: &dyn BlockDevice, offset: u64, data: &[u8], sizes: &[usize])
     if !rest.is_empty() {
         bufs.push(rest.to_vec());
     }
-    let segs: Vec<Segment> = bufs.iter_mut().map(|b| Segment::from_slice(b)).collect();
+    // SAFETY: the request is waited for (or completes inline) while the buffer lives.
+    let segs: Vec<Segment> = bufs
+        .iter_mut()
+        .map(|b| unsafe { Segment::from_slice(b) })
+        .collect();
     let r = dev.submit_wait(
         IoRequest::new(IoKind::Write, offset, data.len() as u64, 1).with_segments(segs),
     );
@@ -120,7 +124,11 @@ fn read_split(dev: &dyn BlockDevice, offset: u64, len: usize, sizes: &[usize]) -
     if left > 0 {
         bufs.push(vec![0xee; left]);
     }
-    let segs: Vec<Segment> = bufs.iter_mut().map(|b| Segment::from_slice(b)).collect();
+    // SAFETY: the request is waited for (or completes inline) while the buffer lives.
+    let segs: Vec<Segment> = bufs
+        .iter_mut()
+        .map(|b| unsafe { Segment::from_slice(b) })
+        .collect();
     dev.submit_wait(IoRequest::new(IoKind::Read, offset, len as u64, 2).with_segments(segs))
         .unwrap();
     bufs.concat()
@@ -269,7 +277,8 @@ fn asynchronous_device_below_keeps_bounce_buffers_alive() {
             let mut src = data.clone();
             vol.submit(
                 IoRequest::new(IoKind::Write, i * 65536, 65536, i)
-                    .with_segments([Segment::from_slice(&mut src)]),
+                    // SAFETY: the request is waited for (or completes inline) while the buffer lives.
+                    .with_segments([unsafe { Segment::from_slice(&mut src) }]),
                 &c,
             );
             drop(src); // allowed for the purpose of this test: writes only read before submit returns
@@ -355,13 +364,16 @@ fn bad_requests_fail_cleanly_and_write_nothing() {
     let mut buf = vec![7u8; 8192];
     // Segments shorter than the length, misaligned offset, past the end.
     let short =
-        IoRequest::new(IoKind::Write, 0, 16384, 1).with_segments([Segment::from_slice(&mut buf)]);
+        // SAFETY: the request is waited for (or completes inline) while the buffer lives.
+        IoRequest::new(IoKind::Write, 0, 16384, 1).with_segments([unsafe { Segment::from_slice(&mut buf) }]);
     assert!(matches!(vol.submit_wait(short), Err(IoError::Invalid(_))));
     let mis =
-        IoRequest::new(IoKind::Write, 512, 8192, 1).with_segments([Segment::from_slice(&mut buf)]);
+        // SAFETY: the request is waited for (or completes inline) while the buffer lives.
+        IoRequest::new(IoKind::Write, 512, 8192, 1).with_segments([unsafe { Segment::from_slice(&mut buf) }]);
     assert!(matches!(vol.submit_wait(mis), Err(IoError::Invalid(_))));
     let past = IoRequest::new(IoKind::Write, 1 << 20, 8192, 1)
-        .with_segments([Segment::from_slice(&mut buf)]);
+        // SAFETY: the request is waited for (or completes inline) while the buffer lives.
+        .with_segments([unsafe { Segment::from_slice(&mut buf) }]);
     assert!(matches!(
         vol.submit_wait(past),
         Err(IoError::OutOfRange { .. })

@@ -446,3 +446,50 @@ fn connections_that_never_connect_a_queue_are_closed() {
     h.write(0, 1, 9, &[0x3C; 512], 512).unwrap();
     assert_eq!(h.read(0, 1, 9, 1, 512).unwrap(), vec![0x3C; 512]);
 }
+/// A connected host that stops, or trickles bytes, in the middle of a PDU is disconnected
+/// once the PDU timeout has passed since the PDU began — trickling does not reset it — while
+/// idling between PDUs and large transfers are unaffected.
+#[test]
+fn a_host_stalling_mid_pdu_is_disconnected() {
+    let (t, addr) = target();
+    t.set_pdu_timeout(Duration::from_millis(300));
+    let mut h = NvmfHost::connect(addr, NQN, HostOptions::default()).unwrap();
+    // Idle between PDUs longer than the PDU timeout, then a 128 KiB write (R2T and H2CData
+    // PDUs) and read: all fine.
+    std::thread::sleep(Duration::from_millis(600));
+    let big: Vec<u8> = (0..128 * 1024).map(|i| (i % 251) as u8).collect();
+    h.write(0, 1, 64, &big, 512).unwrap();
+    assert_eq!(h.read(0, 1, 64, 256, 512).unwrap(), big);
+
+    // A capsule claiming 4 KiB of in-capsule data; send its first 40 bytes, then one byte
+    // every 100 ms (the whole PDU would take over 40 s).
+    let cmd = Command::rw(
+        io_opcode::WRITE,
+        1,
+        8,
+        0,
+        7,
+        SglDescriptor::in_capsule(4096),
+    );
+    let mut pdu = Vec::new();
+    tcp::encode_capsule_cmd(&mut pdu, &cmd, &[0xEE; 4096], Digests::NONE, 0);
+    let mut s = h.io[0].socket().try_clone().unwrap();
+    s.write_all(&pdu[..40]).unwrap();
+    // Trickle for up to 3 s: ten times the timeout. A per-read timeout would never fire.
+    let mut refused = false;
+    for i in 0..30 {
+        std::thread::sleep(Duration::from_millis(100));
+        if s.write_all(&pdu[40 + i..41 + i]).is_err() {
+            refused = true;
+            break;
+        }
+    }
+    assert!(
+        refused,
+        "the target kept a connection whose PDU never completed"
+    );
+    // Nothing of the half-sent write reached the volume, and others are still served.
+    let mut other = NvmfHost::connect(addr, NQN, HostOptions::default()).unwrap();
+    assert_ne!(other.read(0, 1, 7, 1, 512).unwrap(), vec![0xEE; 512]);
+    still_serves(addr);
+}

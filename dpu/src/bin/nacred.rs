@@ -9,6 +9,7 @@ use clap::Parser;
 use nacre_dpu::config;
 use nacre_dpu::control::host_channel::HostListener;
 use nacre_dpu::control::{server::RpcServer, vhost, volume, Daemon, DaemonConfig};
+use nacre_dpu::frontend::nvmf_tcp::{self, ConnLimits};
 use nacre_shared::api::vhost::VhostBlkCreate;
 use nacre_shared::api::volume::{BackendKind, VolumeCreate};
 use nacre_shared::size::format_size;
@@ -65,6 +66,20 @@ struct Args {
     /// The host channel's certificates (`nacre cert init`) [default: <state-dir>/tls].
     #[arg(long, env = "NACRE_HOST_TLS_DIR")]
     host_tls_dir: Option<PathBuf>,
+
+    /// NVMe/TCP: connections one listener serves at once; more are closed on accept.
+    #[arg(long, env = "NACRE_NVMF_MAX_CONNECTIONS", default_value_t = ConnLimits::DEFAULT.per_listener)]
+    nvmf_max_connections: usize,
+
+    /// NVMe/TCP: connections of one listener not yet past Fabrics Connect; a new one beyond
+    /// this closes the oldest such connection.
+    #[arg(long, env = "NACRE_NVMF_MAX_SETUP_CONNECTIONS", default_value_t = ConnLimits::DEFAULT.setup_per_listener)]
+    nvmf_max_setup_connections: usize,
+
+    /// NVMe/TCP: queues (admin and I/O) one host NQN may hold; a Connect beyond it fails
+    /// with Connect Controller Busy.
+    #[arg(long, env = "NACRE_NVMF_MAX_CONNECTIONS_PER_HOST", default_value_t = ConnLimits::DEFAULT.per_host)]
+    nvmf_max_connections_per_host: usize,
 
     /// Log filter (tracing's EnvFilter syntax), e.g. info, debug, nacre_dpu=trace.
     #[arg(long, env = "NACRE_LOG", default_value = "info")]
@@ -126,6 +141,11 @@ fn main() -> anyhow::Result<()> {
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &signals, std::ptr::null_mut()) };
 
     raise_fd_limit();
+    nvmf_tcp::set_default_conn_limits(ConnLimits {
+        per_listener: args.nvmf_max_connections,
+        setup_per_listener: args.nvmf_max_setup_connections,
+        per_host: args.nvmf_max_connections_per_host,
+    });
 
     let (daemon, existed) = Daemon::open(DaemonConfig {
         state_dir: args.state_dir.clone(),

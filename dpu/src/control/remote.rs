@@ -91,6 +91,25 @@ pub struct RemoteRecord {
 #[derive(Default)]
 pub struct Registry {
     ctrls: Mutex<HashMap<String, Arc<Controller>>>,
+    /// Remotes being attached (name → address, port, subsystem NQN): `remote_attach`
+    /// connects without the control-plane lock, so the name and target are reserved here.
+    attaching: Mutex<HashMap<String, (String, u16, String)>>,
+}
+
+/// A name reserved in [`Registry::attaching`]; released on drop.
+struct Attaching<'a> {
+    registry: &'a Registry,
+    name: String,
+}
+
+impl Drop for Attaching<'_> {
+    fn drop(&mut self) {
+        self.registry
+            .attaching
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.name);
+    }
 }
 
 impl Registry {
@@ -270,29 +289,61 @@ fn new_record(state: &State, p: &RemoteAttach) -> Result<RemoteRecord, RpcError>
 
 fn remote_attach(d: &Daemon, params: Value) -> Result<Value, RpcError> {
     let p: RemoteAttach = parse_params(params)?;
-    d.with_inner(|inner| {
-        if inner.state.remotes.contains_key(&p.name) {
+    // Check and reserve under the control-plane lock; connect without it (the first attempt
+    // may take up to 15 s against a shelf that does not answer, and every other RPC would
+    // wait that long); record the result under the lock again.
+    let (mut rec, _reserved) = d.with_inner(|inner| {
+        let mut attaching = d
+            .remotes
+            .attaching
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if inner.state.remotes.contains_key(&p.name) || attaching.contains_key(&p.name) {
             return Err(RpcError::exists("remote", &p.name));
         }
-        let mut rec = new_record(&inner.state, &p)?;
-        if let Some(other) = inner.state.remotes.values().find(|r| {
-            r.address == rec.address && r.port == rec.port && r.subnqn == rec.subnqn
-        }) {
+        let rec = new_record(&inner.state, &p)?;
+        let same = |a: &str, port: u16, nqn: &str| {
+            a == rec.address && port == rec.port && nqn == rec.subnqn
+        };
+        if let Some(other) = inner
+            .state
+            .remotes
+            .values()
+            .find(|r| same(&r.address, r.port, &r.subnqn))
+            .map(|r| r.name.clone())
+            .or_else(|| {
+                attaching
+                    .iter()
+                    .find(|(_, (a, port, nqn))| same(a, *port, nqn))
+                    .map(|(n, _)| n.clone())
+            })
+        {
             return Err(RpcError::busy(format!(
                 "remote {:?} already connects to {} at {}:{}",
-                other.name, rec.subnqn, rec.address, rec.port
+                other, rec.subnqn, rec.address, rec.port
             )));
         }
-        let ctrl = Controller::start(&rec.name, rec.config(), None);
-        let wait = Duration::from_secs(3) * 5;
-        let info = ctrl.wait_first_attempt(wait).map_err(|e| {
-            ctrl.close();
-            RpcError::failed(format!(
-                "cannot attach remote {:?} ({} at {}:{}): {e}",
-                rec.name, rec.subnqn, rec.address, rec.port
-            ))
-        })?;
-        rec.namespaces = info.namespaces.clone();
+        attaching.insert(
+            rec.name.clone(),
+            (rec.address.clone(), rec.port, rec.subnqn.clone()),
+        );
+        let reserved = Attaching {
+            registry: &d.remotes,
+            name: rec.name.clone(),
+        };
+        Ok((rec, reserved))
+    })?;
+    let ctrl = Controller::start(&rec.name, rec.config(), None);
+    let wait = Duration::from_secs(3) * 5;
+    let info = ctrl.wait_first_attempt(wait).map_err(|e| {
+        ctrl.close();
+        RpcError::failed(format!(
+            "cannot attach remote {:?} ({} at {}:{}): {e}",
+            rec.name, rec.subnqn, rec.address, rec.port
+        ))
+    })?;
+    rec.namespaces = info.namespaces.clone();
+    d.with_inner(|inner| {
         let mut next = inner.state.clone();
         next.remotes.insert(rec.name.clone(), rec.clone());
         if let Err(e) = d.persist(&next) {

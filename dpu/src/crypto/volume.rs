@@ -4,20 +4,25 @@
 //! * Data unit `n` of the volume (bytes `n·U .. (n+1)·U`, U = 512 or 4096) is XTS-encrypted
 //!   with the tweak the policy's [`TweakMode`](super::TweakMode) derives from `n`: the
 //!   absolute position, so the ciphertext of a block never depends on how it was written.
-//! * Writes: guest memory is never modified. Each request is encrypted into a bounce buffer
-//!   (out of place, straight from the request's segments where a data unit lies within one
-//!   segment), and the bounce buffer is what goes down; it lives until the device below
-//!   completes, however late that is. Buffers are recycled through a small pool.
-//! * Reads: the device below fills the request's own segments with ciphertext; on its
-//!   completion the plaintext is produced in place. A read that fails below is passed up
-//!   unchanged and nothing is decrypted.
+//! * Segments may be guest memory the guest can write at any moment, so no Rust reference
+//!   ever covers them: data moves between segments and bounce buffers by raw copies, and
+//!   the cipher works only on bounce buffers.
+//! * Writes: guest memory is never modified. Each request is copied into a bounce buffer and
+//!   encrypted there, and the bounce buffer is what goes down; it lives until the device
+//!   below completes, however late that is. Buffers are recycled through a small pool.
+//! * Reads: the device below fills a bounce buffer with ciphertext; on its completion the
+//!   plaintext is produced there and copied into the request's segments. A read that fails
+//!   below is passed up unchanged and nothing is decrypted or copied.
 //! * Flush and Discard pass through. Discarded ranges read back as whatever the device
 //!   below returns, decrypted, i.e. garbage (Discard makes contents undefined; dm-crypt with
 //!   `allow_discards` behaves the same). Write Zeroes cannot pass through, because the
 //!   command promises zeros on read: the range is written as encrypted zeros instead, in
-//!   chunks of [`ZERO_CHUNK`] bytes. Never-written blocks read as decrypted zeros, which is
+//!   chunks of [`ZERO_CHUNK`] bytes, one after the other, each started by the completion of
+//!   the one before (no thread per request; a device completing inline loops, not
+//!   recurses). Never-written blocks read as decrypted zeros, which is
 //!   garbage — as with dm-crypt and SPDK's crypto bdev.
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tracing::warn;
@@ -108,7 +113,7 @@ impl Shared {
         offset / self.layout.unit_len as u64
     }
 
-    /// Encrypt `len` bytes from the segments into `dst` (units numbered from `first`).
+    /// Encrypt `dst.len()` bytes from the segments into `dst` (units numbered from `first`).
     ///
     /// # Safety
     /// The segments must be in flight and cover `dst.len()` bytes.
@@ -118,101 +123,16 @@ impl Shared {
         first: u64,
         dst: &mut [u8],
     ) -> Result<(), CryptoError> {
-        let u = self.layout.unit_len;
-        let mut pos = 0usize; // bytes of the request done
-        let mut seg_i = 0usize;
-        let mut seg_off = 0usize;
-        while pos < dst.len() {
-            while seg_i < segs.len() && seg_off == segs[seg_i].len() {
-                seg_i += 1;
-                seg_off = 0;
-            }
-            let Some(seg) = segs.get(seg_i) else {
-                return Err(CryptoError::Misaligned { len: pos, unit: u });
-            };
-            let unit_no = first + (pos / u) as u64;
-            let whole = (seg.len() - seg_off) / u;
-            if whole > 0 {
-                // Common case: whole units inside one segment, encrypted straight from guest
-                // memory into the bounce buffer.
-                let n = (whole * u).min(dst.len() - pos);
-                // SAFETY: in flight (caller); seg_off + n <= seg.len().
-                let src = unsafe { &seg.as_slice()[seg_off..seg_off + n] };
-                self.engine
-                    .encrypt(self.layout, unit_no, src, &mut dst[pos..pos + n])?;
-                pos += n;
-                seg_off += n;
-            } else {
-                // A unit straddling segments: gather it, then encrypt in place.
-                let out = &mut dst[pos..pos + u];
-                // SAFETY: in flight (caller).
-                unsafe { copy_from_segments(segs, pos, out) };
-                self.engine.encrypt_in_place(self.layout, unit_no, out)?;
-                pos += u;
-                // Re-find the cursor after `pos` bytes.
-                let mut skip = pos;
-                seg_i = 0;
-                while seg_i < segs.len() && skip >= segs[seg_i].len() {
-                    skip -= segs[seg_i].len();
-                    seg_i += 1;
-                }
-                seg_off = skip;
-            }
+        let have: usize = segs.iter().map(|s| s.len()).sum();
+        if have < dst.len() {
+            return Err(CryptoError::Misaligned {
+                len: have,
+                unit: self.layout.unit_len,
+            });
         }
-        Ok(())
-    }
-
-    /// Decrypt `len` bytes in place in the segments (units numbered from `first`).
-    ///
-    /// # Safety
-    /// The segments must be in flight and cover `len` bytes.
-    unsafe fn decrypt_segments(
-        &self,
-        segs: &[Segment],
-        first: u64,
-        len: usize,
-    ) -> Result<(), CryptoError> {
-        let u = self.layout.unit_len;
-        let mut pos = 0usize;
-        let mut seg_i = 0usize;
-        let mut seg_off = 0usize;
-        let mut tmp = Vec::new();
-        while pos < len {
-            while seg_i < segs.len() && seg_off == segs[seg_i].len() {
-                seg_i += 1;
-                seg_off = 0;
-            }
-            let Some(seg) = segs.get(seg_i) else {
-                return Err(CryptoError::Misaligned { len: pos, unit: u });
-            };
-            let unit_no = first + (pos / u) as u64;
-            let whole = (seg.len() - seg_off) / u;
-            if whole > 0 {
-                let n = (whole * u).min(len - pos);
-                // SAFETY: in flight (caller); seg_off + n <= seg.len().
-                let buf = unsafe { &mut seg.as_mut_slice()[seg_off..seg_off + n] };
-                self.engine.decrypt_in_place(self.layout, unit_no, buf)?;
-                pos += n;
-                seg_off += n;
-            } else {
-                tmp.resize(u, 0);
-                // SAFETY: in flight (caller).
-                unsafe { copy_from_segments(segs, pos, &mut tmp) };
-                self.engine
-                    .decrypt_in_place(self.layout, unit_no, &mut tmp)?;
-                // SAFETY: in flight (caller).
-                unsafe { copy_to_segments(segs, pos, &tmp) };
-                pos += u;
-                let mut skip = pos;
-                seg_i = 0;
-                while seg_i < segs.len() && skip >= segs[seg_i].len() {
-                    skip -= segs[seg_i].len();
-                    seg_i += 1;
-                }
-                seg_off = skip;
-            }
-        }
-        Ok(())
+        // SAFETY: in flight (caller), and the segments cover dst.len() bytes (checked).
+        unsafe { copy_from_segments(segs, 0, dst) };
+        self.engine.encrypt_in_place(self.layout, first, dst)
     }
 }
 
@@ -301,7 +221,9 @@ impl EncryptedVolume {
         mut bounce: Bounce,
         upstream: Arc<dyn Completion>,
     ) {
-        let seg = Segment::from_slice(bounce.slice(len));
+        // SAFETY: the bounce buffer moves into the completion below, which keeps it alive and
+        // untouched until the device below completes this write.
+        let seg = unsafe { Segment::from_slice(bounce.slice(len)) };
         let down = IoRequest::new(IoKind::Write, offset, len as u64, tag).with_segments([seg]);
         // The bounce buffer moves into the completion, so it outlives the inner write even
         // when the device below completes on another thread much later.
@@ -314,83 +236,148 @@ impl EncryptedVolume {
     }
 
     fn submit_read(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+        let len = req.len as usize;
+        let mut bounce = self.shared.take(len);
+        // SAFETY: the bounce buffer moves into the completion below, which keeps it alive
+        // and untouched until the device below completes this read.
+        let seg = unsafe { Segment::from_slice(bounce.slice(len)) };
+        let down = IoRequest::new(IoKind::Read, req.offset, req.len, req.tag).with_segments([seg]);
         let c: Arc<dyn Completion> = Arc::new(ReadDone {
             shared: self.shared.clone(),
-            segments: req.segments.clone(),
+            segments: req.segments,
             first: self.shared.unit_of(req.offset),
-            len: req.len as usize,
+            len,
+            bounce: Mutex::new(Some(bounce)),
             upstream: done.clone(),
         });
-        self.inner.submit(req, &c);
+        self.inner.submit(down, &c);
     }
 
     fn submit_write_zeroes(&self, req: IoRequest, done: &Arc<dyn Completion>) {
-        if req.len as usize <= ZERO_CHUNK {
-            let len = req.len as usize;
-            let mut bounce = self.shared.take(len);
-            let buf = bounce.slice(len);
-            buf.fill(0);
-            let first = self.shared.unit_of(req.offset);
-            if let Err(e) = self
-                .shared
-                .engine
-                .encrypt_in_place(self.shared.layout, first, buf)
-            {
-                self.shared.give(bounce);
-                done.complete(req.tag, Err(IoError::Crypto(e.to_string())));
+        let job = Arc::new_cyclic(|me| ZeroJob {
+            me: me.clone(),
+            inner: self.inner.clone(),
+            shared: self.shared.clone(),
+            tag: req.tag,
+            end: req.offset + req.len,
+            upstream: done.clone(),
+            phase: AtomicU8::new(IDLE),
+            state: Mutex::new(ZeroState {
+                next: req.offset,
+                bounce: Some(self.shared.take((req.len as usize).min(ZERO_CHUNK))),
+                result: Ok(()),
+            }),
+        });
+        job.run();
+    }
+}
+
+/// Phases of a [`ZeroJob`]'s chunk: submitted and not yet complete, completed while its
+/// submitter was still in `submit` (it goes on looping), or waited for (the completion goes
+/// on with the next chunk).
+const IDLE: u8 = 0;
+const SUBMITTED: u8 = 1;
+const COMPLETED_INLINE: u8 = 2;
+const WAITING: u8 = 3;
+
+/// A Write Zeroes over the encrypted volume: encrypted zeros written [`ZERO_CHUNK`] bytes at
+/// a time, one chunk in flight, the next started by the previous one's completion.
+struct ZeroJob {
+    /// The job itself, for completions arriving on another thread to continue it.
+    me: std::sync::Weak<ZeroJob>,
+    inner: Arc<dyn BlockDevice>,
+    shared: Arc<Shared>,
+    tag: u64,
+    end: u64,
+    upstream: Arc<dyn Completion>,
+    phase: AtomicU8,
+    state: Mutex<ZeroState>,
+}
+
+struct ZeroState {
+    next: u64,
+    bounce: Option<Bounce>,
+    result: IoResult,
+}
+
+impl ZeroJob {
+    /// Write chunks until one completes asynchronously (its completion calls `run` again)
+    /// or the range is done (the request completes).
+    fn run(self: &Arc<Self>) {
+        loop {
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            if st.next >= self.end || st.result.is_err() {
+                let r = std::mem::replace(&mut st.result, Ok(()));
+                if let Some(b) = st.bounce.take() {
+                    self.shared.give(b);
+                }
+                drop(st);
+                self.upstream.complete(self.tag, r);
                 return;
             }
-            self.write_bounce(req.offset, len, req.tag, bounce, done.clone());
-            return;
-        }
-        // Large ranges: one chunk at a time on a helper thread, so neither memory nor the
-        // submitting (frontend) thread is tied up in proportion to the range.
-        let inner = self.inner.clone();
-        let shared = self.shared.clone();
-        let upstream = done.clone();
-        let done = done.clone();
-        let tag = req.tag;
-        let spawned = std::thread::Builder::new()
-            .name("nacre-zeroes".into())
-            .spawn(move || {
-                let r = write_zeroes_chunked(&*inner, &shared, req.offset, req.len);
-                done.complete(req.tag, r);
-            });
-        if let Err(e) = spawned {
-            // The closure never ran, so this is the only completion of the request.
-            warn!(error = %e, "cannot start write-zeroes thread");
-            upstream.complete(tag, Err(IoError::Media(format!("write zeroes: {e}"))));
+            let off = st.next;
+            let n = ((self.end - off) as usize).min(ZERO_CHUNK);
+            let Some(bounce) = st.bounce.as_mut() else {
+                return;
+            };
+            let buf = bounce.slice(n);
+            buf.fill(0);
+            if let Err(e) = self.shared.engine.encrypt_in_place(
+                self.shared.layout,
+                self.shared.unit_of(off),
+                buf,
+            ) {
+                st.result = Err(IoError::Crypto(e.to_string()));
+                continue;
+            }
+            // SAFETY: the bounce buffer stays in this job, untouched, until the device below
+            // completes this chunk (the next chunk is prepared only after that).
+            let seg = unsafe { Segment::from_slice(buf) };
+            st.next = off + n as u64;
+            drop(st);
+            self.phase.store(SUBMITTED, Ordering::SeqCst);
+            let me: Arc<dyn Completion> = self.clone();
+            self.inner.submit(
+                IoRequest::new(IoKind::Write, off, n as u64, self.tag).with_segments([seg]),
+                &me,
+            );
+            if self
+                .phase
+                .compare_exchange(SUBMITTED, WAITING, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                // Completes later on another thread, which goes on from there.
+                return;
+            }
+            // Completed inline: next chunk in this loop (no recursion however long the range).
         }
     }
 }
 
-fn write_zeroes_chunked(
-    inner: &dyn BlockDevice,
-    shared: &Shared,
-    offset: u64,
-    len: u64,
-) -> IoResult {
-    let mut bounce = shared.take(ZERO_CHUNK);
-    let mut done = 0u64;
-    let r = (|| {
-        while done < len {
-            let n = ((len - done) as usize).min(ZERO_CHUNK);
-            let buf = bounce.slice(n);
-            buf.fill(0);
-            shared
-                .engine
-                .encrypt_in_place(shared.layout, shared.unit_of(offset + done), buf)
-                .map_err(|e| IoError::Crypto(e.to_string()))?;
-            let seg = Segment::from_slice(buf);
-            inner.submit_wait(
-                IoRequest::new(IoKind::Write, offset + done, n as u64, 0).with_segments([seg]),
-            )?;
-            done += n as u64;
+impl Completion for ZeroJob {
+    fn complete(&self, _tag: u64, result: IoResult) {
+        if let Err(e) = result {
+            self.state.lock().unwrap_or_else(|p| p.into_inner()).result = Err(e);
         }
-        Ok(())
-    })();
-    shared.give(bounce);
-    r
+        if self
+            .phase
+            .compare_exchange(
+                SUBMITTED,
+                COMPLETED_INLINE,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            )
+            .is_ok()
+        {
+            return;
+        }
+        self.phase.store(IDLE, Ordering::SeqCst);
+        // The submitter has returned: continue the chain on this thread. The device holds a
+        // handle to the job while it completes, so the upgrade succeeds.
+        if let Some(me) = self.me.upgrade() {
+            me.run();
+        }
+    }
 }
 
 struct WriteDone {
@@ -413,20 +400,28 @@ struct ReadDone {
     segments: Segments,
     first: u64,
     len: usize,
+    /// The ciphertext lands here; decrypted here, then copied into `segments`.
+    bounce: Mutex<Option<Bounce>>,
     upstream: Arc<dyn Completion>,
 }
 
 impl Completion for ReadDone {
     fn complete(&self, tag: u64, result: IoResult) {
+        let Some(mut bounce) = self.bounce.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+            return;
+        };
         let result = result.and_then(|()| {
+            let buf = bounce.slice(self.len);
+            self.shared
+                .engine
+                .decrypt_in_place(self.shared.layout, self.first, buf)
+                .map_err(|e| IoError::Crypto(e.to_string()))?;
             // SAFETY: the upstream request (and so its segments) is in flight until we
-            // complete it below; the device below has finished with them.
-            unsafe {
-                self.shared
-                    .decrypt_segments(&self.segments, self.first, self.len)
-            }
-            .map_err(|e| IoError::Crypto(e.to_string()))
+            // complete it below; geometry checked that they add up to `len`.
+            unsafe { copy_to_segments(&self.segments, 0, buf) };
+            Ok(())
         });
+        self.shared.give(bounce);
         self.upstream.complete(tag, result);
     }
 }

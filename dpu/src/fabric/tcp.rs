@@ -41,7 +41,7 @@ use tracing::{debug, warn};
 
 use super::cmd::{AdminWait, Cmd, Dir, IoData, Target};
 use super::FabricError;
-use crate::volume::{copy_from_segments, IoError, Segment};
+use crate::volume::{copy_from_segments, copy_to_segments, IoError};
 
 /// Slot index bits of a CID; the remaining 6 bits are the slot's generation.
 const IDX_BITS: u32 = 10;
@@ -817,12 +817,23 @@ impl Dest {
                         continue;
                     }
                     let k = (s.len() - skip).min(left);
-                    // SAFETY: the command is outstanding, so the request's segments are valid
-                    // and exclusively ours until it completes, which only this thread does;
-                    // skip + k <= s.len().
-                    let dst = unsafe { &mut Segment::as_mut_slice(s)[skip..skip + k] };
-                    rd.read_exact(dst)?;
-                    crc = crc32c::crc32c_append(crc, dst);
+                    // Through a private chunk, not a slice over the segment: the segment may
+                    // be guest memory the guest can write at any time, which no Rust
+                    // reference may cover.
+                    let mut chunk = [0u8; 16 << 10];
+                    let mut done = 0;
+                    while done < k {
+                        let m = (k - done).min(chunk.len());
+                        rd.read_exact(&mut chunk[..m])?;
+                        crc = crc32c::crc32c_append(crc, &chunk[..m]);
+                        // SAFETY: the command is outstanding, so the request's segments are
+                        // valid and exclusively ours until it completes, which only this
+                        // thread does; skip + done + m <= s.len().
+                        unsafe {
+                            copy_to_segments(std::slice::from_ref(s), skip + done, &chunk[..m])
+                        };
+                        done += m;
+                    }
                     left -= k;
                     skip = 0;
                 }

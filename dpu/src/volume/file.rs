@@ -218,7 +218,8 @@ impl SyncIo {
 
     fn rw_bounce(&self, kind: IoKind, offset: u64, len: usize, segs: &[Segment]) -> IoResult {
         let mut buf = AlignedBuf::new(len);
-        let seg = Segment::from_slice(buf.as_mut_slice());
+        // SAFETY: rw_iov below is synchronous; `buf` outlives it and is not touched meanwhile.
+        let seg = unsafe { Segment::from_slice(buf.as_mut_slice()) };
         if kind == IoKind::Write {
             // SAFETY: segments in flight.
             unsafe { copy_from_segments(segs, 0, buf.as_mut_slice()) };
@@ -264,7 +265,8 @@ impl SyncIo {
         let mut pos = 0;
         while pos < len {
             let n = (len - pos).min(CHUNK) as usize;
-            let seg = Segment::from_slice(&mut zeros.as_mut_slice()[..n]);
+            // SAFETY: rw_iov is synchronous; `zeros` outlives it and is not touched meanwhile.
+            let seg = unsafe { Segment::from_slice(&mut zeros.as_mut_slice()[..n]) };
             self.rw_iov(IoKind::Write, offset + pos, n, &[seg])?;
             pos += n as u64;
         }
@@ -484,9 +486,10 @@ mod test {
         let me = std::thread::current().id();
         for (i, c) in buf.chunks_mut(4096).enumerate() {
             let off = ((i * 7) % n) as u64 * 4096;
+            // SAFETY: the file volume completes inline, before submit returns; `buf` outlives it.
+            let seg = unsafe { Segment::from_slice(c) };
             v.submit(
-                IoRequest::new(IoKind::Write, off, 4096, i as u64)
-                    .with_segments([Segment::from_slice(c)]),
+                IoRequest::new(IoKind::Write, off, 4096, i as u64).with_segments([seg]),
                 &done,
             );
         }

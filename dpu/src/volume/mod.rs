@@ -11,8 +11,20 @@
 //!
 //! Memory is described by [`Segment`]s: raw pointer/length pairs, because the bytes live in
 //! guest memory mapped from a vhost-user client or in a frontend's receive buffer, neither of
-//! which can be borrowed across an asynchronous completion. The submitter guarantees every
-//! segment stays valid, and is not otherwise accessed, until the completion runs.
+//! which can be borrowed across an asynchronous completion. The contract that keeps this
+//! sound:
+//!
+//! * A segment can only be made by an `unsafe` constructor ([`Segment::new`],
+//!   [`Segment::from_slice`]): whoever makes one promises that its memory stays allocated,
+//!   and is not read or written by Rust code of theirs, until the request carrying it (or
+//!   any request a layer below builds from it) has completed. Safe code can therefore never
+//!   hand a volume a buffer that is freed before the I/O completes; safe callers use
+//!   [`BlockDevice::read_at`] / [`BlockDevice::write_at`], which block until completion.
+//! * Devices touch segment memory only through raw copies ([`copy_to_segments`],
+//!   [`copy_from_segments`]) or by handing the address to the kernel (preadv, io_uring),
+//!   never through a Rust reference: the memory may be guest memory that the guest writes
+//!   concurrently (a misbehaving guest gets garbage, not undefined behaviour in nacred). A
+//!   device never uses a segment after it reported the request's completion.
 
 pub mod file;
 pub mod null;
@@ -63,10 +75,14 @@ impl Segment {
         Segment { ptr, len }
     }
 
-    /// A segment over a buffer the caller owns. The caller must keep the buffer alive and
-    /// untouched until the request completes — trivially true for synchronous use
-    /// ([`BlockDevice::submit_wait`]).
-    pub fn from_slice(buf: &mut [u8]) -> Self {
+    /// A segment over a buffer the caller owns.
+    ///
+    /// # Safety
+    /// The borrow ends when this returns, the request does not: the caller must keep `buf`
+    /// allocated, and not access it, until the request carrying this segment completes —
+    /// e.g. by waiting for it ([`BlockDevice::submit_wait`]) before `buf` goes out of scope,
+    /// or by moving the buffer into the request's completion.
+    pub unsafe fn from_slice(buf: &mut [u8]) -> Self {
         Segment {
             ptr: buf.as_mut_ptr(),
             len: buf.len(),
@@ -81,23 +97,10 @@ impl Segment {
         self.len == 0
     }
 
+    /// The address, for raw copies and the kernel; no reference over it may be formed (the
+    /// memory may be written concurrently by a guest).
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr
-    }
-
-    /// # Safety
-    /// Only while the request carrying this segment is in flight (the submitter's guarantee).
-    pub unsafe fn as_slice<'a>(&self) -> &'a [u8] {
-        // SAFETY: the caller upholds the in-flight guarantee documented above.
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
-    }
-
-    /// # Safety
-    /// Only while the request carrying this segment is in flight (the submitter's guarantee).
-    #[allow(clippy::mut_from_ref)]
-    pub unsafe fn as_mut_slice<'a>(&self) -> &'a mut [u8] {
-        // SAFETY: the caller upholds the in-flight guarantee documented above.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 }
 
@@ -250,9 +253,10 @@ pub trait BlockDevice: Send + Sync {
     /// Convenience over `submit_wait` for a single buffer.
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> IoResult {
         let len = buf.len() as u64;
-        self.submit_wait(
-            IoRequest::new(IoKind::Read, offset, len, 0).with_segments([Segment::from_slice(buf)]),
-        )
+        // SAFETY: submit_wait returns only after the request completed; `buf` is borrowed
+        // (so alive and untouched) until then.
+        let seg = unsafe { Segment::from_slice(buf) };
+        self.submit_wait(IoRequest::new(IoKind::Read, offset, len, 0).with_segments([seg]))
     }
 
     /// Convenience over `submit_wait` for a single buffer.
@@ -343,19 +347,18 @@ mod test {
             block_size: 4096,
         };
         let mut buf = vec![0u8; 4096];
-        let ok =
-            IoRequest::new(IoKind::Read, 0, 4096, 0).with_segments([Segment::from_slice(&mut buf)]);
+        // SAFETY: these requests are only checked, never submitted.
+        let seg = unsafe { Segment::from_slice(&mut buf) };
+        let ok = IoRequest::new(IoKind::Read, 0, 4096, 0).with_segments([seg]);
         assert_eq!(g.check(&ok), Ok(()));
-        let mis = IoRequest::new(IoKind::Read, 512, 4096, 0)
-            .with_segments([Segment::from_slice(&mut buf)]);
+        let mis = IoRequest::new(IoKind::Read, 512, 4096, 0).with_segments([seg]);
         assert!(matches!(g.check(&mis), Err(IoError::Invalid(_))));
-        let past = IoRequest::new(IoKind::Read, (1 << 20) - 4096 + 4096, 4096, 0)
-            .with_segments([Segment::from_slice(&mut buf)]);
+        let past =
+            IoRequest::new(IoKind::Read, (1 << 20) - 4096 + 4096, 4096, 0).with_segments([seg]);
         assert!(matches!(g.check(&past), Err(IoError::OutOfRange { .. })));
         let wrap = IoRequest::new(IoKind::Discard, u64::MAX - 4095, 4096 * 2, 0);
         assert!(matches!(g.check(&wrap), Err(IoError::Invalid(_))));
-        let short = IoRequest::new(IoKind::Write, 0, 8192, 0)
-            .with_segments([Segment::from_slice(&mut buf)]);
+        let short = IoRequest::new(IoKind::Write, 0, 8192, 0).with_segments([seg]);
         assert!(matches!(g.check(&short), Err(IoError::Invalid(_))));
         assert_eq!(
             g.check(&IoRequest::new(IoKind::Flush, u64::MAX, 7, 0)),
@@ -367,7 +370,8 @@ mod test {
     fn segment_copies_cross_boundaries() {
         let mut a = vec![0u8; 3];
         let mut b = vec![0u8; 5];
-        let segs = [Segment::from_slice(&mut a), Segment::from_slice(&mut b)];
+        // SAFETY: the buffers outlive the copies below and are not touched meanwhile.
+        let segs = unsafe { [Segment::from_slice(&mut a), Segment::from_slice(&mut b)] };
         // SAFETY: the buffers outlive the calls.
         unsafe { copy_to_segments(&segs, 2, &[1, 2, 3, 4]) };
         assert_eq!(a, [0, 0, 1]);

@@ -306,7 +306,11 @@ mod test {
                 bufs.push(data[p..p + n].to_vec());
                 p += n;
             }
-            let segs: Vec<Segment> = bufs.iter_mut().map(|b| Segment::from_slice(b)).collect();
+            let segs: Vec<Segment> = bufs
+                .iter_mut()
+                // SAFETY: submit_wait below returns after completion; `bufs` outlives it.
+                .map(|b| unsafe { Segment::from_slice(b) })
+                .collect();
             s.submit_wait(
                 IoRequest::new(IoKind::Write, off as u64, len as u64, 0).with_segments(segs),
             )

@@ -140,7 +140,8 @@ fn main() -> Result<()> {
                     Box::new(move |b: &mut [u8]| {
                         for chunk in b.chunks_mut(req_len) {
                             let req = IoRequest::new(kind, off, chunk.len() as u64, 0)
-                                .with_segments([Segment::from_slice(chunk)]);
+                                // SAFETY: the request is waited for (or completes inline) while the buffer lives.
+                                .with_segments([unsafe { Segment::from_slice(chunk) }]);
                             vol.submit_wait(req).expect("volume I/O");
                             off = (off + req_len as u64) % (1 << 40);
                         }
@@ -159,7 +160,8 @@ fn main() -> Result<()> {
                     Box::new(move |b: &mut [u8]| {
                         for chunk in b.chunks_mut(req_len) {
                             let req = IoRequest::new(kind, off, chunk.len() as u64, 0)
-                                .with_segments([Segment::from_slice(chunk)]);
+                                // SAFETY: the request is waited for (or completes inline) while the buffer lives.
+                                .with_segments([unsafe { Segment::from_slice(chunk) }]);
                             dev.submit_wait(req).expect("volume I/O");
                             off = (off + req_len as u64) % (1 << 40);
                         }

@@ -3,11 +3,12 @@
 //! command set.
 
 use std::cell::Cell;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use nacre_shared::nvme::command::sgl;
 use nacre_shared::nvme::fabrics::{
@@ -24,7 +25,7 @@ use tracing::{debug, warn};
 
 use super::ctrl::{AdminReply, Controller};
 use super::subsystem::{Namespace, Subsystem};
-use super::{limits, lock, TargetInner};
+use super::{limits, lock, ConnSlot, TargetInner};
 use crate::volume::{self, IoError, IoKind, IoRequest, IoResult, Segment};
 
 thread_local! {
@@ -33,15 +34,49 @@ thread_local! {
     static OWNER: Cell<usize> = const { Cell::new(0) };
 }
 
-/// Receive buffer: large enough for a whole H2CData PDU carrying MAXH2CDATA bytes, plus room
-/// to read ahead.
+/// Receive buffer of a connected queue: large enough for a whole H2CData PDU carrying
+/// MAXH2CDATA bytes, plus room to read ahead.
 const RBUF_LEN: usize = limits::MAX_TRANSFER + 64 * 1024;
+/// Receive buffer until the queue is connected: a Fabrics Connect capsule (72 + 1024 bytes)
+/// or any admin capsule with in-capsule data fits; a connection that never connects costs
+/// its peer little more than its thread.
+const SETUP_RBUF_LEN: usize = 2 * limits::ADMIN_INLINE_DATA;
 /// Flush the send buffer early once it holds this much.
 const FLUSH_AT: usize = 256 * 1024;
 /// How long a send may block on a host that stops reading before the connection is dropped:
 /// replies are also sent from other threads (completions, asynchronous events raised by the
 /// control plane), which must not hang on one stuck host.
 const WRITE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Idle data buffers of one queue, reused across commands; at most
+/// [`limits::POOL_BYTES`] of capacity is kept.
+#[derive(Default)]
+pub(crate) struct BufPool {
+    bufs: Vec<Vec<u8>>,
+    bytes: usize,
+}
+
+impl BufPool {
+    /// A buffer of `len` zeroed-or-reused bytes (contents unspecified; callers overwrite).
+    fn take(&mut self, len: usize) -> Vec<u8> {
+        let mut b = match self.bufs.pop() {
+            Some(b) => {
+                self.bytes -= b.capacity();
+                b
+            }
+            None => Vec::new(),
+        };
+        b.resize(len, 0);
+        b
+    }
+
+    fn give(&mut self, b: Vec<u8>) {
+        if b.capacity() > 0 && self.bytes + b.capacity() <= limits::POOL_BYTES {
+            self.bytes += b.capacity();
+            self.bufs.push(b);
+        }
+    }
+}
 
 /// A pending I/O command handed to a volume; indexed by the request tag.
 #[derive(Default)]
@@ -83,6 +118,8 @@ pub(crate) struct Queue {
     sqhd: AtomicU16,
     slots: OnceLock<Box<[Mutex<Slot>]>>,
     free: Mutex<Vec<u16>>,
+    /// Data buffers for commands (slots and R2T data), bounded in what it keeps idle.
+    pool: Mutex<BufPool>,
     last_rx_ms: AtomicU64,
     // Host read/write commands and bytes, for the SMART log.
     reads: AtomicU64,
@@ -192,6 +229,12 @@ impl volume::Completion for Queue {
         let mut out = lock(&self.out);
         self.put_reply(&mut out, s.cid, status, 0, data);
         self.after_put(&mut out);
+        drop(out);
+        // The reply holds a copy of the data: the buffer goes back to the pool, so a queue
+        // keeps at most POOL_BYTES of idle buffers however deep it is.
+        let mut s = s;
+        let b = std::mem::take(&mut s.buf);
+        lock(&self.pool).give(b);
     }
 }
 
@@ -244,16 +287,28 @@ impl Payload<'_> {
 
 /// A command waiting for H2CData after our R2T.
 struct H2cPending {
+    /// Bytes asked for: counted against [`limits::R2T_BUDGET`] until the data is here.
+    len: usize,
     cmd: Command,
     buf: Vec<u8>,
     received: usize,
     digest_failed: bool,
 }
 
-struct Conn {
+struct Conn<'s> {
     target: Arc<TargetInner>,
     q: Arc<Queue>,
     rd: TcpStream,
+    /// The read timeout now set on `rd`: the setup timeout until a queue is connected, then
+    /// the rest of the PDU deadline while part of a PDU has arrived, none between PDUs.
+    rd_timeout: Option<Duration>,
+    /// When the PDU being received must be complete (set once part of it has arrived, moved
+    /// later by the time spent flushing replies to a host that reads slowly).
+    pdu_deadline: Option<Instant>,
+    /// This connection's place in its listener's connection counts.
+    slot: &'s ConnSlot,
+    /// The host NQN this queue counts against ([`super::ConnLimits::per_host`]).
+    host_counted: Option<String>,
     listener: SocketAddr,
     local_ip: IpAddr,
     rbuf: Vec<u8>,
@@ -267,13 +322,22 @@ struct Conn {
     head: u32,
     max_inline: usize,
     h2c: HashMap<u16, H2cPending>,
+    /// Bytes of the R2Ts outstanding (buffers allocated, data not yet all here).
+    r2t_bytes: usize,
+    /// Writes whose R2T waits for budget, oldest first.
+    r2t_waiting: VecDeque<Command>,
     next_ttag: u16,
     /// `q` as the completion handle requests carry (made once, not per request).
     done: Arc<dyn volume::Completion>,
 }
 
 /// Serve one accepted connection until it closes.
-pub(crate) fn serve(target: &Arc<TargetInner>, sock: TcpStream, listener: SocketAddr) {
+pub(crate) fn serve(
+    target: &Arc<TargetInner>,
+    sock: TcpStream,
+    listener: SocketAddr,
+    slot: &ConnSlot,
+) {
     let local_ip = sock.local_addr().map(|a| a.ip()).unwrap_or(listener.ip());
     let Ok(wr) = sock.try_clone() else { return };
     let _ = wr.set_write_timeout(Some(WRITE_TIMEOUT));
@@ -283,7 +347,8 @@ pub(crate) fn serve(target: &Arc<TargetInner>, sock: TcpStream, listener: Socket
     // stays until the queue's Fabrics Connect succeeds (`connect` clears it); from then on
     // keep-alive watches the controller.
     let setup = target.setup_timeout_ms.load(Ordering::Relaxed);
-    let _ = rd.set_read_timeout(Some(std::time::Duration::from_millis(setup)));
+    let setup = Duration::from_millis(setup);
+    let _ = rd.set_read_timeout(Some(setup));
     let ic = initialize(&mut rd);
     let ic = match ic {
         Ok(ic) => ic,
@@ -300,7 +365,7 @@ pub(crate) fn serve(target: &Arc<TargetInner>, sock: TcpStream, listener: Socket
     let q = Arc::new(Queue {
         out: Mutex::new(Out {
             sock: wr,
-            buf: Vec::with_capacity(FLUSH_AT * 2),
+            buf: Vec::with_capacity(1024),
             broken: false,
         }),
         digests: ic.digests,
@@ -310,6 +375,7 @@ pub(crate) fn serve(target: &Arc<TargetInner>, sock: TcpStream, listener: Socket
         sqhd: AtomicU16::new(0),
         slots: OnceLock::new(),
         free: Mutex::new(Vec::new()),
+        pool: Mutex::new(BufPool::default()),
         last_rx_ms: AtomicU64::new(target.clock.now_ms()),
         reads: AtomicU64::new(0),
         writes: AtomicU64::new(0),
@@ -322,9 +388,13 @@ pub(crate) fn serve(target: &Arc<TargetInner>, sock: TcpStream, listener: Socket
         target: target.clone(),
         q: q.clone(),
         rd,
+        rd_timeout: Some(setup),
+        pdu_deadline: None,
+        slot,
+        host_counted: None,
         listener,
         local_ip,
-        rbuf: vec![0u8; RBUF_LEN],
+        rbuf: vec![0u8; SETUP_RBUF_LEN],
         rstart: 0,
         rend: 0,
         ctrl: None,
@@ -335,6 +405,8 @@ pub(crate) fn serve(target: &Arc<TargetInner>, sock: TcpStream, listener: Socket
         head: 0,
         max_inline: limits::ADMIN_INLINE_DATA,
         h2c: HashMap::new(),
+        r2t_bytes: 0,
+        r2t_waiting: VecDeque::new(),
         next_ttag: 0,
         done: q.clone(),
     };
@@ -413,8 +485,11 @@ fn initialize(rd: &mut TcpStream) -> Result<IcReq, End> {
     Ok(req)
 }
 
-impl Conn {
+impl Conn<'_> {
     fn close(&mut self) {
+        if let Some(h) = self.host_counted.take() {
+            self.target.release_host_queue(&h);
+        }
         if let Some(c) = self.ctrl.take() {
             let qid = self.q.qid.load(Ordering::Relaxed);
             if qid == 0 {
@@ -433,15 +508,43 @@ impl Conn {
     /// Make `n` bytes available at `rstart`, reading (and flushing replies) as needed.
     fn need(&mut self, n: usize) -> Result<(), End> {
         while self.rend - self.rstart < n {
+            if n > self.rbuf.len() {
+                // Before Connect the buffer is small; PDU validation bounds `n`.
+                self.rbuf.resize(RBUF_LEN.max(n), 0);
+            }
             if self.rstart + n > self.rbuf.len() {
                 self.rbuf.copy_within(self.rstart..self.rend, 0);
                 self.rend -= self.rstart;
                 self.rstart = 0;
             }
-            // About to block: send what the batch produced.
+            // About to block: send what the batch produced. Time spent here is the host
+            // being slow to read, not to send: it does not count against the PDU deadline
+            // (the write timeout bounds it).
+            let flush_start = self.pdu_deadline.map(|_| Instant::now());
             self.q.flush();
+            if let (Some(d), Some(t0)) = (self.pdu_deadline.as_mut(), flush_start) {
+                *d += t0.elapsed();
+            }
+            self.arm_pdu_deadline()?;
             match self.rd.read(&mut self.rbuf[self.rend..]) {
-                Ok(0) | Err(_) => return Err(End::Closed),
+                Ok(0) => return Err(End::Closed),
+                // A signal is no reason to drop a host (sockets with a receive timeout are
+                // not restarted after a signal handler runs).
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    if self.pdu_deadline.is_some()
+                        && matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        )
+                    {
+                        warn!(
+                            peer = ?self.q.sock.peer_addr().ok(),
+                            "host stalled in the middle of a PDU: closing the connection"
+                        );
+                    }
+                    return Err(End::Closed);
+                }
                 Ok(k) => {
                     self.rend += k;
                     self.q
@@ -456,11 +559,45 @@ impl Conn {
         Ok(())
     }
 
+    /// Set the read timeout for the next read of a connected queue: none between PDUs (an
+    /// idle queue is keep-alive's business), the rest of the PDU deadline once part of a PDU
+    /// has arrived. A deadline, not a per-read timeout, so a host trickling bytes cannot
+    /// hold the thread; before Connect the setup timeout set in `serve` stays.
+    fn arm_pdu_deadline(&mut self) -> Result<(), End> {
+        if self.ctrl.is_none() {
+            return Ok(());
+        }
+        let want = if self.rend > self.rstart {
+            let now = Instant::now();
+            let ms = self.target.pdu_timeout_ms.load(Ordering::Relaxed);
+            let deadline = *self
+                .pdu_deadline
+                .get_or_insert_with(|| now + Duration::from_millis(ms));
+            let left = deadline.saturating_duration_since(now);
+            if left.is_zero() {
+                warn!(
+                    peer = ?self.q.sock.peer_addr().ok(),
+                    "host stalled in the middle of a PDU: closing the connection"
+                );
+                return Err(End::Closed);
+            }
+            Some(left)
+        } else {
+            None
+        };
+        if want != self.rd_timeout {
+            let _ = self.rd.set_read_timeout(want);
+            self.rd_timeout = want;
+        }
+        Ok(())
+    }
+
     fn run(&mut self) -> Result<(), End> {
         let dg = self.q.digests;
         let hd = if dg.header { tcp::DIGEST_LEN } else { 0 };
         let dd = if dg.data { tcp::DIGEST_LEN } else { 0 };
         loop {
+            self.pdu_deadline = None;
             self.need(tcp::CH_LEN)?;
             let ch = CommonHeader::decode(&self.rbuf[self.rstart..]);
             let mut chb = [0u8; tcp::CH_LEN];
@@ -517,6 +654,16 @@ impl Conn {
             } else if ch.pdu_type == pdu_type::H2C_DATA {
                 // An H2CData PDU without data.
                 return Err(fatal(fes::INVALID_HEADER_FIELD, ch_offset::PLEN, &chb));
+            }
+            if ch.pdu_type == pdu_type::H2C_DATA {
+                // Data nobody asked for is refused before it is read: no buffer grows for it
+                // (before Connect the receive buffer stays small).
+                self.need(hlen)?;
+                let h = DataHeader::decode(&self.rbuf[self.rstart..self.rstart + hlen]);
+                if !self.h2c.contains_key(&h.ttag) {
+                    let hdr = &self.rbuf[self.rstart..self.rstart + hlen];
+                    return Err(fatal(fes::INVALID_HEADER_FIELD, data_offset_of::TTAG, hdr));
+                }
             }
             self.need(plen)?;
             let buf = std::mem::take(&mut self.rbuf);
@@ -589,12 +736,51 @@ impl Conn {
             return Ok(());
         }
         let p = self.h2c.remove(&h.ttag).expect("looked up above");
-        if p.digest_failed {
+        self.r2t_bytes -= p.len;
+        let r = if p.digest_failed {
             self.q
                 .reply(p.cmd.cid, Status::TRANSIENT_TRANSPORT_ERROR, 0, &[]);
-            return Ok(());
+            lock(&self.q.pool).give(p.buf);
+            Ok(())
+        } else {
+            self.execute(p.cmd, Payload::Owned(p.buf))
+        };
+        self.grant_r2ts();
+        r
+    }
+
+    /// Send the R2Ts that waited for budget, oldest first, as far as the budget allows.
+    fn grant_r2ts(&mut self) {
+        while let Some(cmd) = self.r2t_waiting.front() {
+            let len = cmd.sgl.len as usize;
+            if !self.h2c.is_empty() && self.r2t_bytes + len > limits::R2T_BUDGET {
+                return;
+            }
+            let cmd = self.r2t_waiting.pop_front().expect("looked at above");
+            self.send_r2t(cmd, len);
         }
-        self.execute(p.cmd, Payload::Owned(p.buf))
+    }
+
+    /// Ask for a command's data: one R2T covering all of it (MAXH2CDATA allows one H2CData
+    /// PDU; a host may still split it).
+    fn send_r2t(&mut self, cmd: Command, len: usize) {
+        let ttag = self.alloc_ttag();
+        {
+            let mut out = lock(&self.q.out);
+            tcp::encode_r2t(&mut out.buf, cmd.cid, ttag, 0, len as u32, self.q.digests);
+        }
+        let buf = lock(&self.q.pool).take(len);
+        self.r2t_bytes += len;
+        self.h2c.insert(
+            ttag,
+            H2cPending {
+                len,
+                cmd,
+                buf,
+                received: 0,
+                digest_failed: false,
+            },
+        );
     }
 
     /// Whether a command moves data from host to controller.
@@ -642,29 +828,22 @@ impl Conn {
             self.q.reply(cmd.cid, Status::INVALID_FIELD, 0, &[]);
             return Ok(());
         }
-        if self.h2c.len() >= (self.sqsize as usize).max(32) {
+        if self.h2c.len() + self.r2t_waiting.len() >= (self.sqsize as usize).max(32) {
             // More commands waiting for data than the queue has entries: the host is not
-            // respecting the queue size; do not let it pin unbounded buffers.
+            // respecting the queue size.
             let mut hdr = [0u8; tcp::CAPSULE_CMD_HLEN];
             cmd.encode(&mut hdr[tcp::CH_LEN..]);
             return Err(fatal(fes::DATA_LIMIT_EXCEEDED, 0, &hdr));
         }
-        // Ask for the data: one R2T covering all of it (MAXH2CDATA allows one H2CData PDU;
-        // a host may still split it).
-        let ttag = self.alloc_ttag();
+        // Buffers for data the host has yet to send are bounded per queue: past the budget
+        // the R2T waits (only the 64-byte command is kept) until earlier data arrived.
+        if !self.r2t_waiting.is_empty()
+            || (!self.h2c.is_empty() && self.r2t_bytes + len > limits::R2T_BUDGET)
         {
-            let mut out = lock(&self.q.out);
-            tcp::encode_r2t(&mut out.buf, cmd.cid, ttag, 0, len as u32, self.q.digests);
+            self.r2t_waiting.push_back(cmd);
+            return Ok(());
         }
-        self.h2c.insert(
-            ttag,
-            H2cPending {
-                cmd,
-                buf: vec![0u8; len],
-                received: 0,
-                digest_failed: false,
-            },
-        );
+        self.send_r2t(cmd, len);
         Ok(())
     }
 
@@ -766,12 +945,6 @@ impl Conn {
                 connect_invalid_param_dw0(true, off) as u64,
             )
         };
-        let bad_sqe = |off| {
-            (
-                Status::CONNECT_INVALID_PARAMETERS,
-                connect_invalid_param_dw0(false, off) as u64,
-            )
-        };
         if self.ctrl.is_some() {
             return (Status::COMMAND_SEQUENCE_ERROR, 0);
         }
@@ -798,6 +971,43 @@ impl Conn {
             );
             return (Status::CONNECT_INVALID_HOST, 0);
         }
+        if !self.target.acquire_host_queue(&d.hostnqn) {
+            warn!(
+                subnqn = d.subnqn,
+                hostnqn = d.hostnqn,
+                "connect refused: the host holds as many queues as it may"
+            );
+            return (Status::CONNECT_CONTROLLER_BUSY, 0);
+        }
+        // Counted from here; released when the connection ends (or below on failure).
+        self.host_counted = Some(d.hostnqn.clone());
+        let r = self.connect_counted(&c, &d, subsys);
+        if r.0 != Status::SUCCESS {
+            if let Some(h) = self.host_counted.take() {
+                self.target.release_host_queue(&h);
+            }
+        }
+        r
+    }
+
+    fn connect_counted(
+        &mut self,
+        c: &Connect,
+        d: &ConnectData,
+        subsys: Arc<Subsystem>,
+    ) -> (Status, u64) {
+        let bad_data = |off| {
+            (
+                Status::CONNECT_INVALID_PARAMETERS,
+                connect_invalid_param_dw0(true, off) as u64,
+            )
+        };
+        let bad_sqe = |off| {
+            (
+                Status::CONNECT_INVALID_PARAMETERS,
+                connect_invalid_param_dw0(false, off) as u64,
+            )
+        };
         let entries = c.sqsize as u32 + 1;
         let max = if c.qid == 0 {
             limits::MAX_ADMIN_QUEUE_ENTRIES
@@ -856,6 +1066,11 @@ impl Conn {
         debug!(cntlid, qid = c.qid, sqsize = c.sqsize, "queue connected");
         // Set up: an idle connected queue is keep-alive's business, not a read timeout's.
         let _ = self.rd.set_read_timeout(None);
+        self.rd_timeout = None;
+        self.slot.connected();
+        if self.rbuf.len() < RBUF_LEN {
+            self.rbuf.resize(RBUF_LEN, 0);
+        }
         self.ctrl = Some(ctrl);
         self.subsys = Some(subsys);
         (Status::SUCCESS, cntlid as u64)
@@ -927,8 +1142,10 @@ impl Conn {
                         if cmd.cdw12 & (1 << 30) != 0 {
                             // FUA: the write must be durable before completion.
                             let mut buf = data.as_slice().to_vec();
-                            let req = IoRequest::new(IoKind::Write, offset, len, 0)
-                                .with_segments([Segment::from_slice(&mut buf)]);
+                            // SAFETY: submit_wait returns after completion; `buf` outlives it.
+                            let seg = unsafe { Segment::from_slice(&mut buf) };
+                            let req =
+                                IoRequest::new(IoKind::Write, offset, len, 0).with_segments([seg]);
                             let r = ns.volume.submit_wait(req).and_then(|()| {
                                 ns.volume
                                     .submit_wait(IoRequest::new(IoKind::Flush, 0, 0, 0))
@@ -1003,10 +1220,11 @@ impl Conn {
             match (kind, data) {
                 (IoKind::Write, Payload::Owned(v)) => s.buf = v,
                 (IoKind::Write, d) => {
-                    s.buf.clear();
-                    s.buf.extend_from_slice(d.as_slice());
+                    let mut b = lock(&self.q.pool).take(0);
+                    b.extend_from_slice(d.as_slice());
+                    s.buf = b;
                 }
-                _ => s.buf.resize(len, 0),
+                _ => s.buf = lock(&self.q.pool).take(len),
             }
             s.read_len = if kind == IoKind::Read { len } else { 0 };
             // SAFETY: the slot's buffer is not touched again until the volume calls

@@ -527,10 +527,19 @@ impl Controller {
         );
         match st.aers.pop() {
             Some(cid) => {
-                let admin = lock(&self.queues).get(&0).and_then(|w| w.upgrade());
-                match admin {
-                    Some(q) => q.complete_async(cid, Status::SUCCESS, dw0),
-                    None => st.events.push_back(dw0),
+                // The event thread sends it: whoever raised the event (the control plane,
+                // holding its lock) must not wait on this host's socket.
+                let admin = lock(&self.queues).get(&0).cloned();
+                let posted = match (admin, self.target.upgrade()) {
+                    (Some(queue), Some(t)) if queue.strong_count() > 0 => {
+                        t.post_async(super::AsyncReply { queue, cid, dw0 })
+                    }
+                    _ => false,
+                };
+                if !posted {
+                    // Not sent: the request stays outstanding and the event waits for it.
+                    st.aers.push(cid);
+                    st.events.push_back(dw0);
                 }
             }
             None => st.events.push_back(dw0),

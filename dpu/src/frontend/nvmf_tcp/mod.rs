@@ -4,9 +4,16 @@
 //!  NvmfTarget ─┬─ listeners: TcpListener per address (accept thread), shared by subsystems
 //!              ├─ subsystems: NQN → Subsystem { namespaces, allowed hosts, controllers }
 //!              │     (plus the discovery subsystem, reachable on every listener)
-//!              └─ keep-alive reaper thread: tears down controllers whose KATO expired
+//!              ├─ keep-alive reaper thread: tears down controllers whose KATO expired
+//!              └─ event thread: sends asynchronous event completions, so the control plane
+//!                 never waits on a host's socket
 //!  connection thread per TCP connection = one NVMe queue (admin qid 0 or an I/O queue)
 //! ```
+//!
+//! What a peer can make the target hold is bounded ([`ConnLimits`], [`limits::R2T_BUDGET`]):
+//! connections per listener, connections still setting up per listener (the oldest is
+//! closed when a new one would exceed the cap), queues per host NQN, a setup timeout and a
+//! per-PDU deadline, and per queue the bytes of host data it waits for after R2T.
 //!
 //! * [`conn`] — one queue: ICReq/ICResp, PDU framing and validation (fatal errors end the
 //!   connection with a C2HTermReq), in-capsule data and R2T/H2CData, C2HData/CapsuleResp,
@@ -74,6 +81,54 @@ pub mod limits {
     pub const KAS_100MS: u16 = 10;
     /// CAP.TO: CSTS.RDY follows CC.EN at once; 15 s is the worst case we promise.
     pub const CAP_TO_500MS: u8 = 30;
+    /// Bytes of host data one queue holds buffers for while waiting for it (R2Ts
+    /// outstanding). Further writes wait for their R2T until earlier data has arrived
+    /// (NVMe/TCP 1.0 §3.3.3 lets the controller choose when to send an R2T), so a host cannot
+    /// pin queue entries × MDTS of target memory by announcing writes and never sending data.
+    /// 16 × 128 KiB keeps a queue's pipe full on any link nacre serves.
+    pub const R2T_BUDGET: usize = 16 * MAX_TRANSFER;
+    /// Idle data buffers a queue keeps for reuse, in bytes (the rest are freed).
+    pub const POOL_BYTES: usize = R2T_BUDGET;
+}
+
+/// How many connections peers may hold (the `--nvmf-max-*` flags of nacred).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnLimits {
+    /// Connections one listener serves at once, whatever their phase; further connections
+    /// are closed as soon as they are accepted.
+    pub per_listener: usize,
+    /// Connections of one listener that have not completed a Fabrics Connect yet. When a new
+    /// connection would exceed this, the oldest such connection is closed: a peer that opens
+    /// connections and stays silent cannot lock hosts out, it only evicts its own.
+    pub setup_per_listener: usize,
+    /// Queues (connections with a successful Fabrics Connect) one host NQN may hold on the
+    /// target; a Connect beyond it fails with Connect Controller Busy.
+    pub per_host: usize,
+}
+
+impl ConnLimits {
+    /// 1024 connections per listener, 64 of them setting up, 256 queues per host NQN (two
+    /// controllers of 127 I/O queues each, or many smaller ones).
+    pub const DEFAULT: ConnLimits = ConnLimits {
+        per_listener: 1024,
+        setup_per_listener: 64,
+        per_host: 256,
+    };
+}
+
+impl Default for ConnLimits {
+    fn default() -> Self {
+        ConnLimits::DEFAULT
+    }
+}
+
+/// Limits new targets start with: nacred sets them from its command line before the control
+/// plane creates its target.
+static DEFAULT_LIMITS: Mutex<ConnLimits> = Mutex::new(ConnLimits::DEFAULT);
+
+/// Set the [`ConnLimits`] targets created from now on start with.
+pub fn set_default_conn_limits(l: ConnLimits) {
+    *lock(&DEFAULT_LIMITS) = l;
 }
 
 /// Errors of the target's management API.
@@ -124,6 +179,7 @@ impl Clock {
 pub struct NvmfTarget {
     inner: Arc<TargetInner>,
     reaper: Mutex<Option<JoinHandle<()>>>,
+    events: Mutex<Option<JoinHandle<()>>>,
 }
 
 pub(crate) struct TargetInner {
@@ -133,6 +189,11 @@ pub(crate) struct TargetInner {
     listeners: Mutex<HashMap<SocketAddr, Listener>>,
     /// Open connections, so shutdown can close them.
     conns: Mutex<HashMap<u64, TcpStream>>,
+    limits: Mutex<ConnLimits>,
+    /// Connected queues per host NQN (for [`ConnLimits::per_host`]).
+    host_queues: Mutex<HashMap<String, usize>>,
+    /// Asynchronous completions for the event thread; `None` once the target stops.
+    events: Mutex<Option<std::sync::mpsc::Sender<AsyncReply>>>,
     next_conn: AtomicU64,
     next_cntlid: AtomicU16,
     /// Discovery log generation counter (GENCTR).
@@ -140,11 +201,24 @@ pub(crate) struct TargetInner {
     /// Milliseconds a new connection may take to send its ICReq and then its Fabrics
     /// Connect; see [`NvmfTarget::set_setup_timeout`].
     pub(crate) setup_timeout_ms: AtomicU64,
+    /// Milliseconds the rest of a PDU may take once part of it has arrived; see
+    /// [`NvmfTarget::set_pdu_timeout`].
+    pub(crate) pdu_timeout_ms: AtomicU64,
     stop: AtomicBool,
 }
 
 /// Default for [`NvmfTarget::set_setup_timeout`].
 pub const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default for [`NvmfTarget::set_pdu_timeout`]: the largest PDU nacre accepts (128 KiB plus
+/// headers) moves in well under a second even on a slow link.
+pub const PDU_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A completion the event thread sends for the control plane (asynchronous events).
+pub(crate) struct AsyncReply {
+    pub(crate) queue: Weak<conn::Queue>,
+    pub(crate) cid: u16,
+    pub(crate) dw0: u32,
+}
 
 struct Listener {
     /// Port ID reported in discovery log entries.
@@ -152,6 +226,34 @@ struct Listener {
     subsystems: BTreeSet<String>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+}
+
+/// What a listener's connections count against ([`ConnLimits`]).
+#[derive(Default)]
+pub(crate) struct ListenerConns {
+    live: std::sync::atomic::AtomicUsize,
+    /// Connections not yet past Fabrics Connect, oldest first.
+    setup: Mutex<std::collections::VecDeque<(u64, TcpStream)>>,
+}
+
+/// One accepted connection's place in its listener's counts; given back on drop.
+pub(crate) struct ConnSlot {
+    conns: Arc<ListenerConns>,
+    id: u64,
+}
+
+impl ConnSlot {
+    /// The connection completed a Fabrics Connect: it no longer counts as setting up.
+    pub(crate) fn connected(&self) {
+        lock(&self.conns.setup).retain(|(id, _)| *id != self.id);
+    }
+}
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        self.connected();
+        self.conns.live.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -171,10 +273,14 @@ impl NvmfTarget {
             discovery: Subsystem::new_discovery(),
             listeners: Mutex::new(HashMap::new()),
             conns: Mutex::new(HashMap::new()),
+            limits: Mutex::new(*lock(&DEFAULT_LIMITS)),
+            host_queues: Mutex::new(HashMap::new()),
+            events: Mutex::new(None),
             next_conn: AtomicU64::new(1),
             next_cntlid: AtomicU16::new(1),
             genctr: AtomicU64::new(1),
             setup_timeout_ms: AtomicU64::new(SETUP_TIMEOUT.as_millis() as u64),
+            pdu_timeout_ms: AtomicU64::new(PDU_TIMEOUT.as_millis() as u64),
             stop: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&inner);
@@ -182,10 +288,46 @@ impl NvmfTarget {
             .name("nvmf-keepalive".into())
             .spawn(move || keep_alive_reaper(weak))
             .ok();
+        let (tx, rx) = std::sync::mpsc::channel::<AsyncReply>();
+        let events = std::thread::Builder::new()
+            .name("nvmf-events".into())
+            .spawn(move || {
+                // May block on one slow host (up to the write timeout), delaying other hosts'
+                // events, never the control plane that raised them.
+                for r in rx {
+                    if let Some(q) = r.queue.upgrade() {
+                        q.complete_async(r.cid, nacre_shared::nvme::Status::SUCCESS, r.dw0);
+                    }
+                }
+            })
+            .ok();
+        if events.is_some() {
+            *lock(&inner.events) = Some(tx);
+        }
         Arc::new(NvmfTarget {
             inner,
             reaper: Mutex::new(reaper),
+            events: Mutex::new(events),
         })
+    }
+
+    /// Change the connection limits (new connections and Connects are checked against them).
+    pub fn set_conn_limits(&self, l: ConnLimits) {
+        *lock(&self.inner.limits) = l;
+    }
+
+    pub fn conn_limits(&self) -> ConnLimits {
+        *lock(&self.inner.limits)
+    }
+
+    /// How long the rest of a PDU may take once part of it has arrived on a connected queue
+    /// before the connection is closed (default [`PDU_TIMEOUT`]). Keep-alive cannot catch a
+    /// host that stalls mid-PDU: it may still be trickling bytes, or have keep-alive off.
+    /// Only time spent waiting for the host's bytes counts, not time the target spends
+    /// sending to a host that reads slowly (the write timeout covers that).
+    pub fn set_pdu_timeout(&self, d: Duration) {
+        let ms = d.as_millis().clamp(1, u64::MAX as u128) as u64;
+        self.inner.pdu_timeout_ms.store(ms, Ordering::Relaxed);
     }
 
     /// How long a new connection may take to send its ICReq and then its Fabrics Connect
@@ -357,6 +499,11 @@ impl Drop for NvmfTarget {
         for (_, c) in lock(&self.inner.conns).drain() {
             let _ = c.shutdown(std::net::Shutdown::Both);
         }
+        // Closing the channel ends the event thread (its sockets are shut down already).
+        drop(lock(&self.inner.events).take());
+        if let Some(h) = lock(&self.events).take() {
+            let _ = h.join();
+        }
         if let Some(h) = lock(&self.reaper).take() {
             h.thread().unpark();
             let _ = h.join();
@@ -433,7 +580,7 @@ impl TargetInner {
         let weak = Arc::downgrade(self);
         let thread = std::thread::Builder::new()
             .name(format!("nvmf-listen-{}", bound.port()))
-            .spawn(move || accept_loop(tl, bound, st, weak))
+            .spawn(move || accept_loop(tl, bound, st, weak, Arc::default()))
             .map_err(|source| NvmfError::Listen { addr, source })?;
         let portid = ls.values().map(|l| l.portid).max().unwrap_or(0) + 1;
         ls.insert(
@@ -480,9 +627,45 @@ impl TargetInner {
     fn unregister_conn(&self, id: u64) {
         lock(&self.conns).remove(&id);
     }
+
+    /// Count a connected queue against its host NQN's cap; false if the host is at it.
+    pub(crate) fn acquire_host_queue(&self, hostnqn: &str) -> bool {
+        let cap = lock(&self.limits).per_host;
+        let mut m = lock(&self.host_queues);
+        let n = m.entry(hostnqn.to_string()).or_insert(0);
+        if *n >= cap {
+            return false;
+        }
+        *n += 1;
+        true
+    }
+
+    pub(crate) fn release_host_queue(&self, hostnqn: &str) {
+        let mut m = lock(&self.host_queues);
+        if let Some(n) = m.get_mut(hostnqn) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                m.remove(hostnqn);
+            }
+        }
+    }
+
+    /// Hand an asynchronous event completion to the event thread; false if there is none
+    /// (it could not be started, or the target is stopping).
+    pub(crate) fn post_async(&self, r: AsyncReply) -> bool {
+        lock(&self.events)
+            .as_ref()
+            .is_some_and(|tx| tx.send(r).is_ok())
+    }
 }
 
-fn accept_loop(tl: TcpListener, bound: SocketAddr, stop: Arc<AtomicBool>, t: Weak<TargetInner>) {
+fn accept_loop(
+    tl: TcpListener,
+    bound: SocketAddr,
+    stop: Arc<AtomicBool>,
+    t: Weak<TargetInner>,
+    counts: Arc<ListenerConns>,
+) {
     for s in tl.incoming() {
         if stop.load(Ordering::SeqCst) {
             break;
@@ -496,16 +679,39 @@ fn accept_loop(tl: TcpListener, bound: SocketAddr, stop: Arc<AtomicBool>, t: Wea
                 continue;
             }
         };
+        let limits = *lock(&target.limits);
+        if counts.live.load(Ordering::SeqCst) >= limits.per_listener {
+            // Dropping the stream closes it: the peer sees the connection end at once.
+            debug!(%bound, "nvmf listener at its connection cap: closing a new connection");
+            continue;
+        }
         let _ = stream.set_nodelay(true);
         let Some(id) = target.register_conn(&stream) else {
             continue;
         };
+        counts.live.fetch_add(1, Ordering::SeqCst);
+        let slot = ConnSlot {
+            conns: counts.clone(),
+            id,
+        };
+        if let Ok(c) = stream.try_clone() {
+            let mut setup = lock(&counts.setup);
+            setup.push_back((id, c));
+            while setup.len() > limits.setup_per_listener.max(1) {
+                if let Some((_, oldest)) = setup.pop_front() {
+                    // Its thread sees the connection end and exits.
+                    debug!(%bound, "nvmf listener at its setup cap: closing the oldest connection still setting up");
+                    let _ = oldest.shutdown(std::net::Shutdown::Both);
+                }
+            }
+        }
         let spawned = std::thread::Builder::new()
             .name("nvmf-queue".into())
             .spawn(move || {
                 let peer = stream.peer_addr().ok();
                 debug!(?peer, "nvmf connection opened");
-                conn::serve(&target, stream, bound);
+                conn::serve(&target, stream, bound, &slot);
+                drop(slot);
                 target.unregister_conn(id);
                 debug!(?peer, "nvmf connection closed");
             });
