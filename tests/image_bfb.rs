@@ -307,3 +307,25 @@ fn a_vendor_bundle_keeps_its_firmware_byte_for_byte() {
         i.args.as_bytes()
     );
 }
+
+#[test]
+fn every_image_subcommand_teaches_with_examples() {
+    for sub in ["build", "inspect", "verify", "extract", "flash"] {
+        let o = host(&[sub, "--help"]);
+        let s = ok(&o);
+        assert!(s.contains("Examples:\n  nacre-host image"), "{sub}: {s}");
+    }
+    let o = host(&["build", "--kernel", "k"]);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "a malformed command line is exit 2"
+    );
+    let o = host(&["verify", "/nonexistent/x.bfb"]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.starts_with("nacre-host: /nonexistent/x.bfb: ") && e.lines().count() == 1,
+        "{e}"
+    );
+}
