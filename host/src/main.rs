@@ -9,6 +9,7 @@ mod channel;
 mod cuda;
 mod devices;
 mod gpus;
+mod image;
 mod pair;
 mod register;
 mod sysfs;
@@ -85,6 +86,9 @@ pub enum Command {
     UnregisterGpu(register::UnregisterArgs),
     Pair(pair::Args),
     Agent(agent::Args),
+    /// DPU images (BlueField boot streams): build, inspect, verify, extract, flash over rshim.
+    #[command(subcommand)]
+    Image(image::ImageCmd),
 }
 
 fn main() -> ExitCode {
@@ -112,6 +116,7 @@ fn main() -> ExitCode {
         Command::UnregisterGpu(a) => register::run_unregister(&g, a),
         Command::Pair(a) => pair::run(&g, a),
         Command::Agent(a) => agent::run(&g, a),
+        Command::Image(cmd) => return ExitCode::from(image::run(cmd, g.json) as u8),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
