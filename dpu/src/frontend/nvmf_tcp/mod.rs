@@ -543,3 +543,12 @@ fn keep_alive_reaper(t: Weak<TargetInner>) {
         }
     }
 }
+
+impl NvmfTarget {
+    /// Serve one already-connected stream on the calling thread, as if `listener` had
+    /// accepted it (the fuzz targets' way in: dpu/src/fuzzing.rs).
+    #[doc(hidden)]
+    pub fn serve_stream(&self, sock: TcpStream, listener: SocketAddr) {
+        conn::serve(&self.inner, sock, listener)
+    }
+}
