@@ -16,4 +16,6 @@ pub mod control;
 pub mod crypto;
 pub mod fabric;
 pub mod frontend;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod volume;

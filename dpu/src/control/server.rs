@@ -102,6 +102,13 @@ impl Drop for RpcServer {
     }
 }
 
+/// Serve one already-connected client stream on the calling thread, as the accept loop
+/// does (the fuzz targets' way in: dpu/src/fuzzing.rs).
+#[doc(hidden)]
+pub fn serve_stream(d: &Daemon, stream: UnixStream) {
+    serve_connection(d, stream)
+}
+
 fn serve_connection(d: &Daemon, stream: UnixStream) {
     let mut out = match stream.try_clone() {
         Ok(s) => s,

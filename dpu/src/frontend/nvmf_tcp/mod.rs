@@ -749,3 +749,20 @@ fn keep_alive_reaper(t: Weak<TargetInner>) {
         }
     }
 }
+
+impl NvmfTarget {
+    /// Serve one already-connected stream on the calling thread, as if `listener` had
+    /// accepted it (the fuzz targets' way in: dpu/src/fuzzing.rs).
+    #[doc(hidden)]
+    pub fn serve_stream(&self, sock: TcpStream, listener: SocketAddr) {
+        // A listener of its own, holding just this connection: the caps do not apply.
+        let slot = ConnSlot {
+            conns: Arc::new(ListenerConns {
+                live: std::sync::atomic::AtomicUsize::new(1),
+                setup: Mutex::new(std::collections::VecDeque::new()),
+            }),
+            id: 0,
+        };
+        conn::serve(&self.inner, sock, listener, &slot)
+    }
+}
