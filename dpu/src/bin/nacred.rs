@@ -98,8 +98,16 @@ fn raise_fd_limit() {
     }
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() {
     let args = Args::parse();
+    if let Err(e) = run(args) {
+        // One line, like every nacre tool's errors: the chain joined with ": ".
+        eprintln!("nacred: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: Args) -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_new(&args.log)

@@ -10,6 +10,7 @@
 //! the new state with [`state::save`]; only then commit it in memory. If persisting fails the
 //! live object is torn down again, so what runs and what would be replayed never diverge.
 
+pub mod lock;
 pub mod nvmf;
 pub mod remote;
 pub mod server;
@@ -167,6 +168,8 @@ pub struct Daemon {
     /// Remote NVMe-oF controllers (outside `inner`: volumes need them while it is held).
     pub remotes: remote::Registry,
     inner: Mutex<Inner>,
+    /// `nacred.lock` in the state and run directories, held for the daemon's life.
+    _locks: Vec<lock::DirLock>,
 }
 
 impl Daemon {
@@ -174,11 +177,16 @@ impl Daemon {
     /// reopened and devices restarted. An object that fails to come back is logged and left
     /// in the state (so a missing backing file does not silently drop its configuration);
     /// the other objects still start. Returns the daemon and whether state existed before.
+    ///
+    /// Before anything else in the directories is touched, takes their locks
+    /// ([`lock::acquire_all`]): a second nacred over the same state or run directory fails here
+    /// and leaves the first one's sockets and files alone.
     pub fn open(config: DaemonConfig) -> anyhow::Result<(Arc<Daemon>, bool)> {
         for dir in [&config.state_dir, &config.run_dir] {
             std::fs::create_dir_all(dir)
                 .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
         }
+        let locks = lock::acquire_all(&[&config.state_dir, &config.run_dir])?;
         restrict_dir(&config.state_dir)?;
         let loaded = state::load(&config.state_dir)?;
         let existed = loaded.is_some();
@@ -190,6 +198,7 @@ impl Daemon {
                 state: state.clone(),
                 live: Live::default(),
             }),
+            _locks: locks,
         });
         daemon.replay(&state);
         Ok((daemon, existed))
