@@ -1,11 +1,14 @@
 //! nacred's life over its directories: one daemon per state/run directory, replay that never
 //! invents data, and a banner that tells the truth about what it could restore.
 
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use nacre_shared::nvme::Status;
+use nacre_tests::blkio_client::{self, BlkioClient, ClientOptions};
 use nacre_tests::daemon::{bin, Nacred};
+use nacre_tests::nvmf_host::{HostError, HostOptions, NvmfHost};
 use serde_json::{json, Value};
 
 /// Runs a second nacred over `state`/`run` and returns (exit code, stderr) once it exits
@@ -105,4 +108,175 @@ fn nacred_stops_even_when_its_socket_paths_are_gone() {
     // older version): stopping must not need them.
     std::fs::remove_file(&n.rpc).unwrap();
     assert!(n.stop(), "nacred hung on SIGTERM:\n{}", n.log_text());
+}
+
+/// The port the default subsystem's listener has (from the RPC).
+fn default_nvmf_port(n: &Nacred) -> u16 {
+    let subs = n.ok("nvmf_get_subsystems", Value::Null);
+    let l = subs
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["nqn"] == DEFAULT_NQN)
+        .unwrap_or_else(|| panic!("no default subsystem in {subs}"))["listeners"][0]
+        .as_str()
+        .unwrap_or_else(|| panic!("no listener in {subs}"))
+        .to_string();
+    l.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+const DEFAULT_NQN: &str = "nqn.2014-08.io.nacre:default";
+
+#[test]
+fn a_missing_backing_file_fails_the_volume_instead_of_serving_zeros() {
+    let mut n = Nacred::start();
+    let img = n.state_dir.join("volumes/default.img");
+    let port = default_nvmf_port(&n);
+    let data = vec![0xa5u8; 8192];
+    {
+        let mut h = NvmfHost::connect(
+            ([127, 0, 0, 1], port).into(),
+            DEFAULT_NQN,
+            HostOptions::default(),
+        )
+        .unwrap();
+        h.write(0, 1, 0, &data, 4096).unwrap();
+        h.flush(0, 1).unwrap();
+    }
+    assert!(n.stop());
+    // The file system holding it is not mounted yet, say: the file is gone.
+    std::fs::rename(&img, n.state_dir.join("default.img.away")).unwrap();
+    n.spawn_again();
+
+    // Not recreated, and the volume says why it is failed.
+    assert!(!img.exists(), "replay recreated {}", img.display());
+    let v = n.ok("volume_list", json!({"name": "default"}));
+    assert_eq!(v[0]["state"], "failed", "{v}");
+    let reason = v[0]["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains("missing") && reason.contains(&img.display().to_string()),
+        "{reason}"
+    );
+    let out = n.cli(&["volume", "list"]);
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("failed (backing file"), "{table}");
+
+    // NVMe: the namespace is there, its I/O gets an error status.
+    let mut h = NvmfHost::connect(
+        ([127, 0, 0, 1], default_nvmf_port(&n)).into(),
+        DEFAULT_NQN,
+        HostOptions::default(),
+    )
+    .unwrap_or_else(|e| panic!("connect: {e}\n{}", n.log_text()));
+    match h.read(0, 1, 0, 2, 4096) {
+        Err(HostError::Nvme(st, _)) => assert!(st != Status::SUCCESS, "{st:?}"),
+        other => panic!("a read of a failed volume returned {other:?}"),
+    }
+    assert!(h.write(0, 1, 0, &data, 4096).is_err());
+    drop(h);
+
+    // virtio-blk: the device is served, its I/O gets IOERR (libblkio: -EIO).
+    let sock = n.run_dir.join("vhost-default.sock");
+    let mut c = BlkioClient::connect(&sock, &ClientOptions::default())
+        .unwrap_or_else(|e| panic!("vhost connect: {e}\n{}", n.log_text()));
+    let mut queues = c.take_queues();
+    let buf = &mut c.mem()[..4096];
+    let r = blkio_client::read(&mut queues[0], 0, buf).unwrap();
+    assert!(r < 0, "a read of a failed volume returned {r}");
+    drop(queues);
+    drop(c);
+    assert!(!img.exists());
+
+    // Back in place, the next start serves the data again.
+    assert!(n.stop());
+    std::fs::rename(n.state_dir.join("default.img.away"), &img).unwrap();
+    n.spawn_again();
+    let v = n.ok("volume_list", json!({"name": "default"}));
+    assert_eq!(v[0]["state"], "online", "{v}");
+    let mut h = NvmfHost::connect(
+        ([127, 0, 0, 1], default_nvmf_port(&n)).into(),
+        DEFAULT_NQN,
+        HostOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(h.read(0, 1, 0, 2, 4096).unwrap(), data);
+}
+
+#[test]
+fn volume_create_never_reuses_a_backing_file_unless_asked() {
+    let n = Nacred::start_args(&["--no-default"]);
+    let img = n.state_dir.join("volumes/data.img");
+    n.ok("volume_create", json!({"name": "data", "size": 8 << 20}));
+    // Sync'd new file of the asked size, private.
+    let m = std::fs::metadata(&img).unwrap();
+    assert_eq!(m.len(), 8 << 20);
+    assert_eq!(m.permissions().mode() & 0o777, 0o600);
+    let pattern: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8).collect();
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+        f.write_all_at(&pattern, 4096).unwrap();
+    }
+    n.ok("volume_delete", json!({"name": "data"}));
+    assert!(img.exists(), "delete without delete_data keeps the file");
+
+    // Same name again: refused, naming the file and the flag; nothing changed.
+    let (code, msg) = n.err("volume_create", json!({"name": "data", "size": 1 << 20}));
+    assert_eq!(code, nacre_shared::rpc::ALREADY_EXISTS, "{msg}");
+    assert!(
+        msg.contains(&img.display().to_string()) && msg.contains("--adopt-existing"),
+        "{msg}"
+    );
+    assert_eq!(std::fs::metadata(&img).unwrap().len(), 8 << 20);
+    let out = n.cli(&["volume", "create", "data", "--size", "1M"]);
+    assert_eq!(out.status.code(), Some(1));
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        e.lines().count() == 1 && e.starts_with("nacre: ") && e.contains("--adopt-existing"),
+        "{e}"
+    );
+    // A size other than the file's is refused when adopting.
+    let (_, msg) = n.err(
+        "volume_create",
+        json!({"name": "data", "size": 1 << 20, "adopt_existing": true}),
+    );
+    assert!(msg.contains("8388608 bytes"), "{msg}");
+    // Adopting takes the file's size and its data.
+    let out = n.cli(&["volume", "create", "data", "--adopt-existing"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = n.ok("volume_list", json!({"name": "data"}));
+    assert_eq!(v[0]["size"], 8 << 20, "{v}");
+    n.ok(
+        "nvmf_subsystem_create",
+        json!({"nqn": "nqn.2024-01.io.nacre:adopt", "allow_any_host": true}),
+    );
+    n.ok(
+        "nvmf_subsystem_add_ns",
+        json!({"nqn": "nqn.2024-01.io.nacre:adopt", "volume": "data"}),
+    );
+    let l = n.ok(
+        "nvmf_subsystem_add_listener",
+        json!({"nqn": "nqn.2024-01.io.nacre:adopt", "address": "127.0.0.1", "port": 0}),
+    );
+    let port = l["port"].as_u64().unwrap() as u16;
+    let mut h = NvmfHost::connect(
+        ([127, 0, 0, 1], port).into(),
+        "nqn.2024-01.io.nacre:adopt",
+        HostOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(h.read(0, 1, 1, 1, 4096).unwrap(), pattern);
+    // A path given explicitly is refused the same way.
+    let other = n.state_dir.join("other.img");
+    std::fs::write(&other, vec![1u8; 4096]).unwrap();
+    let (_, msg) = n.err(
+        "volume_create",
+        json!({"name": "o", "size": 4096, "path": other}),
+    );
+    assert!(msg.contains("already exists"), "{msg}");
+    assert_eq!(std::fs::read(&other).unwrap(), vec![1u8; 4096]);
 }

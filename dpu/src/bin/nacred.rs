@@ -172,11 +172,27 @@ fn stop_signals() -> libc::sigset_t {
 /// vhost-user-blk device are still served.
 fn embedded_default(d: &Daemon, listen: SocketAddr) -> anyhow::Result<()> {
     let name = config::DEFAULT_VOLUME_NAME;
+    // The embedded default is documented to reopen its own file (a state directory whose
+    // state.json was removed to reset the configuration keeps the default disk's data): an
+    // explicit adoption, said out loud, of the file's size.
+    let path = volume::default_volume_path(d, name);
+    let adopt = path.exists();
+    if adopt {
+        eprintln!(
+            "nacred: the embedded default adopts the existing {} (remove it for an empty disk)",
+            path.display()
+        );
+    }
     let vol = volume::create(
         d,
         &VolumeCreate {
             name: name.into(),
-            size: config::DEFAULT_VOLUME_SIZE,
+            size: if adopt {
+                0
+            } else {
+                config::DEFAULT_VOLUME_SIZE
+            },
+            adopt_existing: adopt,
             block_size: 4096,
             backend: BackendKind::File,
             path: None,

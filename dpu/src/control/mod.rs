@@ -23,6 +23,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use nacre_shared::api::volume::BackendKind;
 use nacre_shared::rpc;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -153,6 +154,8 @@ pub struct Live {
     pub volumes: HashMap<String, Arc<dyn BlockDevice>>,
     pub vhost_blk: HashMap<String, VhostBlkServer>,
     pub nvmf: Option<Arc<crate::frontend::nvmf_tcp::NvmfTarget>>,
+    /// Volumes that could not be opened at replay, with the reason (`volume_list` shows it).
+    pub failed: HashMap<String, String>,
     /// Tenants' unlocked KEKs (zeroized when dropped); see `tenant`.
     pub keks: HashMap<String, Arc<crate::crypto::tenant::UnlockedKek>>,
 }
@@ -208,11 +211,32 @@ impl Daemon {
         remote::replay(self, state);
         let mut inner = self.lock();
         for rec in state.volumes.values() {
+            // A file volume whose file is missing comes up failed: served (so its devices
+            // come back) but every I/O errs, never recreated empty.
+            if let Some(path) = rec
+                .path
+                .as_ref()
+                .filter(|_| rec.backend == BackendKind::File)
+            {
+                if let Err(e) = volume::check_backing_file(path) {
+                    warn!(volume = %rec.name, error = %e, "volume failed");
+                    let failed = volume::FailedVolume::new(rec, e.message.clone());
+                    inner
+                        .live
+                        .volumes
+                        .insert(rec.name.clone(), Arc::new(failed));
+                    inner.live.failed.insert(rec.name.clone(), e.message);
+                    continue;
+                }
+            }
             match tenant::open_existing(self, &mut inner, rec) {
                 Ok(dev) => {
                     inner.live.volumes.insert(rec.name.clone(), dev);
                 }
-                Err(e) => warn!(volume = %rec.name, error = %e, "volume not reopened"),
+                Err(e) => {
+                    warn!(volume = %rec.name, error = %e, "volume not reopened");
+                    inner.live.failed.insert(rec.name.clone(), e.message);
+                }
             }
         }
         for rec in state.vhost_blk.values() {
