@@ -280,3 +280,69 @@ fn volume_create_never_reuses_a_backing_file_unless_asked() {
     assert!(msg.contains("already exists"), "{msg}");
     assert_eq!(std::fs::read(&other).unwrap(), vec![1u8; 4096]);
 }
+
+#[test]
+fn a_saved_listener_whose_port_is_taken_is_reported_and_retried() {
+    let mut n = Nacred::start();
+    let port = default_nvmf_port(&n);
+    assert!(n.stop());
+    // Someone else has the port when nacred comes back.
+    let squatter = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+    let log_before = n.log_text().len();
+    n.spawn_again();
+    let log = n.log_text()[log_before..].to_string();
+    let addr = format!("127.0.0.1:{port}");
+    assert!(
+        !log.contains(&format!("listens on {addr}")),
+        "the banner claims a listener it does not have:\n{log}"
+    );
+    assert!(
+        log.contains(&format!("is NOT listening on {addr}")) && log.contains("retrying"),
+        "{log}"
+    );
+    let state = |n: &Nacred| {
+        let subs = n.ok("nvmf_get_subsystems", Value::Null);
+        subs.as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["nqn"] == DEFAULT_NQN)
+            .unwrap()["listener_states"][0]
+            .clone()
+    };
+    let l = state(&n);
+    assert_eq!(l["address"], addr, "{l}");
+    assert_eq!(l["state"], "failed", "{l}");
+    assert!(
+        l["reason"].as_str().unwrap_or_default().contains("in use"),
+        "{l}"
+    );
+    let out = n.cli(&["nvmf", "list"]);
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains(&format!("{addr} (failed: ")), "{table}");
+
+    // The port is free again: nacred binds it in the background and says so.
+    drop(squatter);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while state(&n)["state"] != "listening" {
+        assert!(
+            Instant::now() < deadline,
+            "listener not retried within 60 s: {}\n{}",
+            state(&n),
+            n.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let mut h = NvmfHost::connect(
+        ([127, 0, 0, 1], port).into(),
+        DEFAULT_NQN,
+        HostOptions::default(),
+    )
+    .unwrap();
+    h.identify_controller().unwrap();
+    let out = n.cli(&["nvmf", "list"]);
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains(&addr) && !table.contains("failed"),
+        "{table}"
+    );
+}

@@ -265,6 +265,15 @@ fn print_attach_hints(d: &Daemon) {
     }
     for sub in inner.state.nvmf.subsystems.values() {
         for l in &sub.listeners {
+            if let Some(reason) = inner.live.listeners_failed.get(&(sub.nqn.clone(), *l)) {
+                eprintln!(
+                    "nacred: NVMe/TCP subsystem {} is NOT listening on {l}: {reason}; retrying \
+                     every {} s in the background (`nacre nvmf list` shows its state)",
+                    sub.nqn,
+                    nacre_dpu::control::listener_retry::RETRY_INTERVAL.as_secs()
+                );
+                continue;
+            }
             eprintln!(
                 "nacred: NVMe/TCP subsystem {} ({} namespace(s)) listens on {l}; from a host with nvme-tcp:\n  \
                  nvme connect -t tcp -a {} -s {} -n {}",

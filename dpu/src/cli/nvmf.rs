@@ -187,7 +187,7 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
                         s["subtype"].as_str().unwrap_or("").into(),
                         s["serial"].as_str().unwrap_or("").into(),
                         ns,
-                        list("listeners"),
+                        listeners(s),
                         hosts,
                         s["controllers"].to_string(),
                     ]);
@@ -197,4 +197,32 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The LISTENERS column: each configured listener, and why one that does not listen does not.
+fn listeners(s: &Value) -> String {
+    let Some(states) = s["listener_states"].as_array().filter(|a| !a.is_empty()) else {
+        // The discovery subsystem has no configured listeners of its own.
+        return s["listeners"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .collect::<Vec<_>>()
+            .join(",");
+    };
+    states
+        .iter()
+        .map(|l| {
+            let addr = l["address"].as_str().unwrap_or("");
+            match l["state"].as_str() {
+                Some("listening") | None => addr.to_string(),
+                Some(st) => format!(
+                    "{addr} ({st}: {})",
+                    l["reason"].as_str().unwrap_or("unknown reason")
+                ),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
 }

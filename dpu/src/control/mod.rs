@@ -10,6 +10,7 @@
 //! the new state with [`state::save`]; only then commit it in memory. If persisting fails the
 //! live object is torn down again, so what runs and what would be replayed never diverge.
 
+pub mod listener_retry;
 pub mod lock;
 pub mod nvmf;
 pub mod remote;
@@ -156,6 +157,9 @@ pub struct Live {
     pub nvmf: Option<Arc<crate::frontend::nvmf_tcp::NvmfTarget>>,
     /// Volumes that could not be opened at replay, with the reason (`volume_list` shows it).
     pub failed: HashMap<String, String>,
+    /// NVMe/TCP listeners in the state that could not be bound at replay ((nqn, address) →
+    /// reason); [`listener_retry`] keeps trying them.
+    pub listeners_failed: std::collections::BTreeMap<(String, std::net::SocketAddr), String>,
     /// Tenants' unlocked KEKs (zeroized when dropped); see `tenant`.
     pub keks: HashMap<String, Arc<crate::crypto::tenant::UnlockedKek>>,
 }
@@ -204,6 +208,7 @@ impl Daemon {
             _locks: locks,
         });
         daemon.replay(&state);
+        listener_retry::start(&daemon);
         Ok((daemon, existed))
     }
 
@@ -293,6 +298,8 @@ impl Daemon {
             info!(device = %name, "stopping vhost-user-blk device");
             dev.stop();
         }
+        // Stops the listener retry too (it ends when nothing is left to retry).
+        inner.live.listeners_failed.clear();
         inner.live.nvmf = None;
         inner.live.volumes.clear();
         self.remotes.close_all();
