@@ -16,30 +16,45 @@ pub enum VolumeCmd {
         after_help = "Examples:\n  nacre volume create data --size 10G\n  nacre volume create fast --size 2G --backend ram --block-size 512\n  nacre volume create ext --size 100G --path /srv/nacre/ext.img\n  # serve a file kept by `volume delete` (without --delete-data), at its own size\n  nacre volume create data --adopt-existing"
     )]
     Create(CreateArgs),
-    /// List volumes.
+    /// List volumes: state (online, or failed and why), size, backend, who exports them.
+    #[command(
+        after_help = "Examples:\n  nacre volume list\n  nacre volume list data\n  nacre --json volume list"
+    )]
     List {
         /// Only this volume.
         name: Option<String>,
     },
     /// Delete a volume that no device exports.
+    #[command(
+        after_help = "Examples:\n  nacre volume delete scratch\n  # also remove the backing file (the data is gone)\n  nacre volume delete old --delete-data"
+    )]
     Delete {
+        /// The volume.
         name: String,
         /// Also remove the backing file of a file volume.
         #[arg(long)]
         delete_data: bool,
     },
     /// Grow (or, when unexported, shrink) a volume.
+    #[command(after_help = "Examples:\n  nacre volume resize data --size 20G")]
     Resize {
+        /// The volume.
         name: String,
         /// New size, e.g. 20G.
-        #[arg(long, value_parser = size_arg)]
+        #[arg(long, value_parser = size_arg, allow_hyphen_values = true)]
         size: u64,
     },
     /// Destroy an encrypted volume's data key: its data becomes permanently unreadable.
-    #[command(name = "crypto-erase")]
+    #[command(
+        name = "crypto-erase",
+        after_help = "Examples:\n  nacre volume crypto-erase secret --yes"
+    )]
     CryptoErase(super::tenant::CryptoEraseArgs),
     /// Write an encrypted volume's plaintext data key to a new 0600 file (disaster recovery).
-    #[command(name = "export-key")]
+    #[command(
+        name = "export-key",
+        after_help = "Examples:\n  nacre volume export-key secret --out /root/secret.key --yes-export-plaintext-key"
+    )]
     ExportKey(super::tenant::ExportKeyArgs),
 }
 
@@ -49,7 +64,12 @@ pub struct CreateArgs {
     pub name: String,
     /// Size with an optional binary suffix: 512M, 1G, 2T (with --adopt-existing: the file's
     /// size when left out).
-    #[arg(long, value_parser = size_arg, required_unless_present = "adopt_existing")]
+    #[arg(
+        long,
+        value_parser = size_arg,
+        required_unless_present = "adopt_existing",
+        allow_hyphen_values = true
+    )]
     pub size: Option<u64>,
     /// Logical block size in bytes: 512 or 4096.
     #[arg(long, default_value_t = 4096, value_parser = block_size_arg)]
@@ -73,6 +93,9 @@ pub struct CreateArgs {
 }
 
 pub fn size_arg(s: &str) -> Result<u64, String> {
+    if s.trim_start().starts_with('-') {
+        return Err(format!("a size cannot be negative (got {s})"));
+    }
     parse_size(s).map_err(|e| e.to_string())
 }
 
