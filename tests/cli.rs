@@ -253,3 +253,58 @@ fn methods_prints_whole_descriptions_and_vhost_blk_defaults_to_four_queues() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(n.ok("vhost_blk_list", Value::Null)[0]["queues"], 4);
 }
+
+#[test]
+fn disk_check_reads_the_default_disk_through_both_frontends() {
+    let n = Nacred::start();
+    // Something on the disk, so that "the same bytes" is not only zeros.
+    let img = n.state_dir.join("volumes/default.img");
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+        f.write_all_at(&[0x5a; 4096], 8192).unwrap();
+        f.write_all_at(&[0xc3; 4096], (1 << 30) - 4096).unwrap();
+    }
+    let subs = n.ok("nvmf_get_subsystems", Value::Null);
+    let listener = subs
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["nqn"] == "nqn.2014-08.io.nacre:default")
+        .unwrap()["listeners"][0]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let out = std::process::Command::new(bin("disk-check"))
+        .arg("--run-dir")
+        .arg(&n.run_dir)
+        .args(["--nvmf", &listener])
+        .output()
+        .unwrap();
+    let s = text(&out.stdout);
+    assert!(
+        out.status.success() && s.contains("OK: the default disk answers"),
+        "{s}\n{}",
+        text(&out.stderr)
+    );
+    // It read and never wrote.
+    let mut tail = vec![0u8; 4096];
+    use std::os::unix::fs::FileExt;
+    std::fs::File::open(&img)
+        .unwrap()
+        .read_exact_at(&mut tail, (1 << 30) - 4096)
+        .unwrap();
+    assert_eq!(tail, vec![0xc3; 4096]);
+    // Against nothing: one line, exit 1.
+    let out = std::process::Command::new(bin("disk-check"))
+        .args(["--run-dir", "/nonexistent"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        text(&out.stderr).lines().count(),
+        1,
+        "{}",
+        text(&out.stderr)
+    );
+}
