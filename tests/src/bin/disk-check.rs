@@ -5,8 +5,8 @@
 //!
 //! Connects to `<run-dir>/vhost-default.sock` as a read-only vhost-user-blk client
 //! (libblkio, what QEMU's virtio-blk device does) and to the NVMe/TCP subsystem
-//! `nqn.2014-08.io.nacre:default` (nacre's kernel-free NVMe/TCP host), reads N MiB (default
-//! 1) at the start, the middle and the end of the disk through each, and checks that both
+//! `nqn.2014-08.io.nacre:default` (nacre's kernel-free NVMe/TCP host), reads N MiB (default:
+//! one) at the start, the middle and the end of the disk through each, and checks that both
 //! return the same bytes. It never writes. Defaults follow nacred's: `NACRE_RUN_DIR` or
 //! /run/nacre, `NACRE_NVMF_LISTEN` or 127.0.0.1:4420. `scripts/check` builds and runs it.
 //! The vhost-user-blk socket serves one client at a time: with a VM attached, stop it first.
