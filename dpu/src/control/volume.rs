@@ -261,6 +261,11 @@ fn adopted_size(path: &Path, p: &VolumeCreate) -> Result<u64, RpcError> {
 }
 
 fn check_size(size: u64, block_size: u32) -> Result<(), RpcError> {
+    if size == 0 {
+        return Err(RpcError::invalid_params(format!(
+            "size is required: a positive multiple of the block size {block_size}"
+        )));
+    }
     if size == 0 || size % block_size as u64 != 0 {
         return Err(RpcError::invalid_params(format!(
             "size must be a positive multiple of the block size {block_size} (got {size})"

@@ -40,7 +40,8 @@ pub const DEFAULT_BLOCK_SIZE: u32 = 4096;
 pub struct VolumeCreate {
     pub name: String,
     /// Size in bytes; must be a positive multiple of `block_size`. For `remote` volumes 0
-    /// means the whole capacity of the extents.
+    /// means the whole capacity of the extents; with `adopt_existing`, the file's size.
+    #[serde(default)]
     pub size: u64,
     #[serde(default = "default_block_size")]
     pub block_size: u32,
