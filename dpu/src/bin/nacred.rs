@@ -123,8 +123,16 @@ fn raise_fd_limit() {
     }
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() {
     let args = Args::parse();
+    if let Err(e) = run(args) {
+        // One line, like every nacre tool's errors: the chain joined with ": ".
+        eprintln!("nacred: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: Args) -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_new(&args.log)
@@ -207,11 +215,27 @@ fn stop_signals() -> libc::sigset_t {
 /// vhost-user-blk device are still served.
 fn embedded_default(d: &Daemon, listen: SocketAddr) -> anyhow::Result<()> {
     let name = config::DEFAULT_VOLUME_NAME;
+    // The embedded default is documented to reopen its own file (a state directory whose
+    // state.json was removed to reset the configuration keeps the default disk's data): an
+    // explicit adoption, said out loud, of the file's size.
+    let path = volume::default_volume_path(d, name);
+    let adopt = path.exists();
+    if adopt {
+        eprintln!(
+            "nacred: the embedded default adopts the existing {} (remove it for an empty disk)",
+            path.display()
+        );
+    }
     let vol = volume::create(
         d,
         &VolumeCreate {
             name: name.into(),
-            size: config::DEFAULT_VOLUME_SIZE,
+            size: if adopt {
+                0
+            } else {
+                config::DEFAULT_VOLUME_SIZE
+            },
+            adopt_existing: adopt,
             block_size: 4096,
             backend: BackendKind::File,
             path: None,
@@ -284,6 +308,15 @@ fn print_attach_hints(d: &Daemon) {
     }
     for sub in inner.state.nvmf.subsystems.values() {
         for l in &sub.listeners {
+            if let Some(reason) = inner.live.listeners_failed.get(&(sub.nqn.clone(), *l)) {
+                eprintln!(
+                    "nacred: NVMe/TCP subsystem {} is NOT listening on {l}: {reason}; retrying \
+                     every {} s in the background (`nacre nvmf list` shows its state)",
+                    sub.nqn,
+                    nacre_dpu::control::listener_retry::RETRY_INTERVAL.as_secs()
+                );
+                continue;
+            }
             eprintln!(
                 "nacred: NVMe/TCP subsystem {} ({} namespace(s)) listens on {l}; from a host with nvme-tcp:\n  \
                  nvme connect -t tcp -a {} -s {} -n {}",

@@ -11,6 +11,8 @@
 //! live object is torn down again, so what runs and what would be replayed never diverge.
 
 pub mod host_channel;
+pub mod listener_retry;
+pub mod lock;
 pub mod nvmf;
 pub mod peer;
 pub mod remote;
@@ -24,6 +26,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use nacre_shared::api::volume::BackendKind;
 use nacre_shared::rpc;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -155,6 +158,11 @@ pub struct Live {
     pub volumes: HashMap<String, Arc<dyn BlockDevice>>,
     pub vhost_blk: HashMap<String, VhostBlkServer>,
     pub nvmf: Option<Arc<crate::frontend::nvmf_tcp::NvmfTarget>>,
+    /// Volumes that could not be opened at replay, with the reason (`volume_list` shows it).
+    pub failed: HashMap<String, String>,
+    /// NVMe/TCP listeners in the state that could not be bound at replay ((nqn, address) →
+    /// reason); [`listener_retry`] keeps trying them.
+    pub listeners_failed: std::collections::BTreeMap<(String, std::net::SocketAddr), String>,
     /// Tenants' unlocked KEKs (zeroized when dropped); see `tenant`.
     pub keks: HashMap<String, Arc<crate::crypto::tenant::UnlockedKek>>,
 }
@@ -172,6 +180,8 @@ pub struct Daemon {
     /// GPU peer windows hosts registered (not persisted; see `peer`).
     pub peers: peer::Registry,
     inner: Mutex<Inner>,
+    /// `nacred.lock` in the state and run directories, held for the daemon's life.
+    _locks: Vec<lock::DirLock>,
 }
 
 impl Daemon {
@@ -179,11 +189,16 @@ impl Daemon {
     /// reopened and devices restarted. An object that fails to come back is logged and left
     /// in the state (so a missing backing file does not silently drop its configuration);
     /// the other objects still start. Returns the daemon and whether state existed before.
+    ///
+    /// Before anything else in the directories is touched, takes their locks
+    /// ([`lock::acquire_all`]): a second nacred over the same state or run directory fails here
+    /// and leaves the first one's sockets and files alone.
     pub fn open(config: DaemonConfig) -> anyhow::Result<(Arc<Daemon>, bool)> {
         for dir in [&config.state_dir, &config.run_dir] {
             std::fs::create_dir_all(dir)
                 .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
         }
+        let locks = lock::acquire_all(&[&config.state_dir, &config.run_dir])?;
         restrict_dir(&config.state_dir)?;
         let loaded = state::load(&config.state_dir)?;
         let existed = loaded.is_some();
@@ -196,8 +211,10 @@ impl Daemon {
                 state: state.clone(),
                 live: Live::default(),
             }),
+            _locks: locks,
         });
         daemon.replay(&state);
+        listener_retry::start(&daemon);
         Ok((daemon, existed))
     }
 
@@ -205,11 +222,32 @@ impl Daemon {
         remote::replay(self, state);
         let mut inner = self.lock();
         for rec in state.volumes.values() {
+            // A file volume whose file is missing comes up failed: served (so its devices
+            // come back) but every I/O errs, never recreated empty.
+            if let Some(path) = rec
+                .path
+                .as_ref()
+                .filter(|_| rec.backend == BackendKind::File)
+            {
+                if let Err(e) = volume::check_backing_file(path) {
+                    warn!(volume = %rec.name, error = %e, "volume failed");
+                    let failed = volume::FailedVolume::new(rec, e.message.clone());
+                    inner
+                        .live
+                        .volumes
+                        .insert(rec.name.clone(), Arc::new(failed));
+                    inner.live.failed.insert(rec.name.clone(), e.message);
+                    continue;
+                }
+            }
             match tenant::open_existing(self, &mut inner, rec) {
                 Ok(dev) => {
                     inner.live.volumes.insert(rec.name.clone(), dev);
                 }
-                Err(e) => warn!(volume = %rec.name, error = %e, "volume not reopened"),
+                Err(e) => {
+                    warn!(volume = %rec.name, error = %e, "volume not reopened");
+                    inner.live.failed.insert(rec.name.clone(), e.message);
+                }
             }
         }
         for rec in state.vhost_blk.values() {
@@ -266,6 +304,8 @@ impl Daemon {
             info!(device = %name, "stopping vhost-user-blk device");
             dev.stop();
         }
+        // Stops the listener retry too (it ends when nothing is left to retry).
+        inner.live.listeners_failed.clear();
         inner.live.nvmf = None;
         inner.live.volumes.clear();
         self.remotes.close_all();
