@@ -83,10 +83,16 @@ pub enum Command {
     )]
     Remote(remote::RemoteCmd),
     /// GPU peer windows hosts registered for the zero-copy RDMA path.
-    #[command(subcommand)]
+    #[command(
+        subcommand,
+        after_help = "Examples:\n  nacre peer list\n  nacre --json peer list --tenant acme"
+    )]
     Peer(peer::PeerCmd),
     /// Certificates of the host channel (files only; nacred need not run).
-    #[command(subcommand)]
+    #[command(
+        subcommand,
+        after_help = "Examples:\n  nacre cert init --dir /var/lib/nacre/tls\n  nacre cert issue --csr node17.csr --host node17 --tenant acme --out node17.pem"
+    )]
     Cert(cert::CertCmd),
     /// List the methods nacred answers, with a line of help each.
     #[command(after_help = "Examples:\n  nacre methods\n  nacre --json methods")]
