@@ -42,7 +42,12 @@ fn bench_vhost_reports_every_backend_against_qemu_storage_daemon() {
             .skip(2) // the rest of the heading line, the column names
             .take_while(|l| !l.trim().is_empty())
             .collect();
-        for w in ["randread 4096 1", "randread 4096 32", "randwrite 4096 32", "read 131072 16"] {
+        for w in [
+            "randread 4096 1",
+            "randread 4096 32",
+            "randwrite 4096 32",
+            "read 131072 16",
+        ] {
             let row = body
                 .iter()
                 .find(|l| l.starts_with(w))

@@ -104,9 +104,12 @@ fn nacred_stops_even_when_its_socket_paths_are_gone() {
         "volume_create",
         json!({"name": "v", "size": 1 << 20, "backend": "ram"}),
     );
+    n.ok("vhost_blk_create", json!({"name": "d", "volume": "v"}));
     // Someone removes the run directory's sockets (a cleanup script, a second daemon of an
-    // older version): stopping must not need them.
+    // older version): stopping must not need them, the RPC socket's nor a vhost-user one's
+    // (whose accept thread was once woken by connecting to its path).
     std::fs::remove_file(&n.rpc).unwrap();
+    std::fs::remove_file(n.run_dir.join("vhost-d.sock")).unwrap();
     assert!(n.stop(), "nacred hung on SIGTERM:\n{}", n.log_text());
 }
 
