@@ -197,10 +197,79 @@ fn stream_pair() -> (UnixStream, TcpStream) {
     (host, target)
 }
 
+/// Threads the harnesses hand the peer's side of a connection to, kept from one input to
+/// the next. Spawning them afresh for every input cost more than the code under test
+/// (three threads an input: `clone`, stack mapping, scheduler wake-up and exit), which held
+/// the socket harnesses to about 2,000 executions a second.
+mod helper {
+    use std::panic::{catch_unwind, AssertUnwindSafe};
+    use std::sync::mpsc;
+    use std::sync::Mutex;
+
+    /// Work for a helper: runs the job and returns how to hand its result over. The helper
+    /// files itself as idle between the two steps, so a caller that starts the next job as
+    /// soon as it has the result finds it idle instead of spawning another.
+    type Job = Box<dyn FnOnce() -> Box<dyn FnOnce() + Send> + Send>;
+
+    /// Helpers waiting for work: each is the sending end of its job channel.
+    static IDLE: Mutex<Vec<mpsc::Sender<Job>>> = Mutex::new(Vec::new());
+
+    /// The result of a job handed to a helper, like [`std::thread::JoinHandle`].
+    pub struct Handle<T>(mpsc::Receiver<std::thread::Result<T>>);
+
+    impl<T> Handle<T> {
+        /// Wait for the job; `Err` carries its panic, as a thread's join would.
+        pub fn join(self) -> std::thread::Result<T> {
+            self.0
+                .recv()
+                .unwrap_or_else(|_| Err(Box::new("fuzz helper thread vanished")))
+        }
+    }
+
+    /// Run `f` on an idle helper (a new one when none is idle).
+    pub fn run<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Handle<T> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        let job: Job = Box::new(move || {
+            let r = catch_unwind(AssertUnwindSafe(f));
+            Box::new(move || {
+                let _ = tx.send(r);
+            })
+        });
+        let idle = IDLE.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        match idle {
+            Some(h) => {
+                if let Err(mpsc::SendError(job)) = h.send(job) {
+                    spawn(job);
+                }
+            }
+            None => spawn(job),
+        }
+        Handle(rx)
+    }
+
+    fn spawn(first: Job) {
+        let (tx, rx) = mpsc::channel::<Job>();
+        std::thread::spawn(move || {
+            let mut job = first;
+            loop {
+                let deliver = job();
+                IDLE.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(tx.clone());
+                deliver();
+                match rx.recv() {
+                    Ok(j) => job = j,
+                    Err(_) => return,
+                }
+            }
+        });
+    }
+}
+
 /// Send `input` from a helper thread (so neither side blocks on a full socket buffer) and
 /// collect what comes back until the target closes.
-fn feed(mut host: UnixStream, input: Vec<u8>, close: bool) -> std::thread::JoinHandle<Vec<u8>> {
-    std::thread::spawn(move || {
+fn feed(mut host: UnixStream, input: Vec<u8>, close: bool) -> helper::Handle<Vec<u8>> {
+    helper::run(move || {
         let _ = host.write_all(&input);
         if close {
             let _ = host.shutdown(Shutdown::Write);
@@ -394,14 +463,16 @@ fn namespace_bytes(v: &RamVolume) -> Vec<u8> {
 pub fn nvme_commands(data: &[u8]) {
     let f = target_fixture();
     let recs = parse_cmd_records(data);
-    let pattern: Vec<u8> = (0..NS_BYTES as usize).map(|i| (i * 7 + 3) as u8).collect();
-    f.vol.write_at(0, &pattern).expect("reset namespace");
+    static PATTERN: OnceLock<Vec<u8>> = OnceLock::new();
+    let pattern =
+        PATTERN.get_or_init(|| (0..NS_BYTES as usize).map(|i| (i * 7 + 3) as u8).collect());
+    f.vol.write_at(0, pattern).expect("reset namespace");
 
     // Admin queue, served on its own thread for as long as the I/O queue needs it.
     let (mut admin, admin_tgt) = stream_pair();
     let target = f.target.clone();
     let listener = f.listener;
-    let admin_thread = std::thread::spawn(move || target.serve_stream(admin_tgt, listener));
+    let admin_thread = helper::run(move || target.serve_stream(admin_tgt, listener));
     let mut setup = Vec::new();
     icreq(Digests::NONE, &mut setup);
     connect_capsule(0, fabrics::CNTLID_DYNAMIC, &mut setup);
@@ -450,7 +521,7 @@ pub fn nvme_commands(data: &[u8]) {
     });
     if !writes {
         assert!(
-            namespace_bytes(&f.vol) == pattern,
+            namespace_bytes(&f.vol) == *pattern,
             "the namespace changed although no command asked for a write"
         );
     }
@@ -557,7 +628,7 @@ pub fn nvmf_initiator(data: &[u8]) {
     let addr = l.local_addr().expect("listener address");
     let (go_tx, go_rx) = std::sync::mpsc::channel::<bool>();
 
-    let peer = std::thread::spawn(move || {
+    let peer = helper::run(move || {
         let Ok((mut s, _)) = l.accept() else { return };
         let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
         let mut ic = [0u8; tcp::IC_LEN];
@@ -848,7 +919,7 @@ pub fn json_rpc(data: &[u8]) {
     }
     let d = fx.daemon();
     let (client, server) = UnixStream::pair().expect("socketpair");
-    let feeder = std::thread::spawn({
+    let feeder = helper::run({
         let input = data.to_vec();
         move || {
             let mut c = client;
