@@ -321,7 +321,9 @@ impl QueueConn {
         };
         let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
         if in_capsule && cmd.len > 0 {
-            // Encode the capsule around the data without an intermediate copy of it.
+            // Two copies: the command's segments are gathered into `data`, which the encoder
+            // then copies into the send buffer behind the header (and digests). Sending
+            // straight from the segments (writev) is the reactor work of issue 9.
             let mut data = vec![0u8; cmd.len];
             read_cmd_data(&cmd, 0, &mut data);
             pdu::encode_capsule_cmd(

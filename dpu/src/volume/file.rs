@@ -1,12 +1,12 @@
 //! The file backend: a volume's blocks in a (sparse) file.
 //!
-//! I/O runs on the submitting frontend thread with `preadv`/`pwritev` straight into the
-//! request's segments (guest memory or a receive buffer), so a request costs one system call
-//! and no copy in nacred. Each vhost-user queue and each NVMe-oF queue has its own thread, so
-//! the queue threads are the thread pool. On a file in the page cache this beats io_uring's
-//! submit/reap round trip for 4 KiB requests on this class of machine (see
-//! `scripts/bench-vhost`); an O_DIRECT file on a real disk would want io_uring, tracked in
-//! the README's "not yet" list.
+//! Buffered I/O runs on the submitting frontend thread with `preadv`/`pwritev` straight into
+//! the request's segments (guest memory or a receive buffer), so a request costs one system
+//! call and no copy in nacred. Each vhost-user queue and each NVMe-oF queue has its own
+//! thread, so the queue threads are the thread pool. On a file in the page cache this beats
+//! io_uring's submit/reap round trip for 4 KiB requests on this class of machine (see
+//! `scripts/bench-vhost`). `O_DIRECT` I/O, which waits on the device, goes through io_uring
+//! instead and completes from a reaper thread, so a slow disk does not stall the queue.
 //!
 //! `O_DIRECT` is used where the file system accepts it (not tmpfs) unless the caller asks for
 //! buffered I/O; requests whose segments are not aligned for it go through an aligned bounce

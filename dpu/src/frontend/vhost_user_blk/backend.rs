@@ -147,8 +147,8 @@ impl VhostUserBackend for BlkBackend {
     fn features(&self) -> u64 {
         let mut f = bit(VIRTIO_F_VERSION_1)
             | bit(VIRTIO_RING_F_EVENT_IDX)
-            // Long requests take one ring slot (virtio 1.2 §2.7.5.3); virtio-queue's chain
-            // iterator follows the indirect table.
+            // Long requests take one ring slot (virtio 1.2 §2.7.5.3); the queue worker walks
+            // the indirect table itself, with its bounds checks (`queue.rs`).
             | bit(VIRTIO_RING_F_INDIRECT_DESC)
             | bit(vb::VIRTIO_BLK_F_SEG_MAX)
             | bit(vb::VIRTIO_BLK_F_BLK_SIZE)

@@ -14,8 +14,10 @@
 //!
 //! Completions never touch the ring themselves: an inline completion lands in a thread-local
 //! list that the worker drains right after `submit`; a completion from another thread lands in
-//! a shared list and wakes the worker through an eventfd. No allocation happens per request:
-//! the lists, the descriptor scratch and the per-head slots are sized once per queue.
+//! a shared list and wakes the worker through an eventfd. The lists, the descriptor scratch and
+//! the per-head slots are sized once per queue, so a request of up to four data segments
+//! allocates nothing; a longer chain's segment list ([`crate::volume::Segments`], inline for
+//! four) spills to the heap.
 
 use std::cell::RefCell;
 use std::num::Wrapping;
