@@ -216,7 +216,17 @@ pub fn data_offset(hlen: usize, digests: Digests, pda: u8) -> usize {
 
 /// Append a PDU: header (whose CH fields `flags`, `pdo`, `plen` are filled here), optional
 /// header digest, padding, data and optional data digest.
-fn put_pdu(
+fn put_pdu(out: &mut Vec<u8>, t: u8, fl: u8, hdr: &[u8], data: &[u8], digests: Digests, pda: u8) {
+    let ddgst = put_pdu_head(out, t, fl, hdr, data, digests, pda);
+    out.extend_from_slice(data);
+    if let Some(d) = ddgst {
+        out.extend_from_slice(&d);
+    }
+}
+
+/// A PDU up to its data: CH and PSH, header digest, padding to PDO. Returns the data digest
+/// that follows the data when data digests are on (and there is data).
+fn put_pdu_head(
     out: &mut Vec<u8>,
     t: u8,
     mut fl: u8,
@@ -224,7 +234,7 @@ fn put_pdu(
     data: &[u8],
     digests: Digests,
     pda: u8,
-) {
+) -> Option<[u8; DIGEST_LEN]> {
     let hlen = hdr.len();
     let has_data = !data.is_empty();
     let pdo = if has_data {
@@ -258,11 +268,8 @@ fn put_pdu(
     }
     if has_data {
         out.resize(start + pdo, 0);
-        out.extend_from_slice(data);
-        if dd != 0 {
-            out.extend_from_slice(&digest::crc32c(data).to_le_bytes());
-        }
     }
+    (dd != 0).then(|| digest::crc32c(data).to_le_bytes())
 }
 
 /// CapsuleCmd (§3.6.2.5): CH, the 64-byte SQE, in-capsule data.
@@ -335,14 +342,56 @@ pub fn encode_c2h_data(
         datal: data.len() as u32,
     }
     .header();
-    let mut fl = 0;
-    if last {
-        fl |= flags::LAST_PDU;
-        if success {
-            fl |= flags::SUCCESS;
-        }
+    put_pdu(
+        out,
+        pdu_type::C2H_DATA,
+        c2h_flags(last, success),
+        &h,
+        data,
+        dg,
+        hpda,
+    );
+}
+
+/// C2HData's LAST_PDU and SUCCESS flags (§3.6.2.8): SUCCESS only on the last PDU.
+fn c2h_flags(last: bool, success: bool) -> u8 {
+    match (last, success) {
+        (true, true) => flags::LAST_PDU | flags::SUCCESS,
+        (true, false) => flags::LAST_PDU,
+        (false, _) => 0,
     }
-    put_pdu(out, pdu_type::C2H_DATA, fl, &h, data, dg, hpda);
+}
+
+/// C2HData (§3.6.2.8) up to its data, for a sender that transmits `data` from its own
+/// buffer (a gather write) rather than copying it behind the header. The PDU is complete
+/// once `data` and then the returned data digest, if any, follow what this appends.
+#[allow(clippy::too_many_arguments)]
+pub fn encode_c2h_data_head(
+    out: &mut Vec<u8>,
+    cccid: u16,
+    datao: u32,
+    data: &[u8],
+    last: bool,
+    success: bool,
+    dg: Digests,
+    hpda: u8,
+) -> Option<[u8; DIGEST_LEN]> {
+    let h = DataHeader {
+        cccid,
+        ttag: 0,
+        datao,
+        datal: data.len() as u32,
+    }
+    .header();
+    put_pdu_head(
+        out,
+        pdu_type::C2H_DATA,
+        c2h_flags(last, success),
+        &h,
+        data,
+        dg,
+        hpda,
+    )
 }
 
 /// H2CData (§3.6.2.7).
@@ -416,6 +465,29 @@ mod test {
         header: true,
         data: true,
     };
+
+    /// The gather-write form (head, the caller's data, the returned digest) is byte for byte
+    /// the PDU the copying encoder builds, for every digest setting, padding and flag.
+    #[test]
+    fn c2h_data_head_then_data_is_the_whole_pdu() {
+        let data: Vec<u8> = (0..5000u32).map(|i| (i * 31 + 7) as u8).collect();
+        for (header, dd) in [(false, false), (true, false), (false, true), (true, true)] {
+            let dg = Digests { header, data: dd };
+            for hpda in [0u8, 3] {
+                for (last, success) in [(true, true), (true, false), (false, false)] {
+                    let mut whole = vec![0xAB];
+                    encode_c2h_data(&mut whole, 9, 4096, &data, last, success, dg, hpda);
+                    let mut split = vec![0xAB];
+                    let ddgst =
+                        encode_c2h_data_head(&mut split, 9, 4096, &data, last, success, dg, hpda);
+                    split.extend_from_slice(&data);
+                    split.extend(ddgst.into_iter().flatten());
+                    assert_eq!(ddgst.is_some(), dd);
+                    assert_eq!(split, whole, "digests {dg:?} hpda {hpda} last {last}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn ic_req_resp_layout() {

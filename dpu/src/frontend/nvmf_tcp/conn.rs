@@ -4,7 +4,7 @@
 
 use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::io::{Read, Write};
+use std::io::{IoSlice, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -21,6 +21,7 @@ use nacre_shared::nvme_tcp::{
     self as tcp, ch_offset, data_offset_of, digest, fes, flags, icreq_offset, pdu_type,
     CommonHeader, DataHeader, Digests, IcReq, IcResp,
 };
+use smallvec::SmallVec;
 use tracing::{debug, warn};
 
 use super::ctrl::{AdminReply, Controller};
@@ -41,8 +42,15 @@ const RBUF_LEN: usize = limits::MAX_TRANSFER + 64 * 1024;
 /// or any admin capsule with in-capsule data fits; a connection that never connects costs
 /// its peer little more than its thread.
 const SETUP_RBUF_LEN: usize = 2 * limits::ADMIN_INLINE_DATA;
-/// Flush the send buffer early once it holds this much.
+/// Flush the send buffer early once it holds this much (read data held for a gather write
+/// included).
 const FLUSH_AT: usize = 256 * 1024;
+/// Reads at least this long are sent from their slot buffer by a gather write (writev)
+/// instead of being copied behind their C2HData header; below it the copy costs less than
+/// another iovec and the buffer's trip back to the pool.
+const GATHER_MIN: usize = 16 * 1024;
+/// At most this many held buffers wait for one gather write.
+const GATHER_MAX_BUFS: usize = 64;
 /// How long a send may block on a host that stops reading before the connection is dropped:
 /// replies are also sent from other threads (completions, asynchronous events raised by the
 /// control plane), which must not hang on one stuck host.
@@ -87,23 +95,72 @@ struct Slot {
     buf: Vec<u8>,
 }
 
+/// What a queue has to send, gathered until the connection thread is about to block (or a
+/// completion arrives from another thread) and then written with one system call.
 struct Out {
     sock: TcpStream,
+    /// The bytes to send, except the data of long reads, which stays in `held`.
     buf: Vec<u8>,
+    /// Read data sent from its own buffer: `(at, data)` goes out right before `buf[at..]`.
+    held: Vec<(usize, Vec<u8>)>,
+    held_bytes: usize,
+    /// Buffers of `held` whose data has been sent, for the queue's pool.
+    spent: Vec<Vec<u8>>,
     broken: bool,
 }
 
 impl Out {
-    fn flush(&mut self) {
-        if self.buf.is_empty() || self.broken {
-            self.buf.clear();
-            return;
+    fn new(sock: TcpStream) -> Out {
+        Out {
+            sock,
+            buf: Vec::with_capacity(1024),
+            held: Vec::new(),
+            held_bytes: 0,
+            spent: Vec::new(),
+            broken: false,
         }
-        if self.sock.write_all(&self.buf).is_err() {
+    }
+
+    fn pending(&self) -> usize {
+        self.buf.len() + self.held_bytes
+    }
+
+    fn flush(&mut self) {
+        if self.pending() > 0 && !self.broken && self.send().is_err() {
             self.broken = true;
             let _ = self.sock.shutdown(Shutdown::Both);
         }
         self.buf.clear();
+        self.held_bytes = 0;
+        self.spent.extend(self.held.drain(..).map(|(_, b)| b));
+    }
+
+    fn send(&mut self) -> std::io::Result<()> {
+        if self.held.is_empty() {
+            return self.sock.write_all(&self.buf);
+        }
+        let mut iov: SmallVec<[IoSlice<'_>; 16]> = SmallVec::new();
+        let mut at = 0;
+        for (pos, data) in &self.held {
+            if *pos > at {
+                iov.push(IoSlice::new(&self.buf[at..*pos]));
+            }
+            iov.push(IoSlice::new(data));
+            at = *pos;
+        }
+        if at < self.buf.len() {
+            iov.push(IoSlice::new(&self.buf[at..]));
+        }
+        let mut iov = &mut iov[..];
+        while !iov.is_empty() {
+            match self.sock.write_vectored(iov) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => IoSlice::advance_slices(&mut iov, n),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 }
 
@@ -185,9 +242,47 @@ impl Queue {
         tcp::encode_capsule_resp(&mut out.buf, &self.cqe(cid, status, dw0), self.digests);
     }
 
+    /// Encode a successful read's reply with its data left in `data` (a slot buffer) for
+    /// the gather write; the buffer returns to the pool once sent.
+    fn put_read_reply(&self, out: &mut Out, cid: u16, data: Vec<u8>) {
+        let success = self.sq_flow_disabled.load(Ordering::Relaxed);
+        let ddgst = tcp::encode_c2h_data_head(
+            &mut out.buf,
+            cid,
+            0,
+            &data,
+            true,
+            success,
+            self.digests,
+            self.hpda,
+        );
+        out.held_bytes += data.len();
+        out.held.push((out.buf.len(), data));
+        if let Some(d) = ddgst {
+            out.buf.extend_from_slice(&d);
+        }
+        if !success {
+            tcp::encode_capsule_resp(
+                &mut out.buf,
+                &self.cqe(cid, Status::SUCCESS, 0),
+                self.digests,
+            );
+        }
+    }
+
     fn after_put(&self, out: &mut Out) {
-        if !self.on_own_thread() || out.buf.len() >= FLUSH_AT {
+        if !self.on_own_thread() || out.pending() >= FLUSH_AT || out.held.len() >= GATHER_MAX_BUFS {
             out.flush();
+            self.recycle(out);
+        }
+    }
+
+    /// Return the buffers a gather write has sent to the pool (the pool lock is taken
+    /// under the send lock, never the other way round).
+    fn recycle(&self, out: &mut Out) {
+        if !out.spent.is_empty() {
+            let mut pool = lock(&self.pool);
+            out.spent.drain(..).for_each(|b| pool.give(b));
         }
     }
 
@@ -203,7 +298,9 @@ impl Queue {
     }
 
     fn flush(&self) {
-        lock(&self.out).flush();
+        let mut out = lock(&self.out);
+        out.flush();
+        self.recycle(&mut out);
     }
 }
 
@@ -221,6 +318,16 @@ impl volume::Completion for Queue {
         // once); whoever takes it next waits for this slot's lock, which is held until the
         // reply no longer needs the buffer.
         lock(&self.free).push(tag as u16);
+        let mut s = s;
+        if status.is_success() && s.read_len >= GATHER_MIN {
+            // The data is sent from the slot's buffer itself: the slot gives it up.
+            let mut b = std::mem::take(&mut s.buf);
+            b.truncate(s.read_len);
+            let mut out = lock(&self.out);
+            self.put_read_reply(&mut out, s.cid, b);
+            self.after_put(&mut out);
+            return;
+        }
         let data = if status.is_success() {
             &s.buf[..s.read_len]
         } else {
@@ -232,7 +339,6 @@ impl volume::Completion for Queue {
         drop(out);
         // The reply holds a copy of the data: the buffer goes back to the pool, so a queue
         // keeps at most POOL_BYTES of idle buffers however deep it is.
-        let mut s = s;
         let b = std::mem::take(&mut s.buf);
         lock(&self.pool).give(b);
     }
@@ -363,11 +469,7 @@ pub(crate) fn serve(
         Err(End::Closed) => return,
     };
     let q = Arc::new(Queue {
-        out: Mutex::new(Out {
-            sock: wr,
-            buf: Vec::with_capacity(1024),
-            broken: false,
-        }),
+        out: Mutex::new(Out::new(wr)),
         digests: ic.digests,
         hpda: ic.hpda,
         sq_flow_disabled: AtomicBool::new(false),
