@@ -335,22 +335,9 @@ pub fn encode_c2h_data(
     dg: Digests,
     hpda: u8,
 ) {
-    let h = DataHeader {
-        cccid,
-        ttag: 0,
-        datao,
-        datal: data.len() as u32,
-    }
-    .header();
-    put_pdu(
-        out,
-        pdu_type::C2H_DATA,
-        c2h_flags(last, success),
-        &h,
-        data,
-        dg,
-        hpda,
-    );
+    let ddgst = encode_c2h_data_head(out, cccid, datao, data, last, success, dg, hpda);
+    out.extend_from_slice(data);
+    out.extend(ddgst.into_iter().flatten());
 }
 
 /// C2HData's LAST_PDU and SUCCESS flags (§3.6.2.8): SUCCESS only on the last PDU.
@@ -466,8 +453,9 @@ mod test {
         data: true,
     };
 
-    /// The gather-write form (head, the caller's data, the returned digest) is byte for byte
-    /// the PDU the copying encoder builds, for every digest setting, padding and flag.
+    /// The gather-write form (head, the caller's data, the returned digest) is a whole,
+    /// well-formed C2HData PDU for every digest setting, padding and flag: CH fields, header
+    /// digest over the header, data at PDO, data digest over the data, PLEN the total.
     #[test]
     fn c2h_data_head_then_data_is_the_whole_pdu() {
         let data: Vec<u8> = (0..5000u32).map(|i| (i * 31 + 7) as u8).collect();
@@ -475,15 +463,37 @@ mod test {
             let dg = Digests { header, data: dd };
             for hpda in [0u8, 3] {
                 for (last, success) in [(true, true), (true, false), (false, false)] {
-                    let mut whole = vec![0xAB];
-                    encode_c2h_data(&mut whole, 9, 4096, &data, last, success, dg, hpda);
-                    let mut split = vec![0xAB];
+                    let mut v = vec![0xAB];
                     let ddgst =
-                        encode_c2h_data_head(&mut split, 9, 4096, &data, last, success, dg, hpda);
-                    split.extend_from_slice(&data);
-                    split.extend(ddgst.into_iter().flatten());
-                    assert_eq!(ddgst.is_some(), dd);
-                    assert_eq!(split, whole, "digests {dg:?} hpda {hpda} last {last}");
+                        encode_c2h_data_head(&mut v, 9, 4096, &data, last, success, dg, hpda);
+                    v.extend_from_slice(&data);
+                    v.extend(ddgst.into_iter().flatten());
+                    let pdu = &v[1..];
+                    let ch = CommonHeader::decode(pdu);
+                    assert_eq!(ch.pdu_type, pdu_type::C2H_DATA);
+                    assert_eq!(ch.hlen as usize, DATA_HLEN);
+                    assert_eq!(ch.plen as usize, pdu.len(), "PLEN is the whole PDU");
+                    let want = (if header { flags::HDGSTF } else { 0 })
+                        | (if dd { flags::DDGSTF } else { 0 })
+                        | (if last { flags::LAST_PDU } else { 0 })
+                        | (if success { flags::SUCCESS } else { 0 });
+                    assert_eq!(ch.flags, want);
+                    let pdo = ch.pdo as usize;
+                    assert_eq!(pdo % ((hpda as usize + 1) * 4), 0, "PDO honours HPDA");
+                    assert_eq!(&pdu[pdo..pdo + data.len()], &data[..]);
+                    if header {
+                        let h = digest::crc32c(&pdu[..DATA_HLEN]).to_le_bytes();
+                        assert_eq!(pdu[DATA_HLEN..DATA_HLEN + DIGEST_LEN], h);
+                    }
+                    let end = pdo + data.len();
+                    if dd {
+                        assert_eq!(pdu[end..], digest::crc32c(&data).to_le_bytes());
+                    } else {
+                        assert_eq!(end, pdu.len());
+                    }
+                    let mut whole = Vec::new();
+                    encode_c2h_data(&mut whole, 9, 4096, &data, last, success, dg, hpda);
+                    assert_eq!(whole, pdu, "the copying encoder builds the same PDU");
                 }
             }
         }
