@@ -16,4 +16,5 @@ pub mod control;
 pub mod crypto;
 pub mod fabric;
 pub mod frontend;
+pub mod telemetry;
 pub mod volume;

@@ -71,6 +71,16 @@ struct Args {
     #[arg(long, env = "NACRE_NVMF_MAX_CONNECTIONS_PER_HOST", default_value_t = ConnLimits::DEFAULT.per_host)]
     nvmf_max_connections_per_host: usize,
 
+    /// Serve Prometheus metrics on http://ADDR/metrics, e.g. 127.0.0.1:9444 (port 0: any free
+    /// one; `nacre rpc metrics_endpoint` tells which). Off unless given; keep it on loopback.
+    #[arg(long, env = "NACRE_METRICS_LISTEN")]
+    metrics_listen: Option<std::net::SocketAddr>,
+
+    /// Serve volumes without the QoS and statistics layer (limits are kept, not enforced):
+    /// the baseline of scripts/bench-qos.
+    #[arg(long)]
+    no_qos: bool,
+
     /// Log filter (tracing's EnvFilter syntax), e.g. info, debug, nacre_dpu=trace.
     #[arg(long, env = "NACRE_LOG", default_value = "info")]
     log: String,
@@ -137,6 +147,9 @@ fn main() -> anyhow::Result<()> {
         per_host: args.nvmf_max_connections_per_host,
     });
 
+    if args.no_qos {
+        nacre_dpu::control::qos::DISABLED.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
     let (daemon, existed) = Daemon::open(DaemonConfig {
         state_dir: args.state_dir.clone(),
         run_dir: args.run_dir.clone(),
@@ -148,6 +161,11 @@ fn main() -> anyhow::Result<()> {
     if !existed && !args.no_default {
         embedded_default(&daemon, args.nvmf_listen)
             .context("cannot set up the embedded default")?;
+    }
+    if let Some(addr) = args.metrics_listen {
+        let bound = nacre_dpu::telemetry::http::serve(addr, daemon.qos.telemetry().clone())
+            .with_context(|| format!("cannot serve metrics on {addr}"))?;
+        let _ = daemon.metrics_addr.set(bound);
     }
     // Last: a client that reaches the RPC socket finds every device already serving.
     let server = RpcServer::start(daemon.clone(), &rpc_path)?;

@@ -5,9 +5,12 @@
 //! from clap).
 
 pub mod nvmf;
+pub mod qos;
 pub mod remote;
+pub mod stats;
 pub mod table;
 pub mod tenant;
+pub mod top;
 pub mod vhost;
 pub mod volume;
 
@@ -64,6 +67,13 @@ pub enum Command {
     /// Remote NVMe-oF controllers (storage shelves) and volumes on their namespaces.
     #[command(subcommand)]
     Remote(remote::RemoteCmd),
+    /// QoS limits of volumes, tenants and the daemon: IOPS and bytes/s, bursts, weights.
+    #[command(subcommand)]
+    Qos(qos::QosCmd),
+    /// I/O counters, queue depth, throttling and latency quantiles per volume.
+    Stats(stats::StatsArgs),
+    /// Live per-volume rates, refreshed in place.
+    Top(top::TopArgs),
     /// List the methods nacred answers, with a line of help each.
     Methods,
     /// Call any RPC method with raw JSON params and print the raw result.
@@ -111,6 +121,9 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Nvmf(c) => nvmf::run(&mut ctx, c),
         Command::Tenant(c) => tenant::run(&mut ctx, c),
         Command::Remote(c) => remote::run(&mut ctx, c),
+        Command::Qos(c) => qos::run(&mut ctx, c),
+        Command::Stats(a) => stats::run(&mut ctx, a),
+        Command::Top(a) => top::run(&mut ctx, a),
         Command::Methods => {
             let v = ctx.call("rpc_get_methods", serde_json::json!({"verbose": true}))?;
             ctx.print(&v, |v| {

@@ -11,6 +11,7 @@
 //! live object is torn down again, so what runs and what would be replayed never diverge.
 
 pub mod nvmf;
+pub mod qos;
 pub mod remote;
 pub mod server;
 pub mod state;
@@ -111,6 +112,7 @@ pub fn methods() -> impl Iterator<Item = &'static Method> {
         .chain(nvmf::METHODS)
         .chain(tenant::METHODS)
         .chain(remote::METHODS)
+        .chain(qos::METHODS)
 }
 
 const META_METHODS: &[Method] = &[Method {
@@ -166,6 +168,10 @@ pub struct Daemon {
     pub config: DaemonConfig,
     /// Remote NVMe-oF controllers (outside `inner`: volumes need them while it is held).
     pub remotes: remote::Registry,
+    /// QoS limiter and the per-volume statistics it keeps (see `qos`).
+    pub qos: Arc<crate::volume::qos::Qos>,
+    /// Where the Prometheus endpoint listens, once nacred started it.
+    pub metrics_addr: std::sync::OnceLock<std::net::SocketAddr>,
     inner: Mutex<Inner>,
 }
 
@@ -186,11 +192,14 @@ impl Daemon {
         let daemon = Arc::new(Daemon {
             config,
             remotes: Default::default(),
+            qos: crate::volume::qos::Qos::start(Default::default()),
+            metrics_addr: Default::default(),
             inner: Mutex::new(Inner {
                 state: state.clone(),
                 live: Live::default(),
             }),
         });
+        qos::apply(&daemon, &state.qos);
         daemon.replay(&state);
         Ok((daemon, existed))
     }
@@ -201,6 +210,7 @@ impl Daemon {
         for rec in state.volumes.values() {
             match tenant::open_existing(self, &mut inner, rec) {
                 Ok(dev) => {
+                    let dev = qos::wrap(self, rec, dev);
                     inner.live.volumes.insert(rec.name.clone(), dev);
                 }
                 Err(e) => warn!(volume = %rec.name, error = %e, "volume not reopened"),

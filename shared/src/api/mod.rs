@@ -5,6 +5,7 @@
 //! request is an "invalid params" error that names the field, never a silently ignored knob.
 
 pub mod nvmf;
+pub mod qos;
 pub mod remote;
 pub mod tenant;
 pub mod vhost;
