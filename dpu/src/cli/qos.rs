@@ -183,5 +183,5 @@ fn print_table(rows: &[Value]) {
             n(&l["weight"]),
         ]);
     }
-    print!("{}", t.render());
+    println!("{}", t.render());
 }

@@ -65,7 +65,7 @@ pub fn run(ctx: &mut Ctx, a: StatsArgs) -> Result<()> {
                 us(s.p999_us),
             ]);
         }
-        print!("{}", t.render());
+        println!("{}", t.render());
     });
     Ok(())
 }

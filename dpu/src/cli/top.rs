@@ -88,7 +88,7 @@ pub fn run(ctx: &mut Ctx, a: TopArgs) -> Result<()> {
             now.len(),
             a.interval
         )?;
-        write!(out, "{}", t.render())?;
+        writeln!(out, "{}", t.render())?;
         out.flush()?;
         prev = now.into_iter().map(|s| (s.volume.clone(), s)).collect();
         n += 1;
