@@ -151,3 +151,160 @@ fn bad_arguments_are_refused_before_any_rpc() {
         .unwrap()
         .is_empty());
 }
+
+fn nacre(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(bin("nacre"))
+        .args(args)
+        .env_remove("NACRE_RPC")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn the_first_line_of_help_is_nacres_own() {
+    let out = nacre(&["--help"]);
+    let s = text(&out.stdout);
+    assert!(
+        s.lines().next().unwrap().starts_with("Operate nacred"),
+        "{s}"
+    );
+    assert!(!s.contains("daemon, and its library"), "{s}");
+}
+
+#[test]
+fn nvmf_namespace_and_listener_help_describe_every_argument_with_examples() {
+    for (cmd, needles) in [
+        ("add-ns", vec!["Subsystem NQN", "The volume to export"]),
+        (
+            "add-listener",
+            vec!["Subsystem NQN", "IPv4 or IPv6 address", "TCP port"],
+        ),
+    ] {
+        let s = text(&nacre(&["nvmf", cmd, "--help"]).stdout);
+        assert!(s.contains("Examples:\n  nacre nvmf"), "{cmd}: {s}");
+        for n in needles {
+            assert!(s.contains(n), "{cmd} --help lacks {n:?}:\n{s}");
+        }
+    }
+}
+
+#[test]
+fn command_line_errors_are_one_line_starting_nacre() {
+    for (args, needle) in [
+        (vec!["volume", "creat"], "unrecognized subcommand 'creat'"),
+        (vec!["volume", "create"], "required arguments"),
+        (
+            vec!["volume", "create", "x", "--size", "1G", "--bogus"],
+            "unexpected argument '--bogus'",
+        ),
+        (
+            vec!["volume", "create", "x", "--size", "-5G"],
+            "a size cannot be negative",
+        ),
+        (
+            vec!["volume", "resize", "x", "--size", "-1"],
+            "a size cannot be negative",
+        ),
+    ] {
+        let out = nacre(&args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let e = text(&out.stderr);
+        assert_eq!(e.lines().count(), 1, "{args:?}: {e}");
+        assert!(
+            e.starts_with("nacre: error: ") && e.contains(needle),
+            "{args:?}: {e}"
+        );
+    }
+}
+
+#[test]
+fn an_unreachable_daemon_names_the_os_error_once() {
+    let out = nacre(&["--rpc", "/nonexistent/nacred.sock", "volume", "list"]);
+    let e = text(&out.stderr);
+    assert_eq!(e.matches("os error 2").count(), 1, "{e}");
+}
+
+#[test]
+fn methods_prints_whole_descriptions_and_vhost_blk_defaults_to_four_queues() {
+    let n = Nacred::start_args(&["--no-default"]);
+    let out = n.cli(&["methods"]);
+    let s = text(&out.stdout);
+    let attach = s
+        .lines()
+        .find(|l| l.starts_with("remote_attach "))
+        .unwrap_or_else(|| panic!("{s}"));
+    assert!(
+        !attach.contains('…') && attach.trim_end().ends_with("quiesce_time_ms."),
+        "{attach}"
+    );
+    // One column for the names, as wide as the longest.
+    let col = |l: &str| {
+        l.find("  ")
+            .map(|i| i + l[i..].len() - l[i..].trim_start().len())
+    };
+    let cols: std::collections::BTreeSet<_> = s.lines().filter_map(col).collect();
+    assert_eq!(cols.len(), 1, "{s}");
+
+    n.ok(
+        "volume_create",
+        serde_json::json!({"name": "v", "size": 1 << 20, "backend": "ram"}),
+    );
+    let out = n.cli(&["vhost-blk", "create", "d", "--volume", "v"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(n.ok("vhost_blk_list", Value::Null)[0]["queues"], 4);
+}
+
+#[test]
+fn disk_check_reads_the_default_disk_through_both_frontends() {
+    let n = Nacred::start();
+    // Something on the disk, so that "the same bytes" is not only zeros.
+    let img = n.state_dir.join("volumes/default.img");
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(&img).unwrap();
+        f.write_all_at(&[0x5a; 4096], 8192).unwrap();
+        f.write_all_at(&[0xc3; 4096], (1 << 30) - 4096).unwrap();
+    }
+    let subs = n.ok("nvmf_get_subsystems", Value::Null);
+    let listener = subs
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["nqn"] == "nqn.2014-08.io.nacre:default")
+        .unwrap()["listeners"][0]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let out = std::process::Command::new(bin("disk-check"))
+        .arg("--run-dir")
+        .arg(&n.run_dir)
+        .args(["--nvmf", &listener])
+        .output()
+        .unwrap();
+    let s = text(&out.stdout);
+    assert!(
+        out.status.success() && s.contains("OK: the default disk answers"),
+        "{s}\n{}",
+        text(&out.stderr)
+    );
+    // It read and never wrote.
+    let mut tail = vec![0u8; 4096];
+    use std::os::unix::fs::FileExt;
+    std::fs::File::open(&img)
+        .unwrap()
+        .read_exact_at(&mut tail, (1 << 30) - 4096)
+        .unwrap();
+    assert_eq!(tail, vec![0xc3; 4096]);
+    // Against nothing: one line, exit 1.
+    let out = std::process::Command::new(bin("disk-check"))
+        .args(["--run-dir", "/nonexistent"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        text(&out.stderr).lines().count(),
+        1,
+        "{}",
+        text(&out.stderr)
+    );
+}

@@ -39,10 +39,10 @@ fn io(
 ) -> IoResult {
     let (tx, rx) = mpsc::channel();
     let done: Arc<dyn Completion> = Arc::new(Chan(std::sync::Mutex::new(tx)));
+    // SAFETY: `buf` outlives the request: this function waits for its completion below.
+    let seg = unsafe { Segment::from_slice(buf) };
     dev.submit(
-        // SAFETY: the request is waited for (or completes inline) while the buffer lives.
-        IoRequest::new(kind, off, buf.len() as u64, 0)
-            .with_segments([unsafe { Segment::from_slice(buf) }]),
+        IoRequest::new(kind, off, buf.len() as u64, 0).with_segments([seg]),
         &done,
     );
     rx.recv_timeout(HANG).unwrap_or_else(|_| {

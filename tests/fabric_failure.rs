@@ -91,10 +91,10 @@ fn io_held_across_a_cut_completes_when_the_target_is_back() {
         IoRequest::new(IoKind::Write, 65536, 65536, 1).with_segments([wseg]),
         &done,
     );
+    // SAFETY: `r` outlives the request: the test waits for its completion below.
+    let seg = unsafe { Segment::from_slice(&mut r) };
     s.dev.submit(
-        // SAFETY: the request is waited for (or completes inline) while the buffer lives.
-        IoRequest::new(IoKind::Read, 0, 65536, 2)
-            .with_segments([unsafe { Segment::from_slice(&mut r) }]),
+        IoRequest::new(IoKind::Read, 0, 65536, 2).with_segments([seg]),
         &done,
     );
     assert!(
@@ -186,10 +186,10 @@ fn past_ctrl_loss_timeout_everything_fails_with_path_lost() {
     s.proxy.sever();
     let (done, rx) = chan();
     let mut r = vec![0u8; 4096];
+    // SAFETY: `r` outlives the request: the test waits for its completion below.
+    let seg = unsafe { Segment::from_slice(&mut r) };
     s.dev.submit(
-        // SAFETY: the request is waited for (or completes inline) while the buffer lives.
-        IoRequest::new(IoKind::Read, 0, 4096, 7)
-            .with_segments([unsafe { Segment::from_slice(&mut r) }]),
+        IoRequest::new(IoKind::Read, 0, 4096, 7).with_segments([seg]),
         &done,
     );
     let (tag, res) = rx.recv_timeout(HANG).expect("held I/O ends, never hangs");
@@ -275,10 +275,10 @@ fn teardown_of_a_dead_controller_is_prompt() {
     s.proxy.stall(); // the worst case: connections open, nobody answering
     let (done, rx) = chan();
     let mut r = vec![0u8; 4096];
+    // SAFETY: `r` outlives the request: the test waits for its completion below.
+    let seg = unsafe { Segment::from_slice(&mut r) };
     s.dev.submit(
-        // SAFETY: the request is waited for (or completes inline) while the buffer lives.
-        IoRequest::new(IoKind::Read, 0, 4096, 3)
-            .with_segments([unsafe { Segment::from_slice(&mut r) }]),
+        IoRequest::new(IoKind::Read, 0, 4096, 3).with_segments([seg]),
         &done,
     );
     let t = Instant::now();

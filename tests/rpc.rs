@@ -184,7 +184,7 @@ fn bad_params_say_what_to_fix() {
             "volume_create",
             json!({"name": "a"}),
             rpc::INVALID_PARAMS,
-            "missing field `size`",
+            "size is required",
         ),
         (
             "volume_create",

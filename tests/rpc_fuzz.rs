@@ -13,7 +13,7 @@
 
 use nacre_shared::rpc::ClientError;
 use nacre_tests::daemon::Nacred;
-use nacre_tests::fuzz::{env_u64, Rng};
+use nacre_tests::fuzz::{env_u64, Rng, RpcGen};
 use serde_json::{json, Map, Value};
 
 /// The fields a method's params accept, from serde's "unknown field `x`, expected one of
@@ -30,207 +30,6 @@ fn fields_of(n: &Nacred, method: &str) -> Vec<String> {
         }
         // Methods without params (or that ignore an object) have nothing to learn.
         _ => Vec::new(),
-    }
-}
-
-struct Gen {
-    rng: Rng,
-    dir: String,
-}
-
-impl Gen {
-    fn name(&mut self) -> Value {
-        let long = "x".repeat(300);
-        json!(self.rng.pick(&[
-            "v0", "v1", "v2", "t0", "t1", "d0", "shelf", "v0", "t0", "", "../v0", "a/b", "ü",
-            &long, "v0 ", "-", "."
-        ]))
-    }
-    fn nqn(&mut self) -> Value {
-        json!(self.rng.pick(&[
-            "nqn.2024-01.io.nacre:f0",
-            "nqn.2024-01.io.nacre:f1",
-            "nqn.2014-08.org.nvmexpress.discovery",
-            "nqn.bad",
-            "",
-            "nqn.2024-01.io.nacre:f0:with spaces",
-        ]))
-    }
-    fn path(&mut self) -> Value {
-        let d = self.dir.clone();
-        json!(self.rng.pick(&[
-            format!("{d}/a.img"),
-            format!("{d}/b.img"),
-            format!("{d}/kek"),
-            format!("{d}/kek31"),
-            format!("{d}/export.key"),
-            format!("{d}/missing/x"),
-            format!("{d}/s.sock"),
-            d.clone(),
-            "rel.img".to_string(),
-            String::new(),
-        ]))
-    }
-    fn number(&mut self) -> Value {
-        match self.rng.below(12) {
-            0 => json!(-1),
-            1 => json!(1.5),
-            2 => json!(u64::MAX),
-            3 => json!(u32::MAX),
-            4 => json!(0),
-            5 => json!(65536),
-            _ => json!(self.rng.pick(&[1u64, 2, 4, 8, 16, 128, 512, 1023, 4096])),
-        }
-    }
-    fn size(&mut self) -> Value {
-        match self.rng.below(8) {
-            0 => json!(self
-                .rng
-                .pick(&["1M", "16M", "1G", "abc", "-1", "1.5G", "64P"])),
-            1 => self.number(),
-            _ => json!(self
-                .rng
-                .pick(&[1u64 << 20, 4 << 20, (1 << 20) + 512, 512, 0, 1 << 62])),
-        }
-    }
-    fn wrong_type(&mut self) -> Value {
-        match self.rng.below(5) {
-            0 => Value::Null,
-            1 => json!([1, "a"]),
-            2 => json!({"x": 1}),
-            3 => json!(true),
-            _ => json!("?"),
-        }
-    }
-    fn kek(&mut self) -> Value {
-        let mut m = Map::new();
-        match self.rng.below(4) {
-            0 => {
-                m.insert("passphrase".into(), json!(self.rng.pick(&["pw", ""])));
-                if self.rng.chance(2) {
-                    let v = self.rng.pick(&[0u64, 7, 8, 64, 1024, u32::MAX as u64]);
-                    m.insert("argon2_m_cost_kib".into(), json!(v));
-                }
-                if self.rng.chance(2) {
-                    let v = self.rng.pick(&[0u64, 1, 2, 65, u32::MAX as u64]);
-                    m.insert("argon2_t_cost".into(), json!(v));
-                }
-            }
-            1 => {
-                m.insert("key_file".into(), self.path());
-                m.insert("passphrase".into(), json!("pw"));
-            }
-            _ => {
-                let d = self.dir.clone();
-                let f = if self.rng.chance(4) { "kek31" } else { "kek" };
-                m.insert("key_file".into(), json!(format!("{d}/{f}")));
-            }
-        }
-        Value::Object(m)
-    }
-    fn policy(&mut self) -> Value {
-        let mut m = Map::new();
-        for (k, vals) in [
-            (
-                "cipher",
-                vec![json!("aes-xts-256"), json!("aes-xts-128"), json!("des")],
-            ),
-            (
-                "data_unit",
-                vec![json!(512), json!(4096), json!(1024), json!(0)],
-            ),
-            (
-                "tweak",
-                vec![json!("plain64"), json!("be64"), json!("be32")],
-            ),
-            (
-                "require_encryption",
-                vec![json!(true), json!(false), json!(1)],
-            ),
-        ] {
-            if self.rng.chance(2) {
-                m.insert(k.into(), self.rng.pick(&vals));
-            }
-        }
-        Value::Object(m)
-    }
-    /// A plausible value for parameter `key`: what an operator would send, so that calls
-    /// reach deep into the handlers and build up configuration.
-    fn good(&mut self, method: &str, key: &str) -> Option<Value> {
-        let d = self.dir.clone();
-        Some(match key {
-            "name" if method.starts_with("tenant") => json!(self.rng.pick(&["t0", "t1"])),
-            "name" if method.starts_with("vhost") => json!(self.rng.pick(&["d0", "d1"])),
-            "name" | "volume" => json!(self.rng.pick(&["v0", "v1", "v2"])),
-            "tenant" => json!(self.rng.pick(&["t0", "t1"])),
-            "path" if method == "volume_create" && self.rng.chance(2) => return None,
-            "nqn" | "subnqn" => json!(self
-                .rng
-                .pick(&["nqn.2024-01.io.nacre:f0", "nqn.2024-01.io.nacre:f1"])),
-            "host" | "hostnqn" => json!("nqn.2024-01.io.nacre:host"),
-            "size" | "new_size" => json!(self.rng.pick(&[1u64 << 20, 4 << 20, 8 << 20])),
-            "block_size" => json!(self.rng.pick(&[512, 4096])),
-            "backend" => json!(self.rng.pick(&["ram", "null", "file"])),
-            "path" => json!(self
-                .rng
-                .pick(&[format!("{d}/a.img"), format!("{d}/export.key")])),
-            "socket" => json!(format!("{d}/s{}.sock", self.rng.below(3))),
-            "kek" | "new_kek" => json!({"key_file": format!("{d}/kek")}),
-            "policy" => self.policy(),
-            "cipher" => json!("aes-xts-256"),
-            "data_unit" => json!(self.rng.pick(&[512, 4096])),
-            "tweak" => json!(self.rng.pick(&["plain64", "be64"])),
-            "address" => json!("127.0.0.1"),
-            "port" => json!(0),
-            "transport" => json!("tcp"),
-            "queues" | "io_queues" => json!(self.rng.pick(&[1, 2])),
-            "queue_size" | "queue_depth" => json!(self.rng.pick(&[32, 128])),
-            "nsid" => json!(self.rng.pick(&[1, 2])),
-            "confirm" | "allow_any_host" => json!(true),
-            "encrypt" | "read_only" | "force" | "delete_data" | "verbose"
-            | "require_encryption" | "header_digest" | "data_digest" => json!(self.rng.chance(2)),
-            _ => return None,
-        })
-    }
-
-    /// A value for parameter `key`, near the edges.
-    fn value(&mut self, key: &str) -> Value {
-        if self.rng.chance(12) {
-            return self.wrong_type();
-        }
-        let k = key;
-        if k.contains("path") || k.contains("file") || k == "socket" || k.contains("dir") {
-            return self.path();
-        }
-        match k {
-            "kek" | "new_kek" => self.kek(),
-            "policy" => self.policy(),
-            "nqn" | "subnqn" | "hostnqn" | "host" => self.nqn(),
-            "address" | "traddr" => {
-                json!(self
-                    .rng
-                    .pick(&["127.0.0.1", "::1", "", "not-an-address", "127.0.0.1:9"]))
-            }
-            "port" | "trsvcid" => json!(self.rng.pick(&[0i64, 65535, 70000, -1])),
-            "size" | "new_size" | "stripe_size" => self.size(),
-            "block_size" | "data_unit" => json!(self.rng.pick(&[512u64, 4096, 0, 1000, 1 << 30])),
-            "backend" => json!(self.rng.pick(&["ram", "null", "file", "remote", "bogus"])),
-            "transport" | "trtype" => json!(self.rng.pick(&["tcp", "rdma", "TCP", ""])),
-            "multipath" => json!(self.rng.pick(&["failover", "round_robin", "x"])),
-            "cipher" | "tweak" => self.policy()[k].clone(),
-            "extents" => {
-                let e = self
-                    .rng
-                    .pick(&["shelf:1", "shelf:1+shelf:2", "x", "shelf:0", ":"]);
-                json!([e, e])
-            }
-            "passphrase" => json!(self.rng.pick(&["pw", ""])),
-            _ if k.starts_with("name") || k == "volume" || k == "tenant" || k == "device" => {
-                self.name()
-            }
-            _ if self.rng.chance(3) => json!(self.rng.chance(2)),
-            _ => self.number(),
-        }
     }
 }
 
@@ -294,7 +93,7 @@ fn random_rpc_calls_get_replies_and_leave_a_restartable_state() {
         fields.iter().filter(|(_, f)| !f.is_empty()).count() > 10,
         "could not learn the methods' parameters: {fields:?}"
     );
-    let mut g = Gen {
+    let mut g = RpcGen {
         rng: Rng::new(env_u64("NACRE_FUZZ_SEED", 0x7270_6366_757a_7a21)),
         dir: dir.to_str().unwrap().to_string(),
     };
@@ -302,31 +101,7 @@ fn random_rpc_calls_get_replies_and_leave_a_restartable_state() {
     let mut answered_ok = 0;
     for i in 0..calls {
         let (method, keys) = g.rng.pick(&fields);
-        let mut params = Map::new();
-        // Two calls in three are plausible (every field an operator would give, one of them
-        // sometimes off); the rest are edge values throughout, fields left out at random.
-        let plausible = !g.rng.chance(3);
-        let odd_one = g.rng.below(keys.len() as u64 * 3) as usize;
-        for (j, k) in keys.iter().enumerate() {
-            let v = if plausible && j != odd_one {
-                g.good(&method, k)
-            } else if g.rng.chance(4) {
-                None
-            } else {
-                Some(g.value(k))
-            };
-            if let Some(v) = v {
-                params.insert(k.clone(), v);
-            }
-        }
-        if g.rng.chance(20) {
-            params.insert("bogus".into(), json!(1));
-        }
-        let params = if g.rng.chance(25) {
-            g.wrong_type()
-        } else {
-            Value::Object(params)
-        };
+        let params = g.params(&method, &keys);
         match n.call(&method, params.clone()) {
             Ok(_) => answered_ok += 1,
             Err(ClientError::Rpc { code, message }) => {

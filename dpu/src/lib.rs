@@ -16,5 +16,7 @@ pub mod control;
 pub mod crypto;
 pub mod fabric;
 pub mod frontend;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod telemetry;
 pub mod volume;

@@ -259,6 +259,13 @@ impl Nacred {
         }
     }
 
+    /// Start again over the same directories after [`Nacred::stop`] or [`Nacred::kill`]
+    /// (e.g. once the test changed something in them).
+    pub fn spawn_again(&mut self) {
+        assert!(self.child.is_none(), "nacred is still running");
+        self.spawn();
+    }
+
     /// Crash (SIGKILL) and start again over the same directories.
     pub fn crash_restart(&mut self) {
         self.kill();

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Parser;
 use nacre_dpu::config;
+use nacre_dpu::control::host_channel::HostListener;
 use nacre_dpu::control::{server::RpcServer, vhost, volume, Daemon, DaemonConfig};
 use nacre_dpu::frontend::nvmf_tcp::{self, ConnLimits};
 use nacre_shared::api::vhost::VhostBlkCreate;
@@ -56,6 +57,15 @@ struct Args {
     /// Where the embedded default's NVMe/TCP subsystem listens (port 0: any free port).
     #[arg(long, env = "NACRE_NVMF_LISTEN", default_value = "127.0.0.1:4420")]
     nvmf_listen: SocketAddr,
+
+    /// Listen for host agents (nacre-host) on this TCP address, mutual TLS only (see
+    /// `nacre cert`); on a BlueField, the tmfifo or OOB address. Default: off.
+    #[arg(long, env = "NACRE_HOST_LISTEN")]
+    host_listen: Option<SocketAddr>,
+
+    /// The host channel's certificates (`nacre cert init`) [default: <state-dir>/tls].
+    #[arg(long, env = "NACRE_HOST_TLS_DIR")]
+    host_tls_dir: Option<PathBuf>,
 
     /// NVMe/TCP: connections one listener serves at once; more are closed on accept.
     #[arg(long, env = "NACRE_NVMF_MAX_CONNECTIONS", default_value_t = ConnLimits::DEFAULT.per_listener)]
@@ -123,8 +133,16 @@ fn raise_fd_limit() {
     }
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() {
     let args = Args::parse();
+    if let Err(e) = run(args) {
+        // One line, like every nacre tool's errors: the chain joined with ": ".
+        eprintln!("nacred: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: Args) -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_new(&args.log)
@@ -169,6 +187,18 @@ fn main() -> anyhow::Result<()> {
     }
     // Last: a client that reaches the RPC socket finds every device already serving.
     let server = RpcServer::start(daemon.clone(), &rpc_path)?;
+    let host_listener = match args.host_listen {
+        Some(addr) => {
+            let dir = args
+                .host_tls_dir
+                .clone()
+                .unwrap_or_else(|| args.state_dir.join("tls"));
+            let l = HostListener::start(daemon.clone(), addr, &dir)?;
+            eprintln!("nacred: host channel on {}", l.local_addr());
+            Some(l)
+        }
+        None => None,
+    };
     print_attach_hints(&daemon);
     info!(rpc = %rpc_path.display(), state_dir = %args.state_dir.display(), "nacred ready");
     eprintln!("nacred: ready; RPC on {}", rpc_path.display());
@@ -177,6 +207,7 @@ fn main() -> anyhow::Result<()> {
     // SAFETY: sigwait with the same valid set; sig is a valid out pointer.
     unsafe { libc::sigwait(&signals, &mut sig) };
     info!(signal = sig, "stopping");
+    drop(host_listener);
     drop(server);
     daemon.shutdown();
     eprintln!("nacred: stopped");
@@ -202,11 +233,27 @@ fn stop_signals() -> libc::sigset_t {
 /// vhost-user-blk device are still served.
 fn embedded_default(d: &Daemon, listen: SocketAddr) -> anyhow::Result<()> {
     let name = config::DEFAULT_VOLUME_NAME;
+    // The embedded default is documented to reopen its own file (a state directory whose
+    // state.json was removed to reset the configuration keeps the default disk's data): an
+    // explicit adoption, said out loud, of the file's size.
+    let path = volume::default_volume_path(d, name);
+    let adopt = path.exists();
+    if adopt {
+        eprintln!(
+            "nacred: the embedded default adopts the existing {} (remove it for an empty disk)",
+            path.display()
+        );
+    }
     let vol = volume::create(
         d,
         &VolumeCreate {
             name: name.into(),
-            size: config::DEFAULT_VOLUME_SIZE,
+            size: if adopt {
+                0
+            } else {
+                config::DEFAULT_VOLUME_SIZE
+            },
+            adopt_existing: adopt,
             block_size: 4096,
             backend: BackendKind::File,
             path: None,
@@ -279,6 +326,15 @@ fn print_attach_hints(d: &Daemon) {
     }
     for sub in inner.state.nvmf.subsystems.values() {
         for l in &sub.listeners {
+            if let Some(reason) = inner.live.listeners_failed.get(&(sub.nqn.clone(), *l)) {
+                eprintln!(
+                    "nacred: NVMe/TCP subsystem {} is NOT listening on {l}: {reason}; retrying \
+                     every {} s in the background (`nacre nvmf list` shows its state)",
+                    sub.nqn,
+                    nacre_dpu::control::listener_retry::RETRY_INTERVAL.as_secs()
+                );
+                continue;
+            }
             eprintln!(
                 "nacred: NVMe/TCP subsystem {} ({} namespace(s)) listens on {l}; from a host with nvme-tcp:\n  \
                  nvme connect -t tcp -a {} -s {} -n {}",

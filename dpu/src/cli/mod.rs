@@ -4,7 +4,9 @@
 //! result for scripts. Errors are one line on stderr and exit status 1 (2 for usage errors,
 //! from clap).
 
+pub mod cert;
 pub mod nvmf;
+pub mod peer;
 pub mod qos;
 pub mod remote;
 pub mod stats;
@@ -36,7 +38,7 @@ another nacred with --rpc PATH or NACRE_RPC.";
 
 /// Operate nacred: volumes, vhost-user-blk devices, NVMe-oF subsystems, tenants and keys.
 #[derive(Parser, Debug)]
-#[command(name = "nacre", version, about, after_help = EXAMPLES)]
+#[command(name = "nacre", version, after_help = EXAMPLES)]
 pub struct Cli {
     /// nacred's RPC socket [default: $NACRE_RUN_DIR/nacred.sock or /run/nacre/nacred.sock].
     #[arg(long, global = true, env = "NACRE_RPC")]
@@ -53,30 +55,65 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Volumes: named block devices (file, ram or null backends).
-    #[command(subcommand)]
+    #[command(
+        subcommand,
+        after_help = "Examples:\n  nacre volume create data --size 10G\n  nacre volume list\n  nacre volume create --help"
+    )]
     Volume(volume::VolumeCmd),
     /// vhost-user-blk devices: serve a volume to a VM or any vhost-user client.
-    #[command(subcommand, name = "vhost-blk")]
+    #[command(
+        subcommand,
+        name = "vhost-blk",
+        after_help = "Examples:\n  nacre vhost-blk create vm1 --volume data\n  nacre vhost-blk list"
+    )]
     VhostBlk(vhost::VhostBlkCmd),
     /// NVMe-oF/TCP subsystems: namespaces, listeners, allowed hosts.
-    #[command(subcommand)]
+    #[command(
+        subcommand,
+        after_help = "Examples:\n  nacre nvmf create nqn.2024-01.io.nacre:data --allow-any-host\n  nacre nvmf add-ns nqn.2024-01.io.nacre:data --volume data\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address 127.0.0.1 --port 4420\n  nacre nvmf list"
+    )]
     Nvmf(nvmf::NvmfCmd),
     /// Tenants: key-encryption keys, encryption policy, KEK rotation.
-    #[command(subcommand)]
+    #[command(
+        subcommand,
+        after_help = "Examples:\n  nacre tenant create acme --key-file /etc/nacre/acme.kek\n  nacre volume create secret --size 10G --tenant acme --encrypt\n  nacre tenant list"
+    )]
     Tenant(tenant::TenantCmd),
     /// Remote NVMe-oF controllers (storage shelves) and volumes on their namespaces.
-    #[command(subcommand)]
+    #[command(
+        subcommand,
+        after_help = "Examples:\n  nacre remote attach shelf1 --address 192.0.2.10 --port 4420 --subnqn nqn.2024-01.io.example:shelf\n  nacre remote volume-create big --extent shelf1:1\n  nacre remote list"
+    )]
     Remote(remote::RemoteCmd),
     /// QoS limits of volumes, tenants and the daemon: IOPS and bytes/s, bursts, weights.
-    #[command(subcommand)]
+    #[command(
+        subcommand,
+        after_help = "Examples:\n  nacre qos set --volume db --iops 2000\n  nacre qos set --tenant acme --write-bps 100M --burst-ms 500\n  nacre qos show\n  nacre qos clear --volume db"
+    )]
     Qos(qos::QosCmd),
     /// I/O counters, queue depth, throttling and latency quantiles per volume.
     Stats(stats::StatsArgs),
     /// Live per-volume rates, refreshed in place.
     Top(top::TopArgs),
+    /// GPU peer windows hosts registered for the zero-copy RDMA path.
+    #[command(
+        subcommand,
+        after_help = "Examples:\n  nacre peer list\n  nacre --json peer list --tenant acme"
+    )]
+    Peer(peer::PeerCmd),
+    /// Certificates of the host channel (files only; nacred need not run).
+    #[command(
+        subcommand,
+        after_help = "Examples:\n  nacre cert init --dir /var/lib/nacre/tls\n  nacre cert issue --csr node17.csr --host node17 --tenant acme --out node17.pem"
+    )]
+    Cert(cert::CertCmd),
     /// List the methods nacred answers, with a line of help each.
+    #[command(after_help = "Examples:\n  nacre methods\n  nacre --json methods")]
     Methods,
     /// Call any RPC method with raw JSON params and print the raw result.
+    #[command(
+        after_help = "Examples:\n  nacre rpc rpc_get_methods\n  nacre rpc volume_list '{\"name\": \"data\"}'"
+    )]
     Rpc {
         /// Method name, e.g. volume_list.
         method: String,
@@ -107,6 +144,9 @@ impl Ctx {
 }
 
 pub fn run(cli: Cli) -> Result<()> {
+    if let Command::Cert(c) = cli.command {
+        return cert::run(c);
+    }
     let path = cli
         .rpc
         .clone()
@@ -124,17 +164,11 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Qos(c) => qos::run(&mut ctx, c),
         Command::Stats(a) => stats::run(&mut ctx, a),
         Command::Top(a) => top::run(&mut ctx, a),
+        Command::Peer(c) => peer::run(&mut ctx, c),
+        Command::Cert(_) => unreachable!("handled above"),
         Command::Methods => {
             let v = ctx.call("rpc_get_methods", serde_json::json!({"verbose": true}))?;
-            ctx.print(&v, |v| {
-                for m in v.as_array().into_iter().flatten() {
-                    println!(
-                        "{:<28} {}",
-                        m["name"].as_str().unwrap_or(""),
-                        m["help"].as_str().unwrap_or("")
-                    );
-                }
-            });
+            ctx.print(&v, print_methods);
             Ok(())
         }
         Command::Rpc { method, params } => {
@@ -147,5 +181,104 @@ pub fn run(cli: Cli) -> Result<()> {
             println!("{}", serde_json::to_string_pretty(&v)?);
             Ok(())
         }
+    }
+}
+
+/// `nacre methods`: every method with its whole line of help, the names in one column as wide
+/// as the longest (nothing is cut; a terminal narrower than a line wraps it).
+fn print_methods(v: &Value) {
+    let methods: Vec<(&str, &str)> = v
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|m| {
+            (
+                m["name"].as_str().unwrap_or(""),
+                m["help"].as_str().unwrap_or(""),
+            )
+        })
+        .collect();
+    let width = methods.iter().map(|(n, _)| n.len()).max().unwrap_or(0);
+    for (name, help) in methods {
+        println!("{name:<width$}  {help}");
+    }
+}
+
+/// A command-line error as one line: `nacre: error: WHAT (tip: ...); see 'nacre ... --help'`,
+/// for clap's multi-line rendering (help and version requests are printed as they are).
+pub fn usage_error_line(e: &clap::Error) -> String {
+    let text = e.render().to_string();
+    let mut what = String::new();
+    let mut tips = Vec::new();
+    let mut usage = None;
+    for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        if let Some(w) = line.strip_prefix("error: ") {
+            what = w.to_string();
+        } else if let Some(t) = line.strip_prefix("tip: ") {
+            tips.push(t.to_string());
+        } else if let Some(u) = line.strip_prefix("Usage: ") {
+            let words: Vec<&str> = u
+                .split_whitespace()
+                .take_while(|w| !w.starts_with(['[', '<', '-']))
+                .collect();
+            usage = Some(words.join(" "));
+        } else if !line.starts_with("For more information") {
+            // The lines an error lists (e.g. the missing arguments).
+            if !what.is_empty() {
+                what.push(' ');
+            }
+            what.push_str(line);
+        }
+    }
+    let mut out = format!("nacre: error: {what}");
+    if !tips.is_empty() {
+        out.push_str(&format!(" (tip: {})", tips.join("; ")));
+    }
+    out.push_str(&format!(
+        "; see '{} --help'",
+        usage.unwrap_or_else(|| "nacre".into())
+    ));
+    out
+}
+
+#[cfg(test)]
+mod test {
+    use clap::CommandFactory;
+
+    /// Every subcommand's --help teaches: examples, and a description of every argument.
+    #[test]
+    fn every_help_has_examples_and_described_arguments() {
+        let mut missing = Vec::new();
+        fn walk(cmd: &clap::Command, path: String, missing: &mut Vec<String>) {
+            let examples = cmd
+                .get_after_help()
+                .or(cmd.get_after_long_help())
+                .is_some_and(|h| h.to_string().contains("Examples:"));
+            if !examples {
+                missing.push(format!("{path}: no examples"));
+            }
+            for a in cmd.get_arguments() {
+                let id = a.get_id().as_str();
+                if id == "help" || id == "version" || a.is_global_set() && path != "nacre" {
+                    continue;
+                }
+                let described = a
+                    .get_help()
+                    .or(a.get_long_help())
+                    .is_some_and(|h| !h.to_string().trim().is_empty());
+                if !described {
+                    missing.push(format!("{path}: argument {id} has no description"));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                if sub.get_name() == "help" {
+                    continue;
+                }
+                walk(sub, format!("{path} {}", sub.get_name()), missing);
+            }
+        }
+        let cmd = super::Cli::command();
+        walk(&cmd, "nacre".into(), &mut missing);
+        assert!(missing.is_empty(), "{}", missing.join("\n"));
     }
 }

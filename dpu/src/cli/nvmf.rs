@@ -27,10 +27,19 @@ pub enum NvmfCmd {
         allow_any_host: bool,
     },
     /// Delete a subsystem; connected hosts are disconnected.
-    Delete { nqn: String },
-    /// Export a volume as a namespace.
-    AddNs {
+    #[command(after_help = "Examples:\n  nacre nvmf delete nqn.2024-01.io.nacre:data")]
+    Delete {
+        /// Subsystem NQN.
         nqn: String,
+    },
+    /// Export a volume as a namespace.
+    #[command(
+        after_help = "Examples:\n  nacre nvmf add-ns nqn.2024-01.io.nacre:data --volume data\n  nacre nvmf add-ns nqn.2024-01.io.nacre:data --volume logs --nsid 7"
+    )]
+    AddNs {
+        /// Subsystem NQN.
+        nqn: String,
+        /// The volume to export (see `nacre volume list`).
         #[arg(long)]
         volume: String,
         /// Namespace ID [default: lowest free].
@@ -38,34 +47,74 @@ pub enum NvmfCmd {
         nsid: Option<u32>,
     },
     /// Remove a namespace (hosts see a namespace-changed event).
-    RemoveNs { nqn: String, nsid: u32 },
-    /// Listen for NVMe/TCP connections to the subsystem.
-    AddListener {
+    #[command(after_help = "Examples:\n  nacre nvmf remove-ns nqn.2024-01.io.nacre:data 1")]
+    RemoveNs {
+        /// Subsystem NQN.
         nqn: String,
+        /// Namespace ID.
+        nsid: u32,
+    },
+    /// Listen for NVMe/TCP connections to the subsystem.
+    #[command(
+        after_help = "Examples:\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address 127.0.0.1 --port 4420\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address ::1 --port 4421"
+    )]
+    AddListener {
+        /// Subsystem NQN.
+        nqn: String,
+        /// IPv4 or IPv6 address to listen on (0.0.0.0: every interface).
         #[arg(long)]
         address: String,
+        /// TCP port (4420 is NVMe-oF's IANA port; 0 picks a free one).
         #[arg(long, default_value_t = 4420)]
         port: u16,
     },
     /// Stop offering the subsystem on an address.
+    #[command(
+        after_help = "Examples:\n  nacre nvmf remove-listener nqn.2024-01.io.nacre:data --address 127.0.0.1 --port 4420"
+    )]
     RemoveListener {
+        /// Subsystem NQN.
         nqn: String,
+        /// The listener's address.
         #[arg(long)]
         address: String,
+        /// The listener's port.
         #[arg(long, default_value_t = 4420)]
         port: u16,
     },
     /// Allow a host NQN to connect.
-    AddHost { nqn: String, host: String },
-    /// Stop allowing a host NQN.
-    RemoveHost { nqn: String, host: String },
-    /// Let any host connect (true) or only listed ones (false).
-    AllowAnyHost {
+    #[command(
+        after_help = "Examples:\n  nacre nvmf add-host nqn.2024-01.io.nacre:data nqn.2014-08.org.nvmexpress:uuid:1b4e28ba-2fa1-11d2-883f-0016d3cca427"
+    )]
+    AddHost {
+        /// Subsystem NQN.
         nqn: String,
+        /// The host's NQN (Linux: /etc/nvme/hostnqn).
+        host: String,
+    },
+    /// Stop allowing a host NQN.
+    #[command(
+        after_help = "Examples:\n  nacre nvmf remove-host nqn.2024-01.io.nacre:data nqn.2014-08.org.nvmexpress:uuid:1b4e28ba-2fa1-11d2-883f-0016d3cca427"
+    )]
+    RemoveHost {
+        /// Subsystem NQN.
+        nqn: String,
+        /// The host's NQN.
+        host: String,
+    },
+    /// Let any host connect (true) or only listed ones (false).
+    #[command(
+        after_help = "Examples:\n  nacre nvmf allow-any-host nqn.2024-01.io.nacre:data false"
+    )]
+    AllowAnyHost {
+        /// Subsystem NQN.
+        nqn: String,
+        /// true or false.
         #[arg(action = clap::ArgAction::Set)]
         allow: bool,
     },
-    /// List subsystems.
+    /// List subsystems: namespaces, listeners (and why one is not listening), hosts.
+    #[command(after_help = "Examples:\n  nacre nvmf list\n  nacre --json nvmf list")]
     List,
 }
 
@@ -187,7 +236,7 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
                         s["subtype"].as_str().unwrap_or("").into(),
                         s["serial"].as_str().unwrap_or("").into(),
                         ns,
-                        list("listeners"),
+                        listeners(s),
                         hosts,
                         s["controllers"].to_string(),
                     ]);
@@ -197,4 +246,32 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The LISTENERS column: each configured listener, and why one that does not listen does not.
+fn listeners(s: &Value) -> String {
+    let Some(states) = s["listener_states"].as_array().filter(|a| !a.is_empty()) else {
+        // The discovery subsystem has no configured listeners of its own.
+        return s["listeners"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .collect::<Vec<_>>()
+            .join(",");
+    };
+    states
+        .iter()
+        .map(|l| {
+            let addr = l["address"].as_str().unwrap_or("");
+            match l["state"].as_str() {
+                Some("listening") | None => addr.to_string(),
+                Some(st) => format!(
+                    "{addr} ({st}: {})",
+                    l["reason"].as_str().unwrap_or("unknown reason")
+                ),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
 }

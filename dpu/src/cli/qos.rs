@@ -79,10 +79,13 @@ pub enum QosCmd {
         after_help = "Examples:\n  nacre qos show\n  nacre qos show --volume db\n  nacre qos show --json"
     )]
     Show {
+        /// Only this volume's limits.
         #[arg(long)]
         volume: Option<String>,
+        /// Only this tenant's limits.
         #[arg(long)]
         tenant: Option<String>,
+        /// Only the daemon-wide limit.
         #[arg(long)]
         global: bool,
     },

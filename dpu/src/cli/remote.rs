@@ -17,18 +17,27 @@ pub enum RemoteCmd {
     )]
     Attach(AttachArgs),
     /// Disconnect a remote controller that no volume uses.
-    Detach { name: String },
+    #[command(after_help = "Examples:\n  nacre remote detach shelf1")]
+    Detach {
+        /// The remote controller.
+        name: String,
+    },
     /// List remote controllers: state, namespaces, resets.
+    #[command(after_help = "Examples:\n  nacre remote list\n  nacre remote list shelf1")]
     List {
         /// Only this remote.
         name: Option<String>,
     },
     /// List the subsystems a portal's discovery controller offers.
+    #[command(after_help = "Examples:\n  nacre remote discover --address 192.0.2.10 --port 4420")]
     Discover {
+        /// Transport: tcp.
         #[arg(long, default_value = "tcp")]
         transport: String,
+        /// The portal's address.
         #[arg(long)]
         address: String,
+        /// The portal's port (discovery controllers also listen on 8009).
         #[arg(long, default_value_t = 4420)]
         port: u16,
     },
@@ -44,10 +53,13 @@ pub enum RemoteCmd {
 pub struct AttachArgs {
     /// nacre's name for the controller (volumes say NAME:NSID).
     pub name: String,
+    /// Transport: tcp.
     #[arg(long, default_value = "tcp")]
     pub transport: String,
+    /// The target's address.
     #[arg(long)]
     pub address: String,
+    /// The target's port.
     #[arg(long, default_value_t = 4420)]
     pub port: u16,
     /// Subsystem NQN.
@@ -62,8 +74,10 @@ pub struct AttachArgs {
     /// Commands in flight per queue [default: 128].
     #[arg(long)]
     pub queue_depth: Option<u16>,
+    /// CRC32C header digests on every PDU.
     #[arg(long)]
     pub header_digest: bool,
+    /// CRC32C data digests on every PDU carrying data.
     #[arg(long)]
     pub data_digest: bool,
     /// Largest write sent in the command capsule, bytes [default: 8192].
@@ -91,6 +105,7 @@ pub struct AttachArgs {
 
 #[derive(Args, Debug)]
 pub struct VolumeArgs {
+    /// Volume name.
     pub name: String,
     /// REMOTE:NSID or REMOTE:NSID+REMOTE:NSID (multipath); repeat to stripe.
     #[arg(long = "extent", required = true)]
@@ -102,13 +117,16 @@ pub struct VolumeArgs {
     #[arg(long, default_value = "failover")]
     pub multipath: String,
     /// Use only the first SIZE bytes [default: all the extents hold].
-    #[arg(long, value_parser = size_arg)]
+    #[arg(long, value_parser = size_arg, allow_hyphen_values = true)]
     pub size: Option<u64>,
     /// Logical block size: 512 or 4096 (a multiple of the namespaces').
     #[arg(long, default_value_t = 4096)]
     pub block_size: u32,
+    /// Owning tenant.
     #[arg(long)]
     pub tenant: Option<String>,
+    /// Encrypt with a per-volume AES-XTS key wrapped by the tenant's KEK (the shelf sees
+    /// only ciphertext).
     #[arg(long, requires = "tenant")]
     pub encrypt: bool,
 }

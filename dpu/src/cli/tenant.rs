@@ -29,33 +29,54 @@ Examples:
 #[command(after_help = TENANT_EXAMPLES)]
 pub enum TenantCmd {
     /// Create a tenant with a key-encryption key and an encryption policy.
+    #[command(
+        after_help = "Examples:\n  head -c 32 /dev/urandom > /etc/nacre/acme.kek && chmod 600 /etc/nacre/acme.kek\n  nacre tenant create acme --key-file /etc/nacre/acme.kek\n  nacre tenant create beta --passphrase-file /etc/nacre/beta.pass --require-encryption"
+    )]
     Create(CreateArgs),
     /// List tenants.
+    #[command(after_help = "Examples:\n  nacre tenant list")]
     List {
         /// Only this tenant.
         name: Option<String>,
     },
     /// Show a tenant: KEK source, policy, volumes.
-    Show { name: String },
+    #[command(after_help = "Examples:\n  nacre tenant show acme")]
+    Show {
+        /// The tenant.
+        name: String,
+    },
     /// Delete a tenant (refused while it has volumes, unless --force).
+    #[command(after_help = "Examples:\n  nacre tenant delete acme")]
     Delete {
+        /// The tenant.
         name: String,
         /// Delete anyway: the tenant's encrypted volumes become permanently unreadable.
         #[arg(long)]
         force: bool,
     },
     /// Give nacred a passphrase tenant's KEK after a restart and open its volumes.
+    #[command(
+        after_help = "Examples:\n  nacre tenant unlock beta --passphrase-file /etc/nacre/beta.pass\n  nacre tenant unlock beta --passphrase-stdin < /run/secrets/beta"
+    )]
     Unlock {
+        /// The tenant.
         name: String,
         #[command(flatten)]
         kek: KekArgs,
     },
     /// Show or change a tenant's encryption policy.
-    #[command(subcommand)]
+    #[command(
+        subcommand,
+        after_help = "Examples:\n  nacre tenant policy show acme\n  nacre tenant policy set acme --data-unit 4096 --tweak plain64"
+    )]
     Policy(PolicyCmd),
     /// Re-wrap every data key of the tenant under a new KEK (no data is rewritten).
-    #[command(name = "rotate-kek")]
+    #[command(
+        name = "rotate-kek",
+        after_help = "Examples:\n  nacre tenant rotate-kek acme --new-key-file /etc/nacre/acme-2.kek"
+    )]
     RotateKek {
+        /// The tenant.
         name: String,
         #[command(flatten)]
         new_kek: NewKekArgs,
@@ -65,13 +86,21 @@ pub enum TenantCmd {
 #[derive(Subcommand, Debug)]
 pub enum PolicyCmd {
     /// Change the policy for volumes created from now on (existing volumes keep theirs).
+    #[command(
+        after_help = "Examples:\n  nacre tenant policy set acme --data-unit 4096 --tweak plain64 --require-encryption"
+    )]
     Set {
+        /// The tenant.
         name: String,
         #[command(flatten)]
         policy: PolicyArgs,
     },
     /// Show the policy.
-    Show { name: String },
+    #[command(after_help = "Examples:\n  nacre tenant policy show acme")]
+    Show {
+        /// The tenant.
+        name: String,
+    },
 }
 
 /// Where a KEK comes from; exactly one.
@@ -122,6 +151,7 @@ pub struct PolicyArgs {
 
 #[derive(Args, Debug)]
 pub struct CreateArgs {
+    /// Tenant name: letters, digits, '_', '-', '.'.
     pub name: String,
     #[command(flatten)]
     pub kek: KekArgs,
@@ -147,6 +177,7 @@ pub struct CreateArgs {
 
 #[derive(Args, Debug)]
 pub struct CryptoEraseArgs {
+    /// The encrypted volume.
     pub name: String,
     /// Confirm: the volume's data becomes permanently unreadable.
     #[arg(long)]
@@ -155,6 +186,7 @@ pub struct CryptoEraseArgs {
 
 #[derive(Args, Debug)]
 pub struct ExportKeyArgs {
+    /// The encrypted volume.
     pub name: String,
     /// File to create (mode 0600); an existing file is never overwritten.
     #[arg(long)]

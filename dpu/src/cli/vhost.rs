@@ -20,7 +20,8 @@ pub enum VhostBlkCmd {
         #[arg(long)]
         volume: String,
         /// Virtqueues (VIRTIO_BLK_F_MQ), each served by its own thread.
-        #[arg(long, default_value_t = 1)]
+        /// The default matches the embedded default device; QEMU's num-queues must not exceed it.
+        #[arg(long, default_value_t = 4)]
         queues: u16,
         /// Largest virtqueue size accepted (power of two).
         #[arg(long, default_value_t = 1024)]
@@ -33,9 +34,14 @@ pub enum VhostBlkCmd {
         read_only: bool,
     },
     /// List vhost-user-blk devices.
+    #[command(after_help = "Examples:\n  nacre vhost-blk list\n  nacre --json vhost-blk list")]
     List,
     /// Stop a device and remove its socket.
-    Delete { name: String },
+    #[command(after_help = "Examples:\n  nacre vhost-blk delete vm1")]
+    Delete {
+        /// The device.
+        name: String,
+    },
 }
 
 pub fn run(ctx: &mut Ctx, cmd: VhostBlkCmd) -> Result<()> {

@@ -13,33 +13,48 @@ use super::Ctx;
 pub enum VolumeCmd {
     /// Create a volume.
     #[command(
-        after_help = "Examples:\n  nacre volume create data --size 10G\n  nacre volume create fast --size 2G --backend ram --block-size 512\n  nacre volume create ext --size 100G --path /srv/nacre/ext.img"
+        after_help = "Examples:\n  nacre volume create data --size 10G\n  nacre volume create fast --size 2G --backend ram --block-size 512\n  nacre volume create ext --size 100G --path /srv/nacre/ext.img\n  # serve a file kept by `volume delete` (without --delete-data), at its own size\n  nacre volume create data --adopt-existing"
     )]
     Create(CreateArgs),
-    /// List volumes.
+    /// List volumes: state (online, or failed and why), size, backend, who exports them.
+    #[command(
+        after_help = "Examples:\n  nacre volume list\n  nacre volume list data\n  nacre --json volume list"
+    )]
     List {
         /// Only this volume.
         name: Option<String>,
     },
     /// Delete a volume that no device exports.
+    #[command(
+        after_help = "Examples:\n  nacre volume delete scratch\n  # also remove the backing file (the data is gone)\n  nacre volume delete old --delete-data"
+    )]
     Delete {
+        /// The volume.
         name: String,
         /// Also remove the backing file of a file volume.
         #[arg(long)]
         delete_data: bool,
     },
     /// Grow (or, when unexported, shrink) a volume.
+    #[command(after_help = "Examples:\n  nacre volume resize data --size 20G")]
     Resize {
+        /// The volume.
         name: String,
         /// New size, e.g. 20G.
-        #[arg(long, value_parser = size_arg)]
+        #[arg(long, value_parser = size_arg, allow_hyphen_values = true)]
         size: u64,
     },
     /// Destroy an encrypted volume's data key: its data becomes permanently unreadable.
-    #[command(name = "crypto-erase")]
+    #[command(
+        name = "crypto-erase",
+        after_help = "Examples:\n  nacre volume crypto-erase secret --yes"
+    )]
     CryptoErase(super::tenant::CryptoEraseArgs),
     /// Write an encrypted volume's plaintext data key to a new 0600 file (disaster recovery).
-    #[command(name = "export-key")]
+    #[command(
+        name = "export-key",
+        after_help = "Examples:\n  nacre volume export-key secret --out /root/secret.key --yes-export-plaintext-key"
+    )]
     ExportKey(super::tenant::ExportKeyArgs),
 }
 
@@ -47,9 +62,15 @@ pub enum VolumeCmd {
 pub struct CreateArgs {
     /// Volume name: letters, digits, '_', '-', '.'.
     pub name: String,
-    /// Size with an optional binary suffix: 512M, 1G, 2T.
-    #[arg(long, value_parser = size_arg)]
-    pub size: u64,
+    /// Size with an optional binary suffix: 512M, 1G, 2T (with --adopt-existing: the file's
+    /// size when left out).
+    #[arg(
+        long,
+        value_parser = size_arg,
+        required_unless_present = "adopt_existing",
+        allow_hyphen_values = true
+    )]
+    pub size: Option<u64>,
     /// Logical block size in bytes: 512 or 4096.
     #[arg(long, default_value_t = 4096, value_parser = block_size_arg)]
     pub block_size: u32,
@@ -65,9 +86,16 @@ pub struct CreateArgs {
     /// Encrypt with a per-volume AES-XTS key wrapped by the tenant's KEK.
     #[arg(long, requires = "tenant")]
     pub encrypt: bool,
+    /// Serve the data of a backing file that already exists (e.g. kept by `volume delete`
+    /// without --delete-data). Without it an existing file is refused.
+    #[arg(long)]
+    pub adopt_existing: bool,
 }
 
 pub fn size_arg(s: &str) -> Result<u64, String> {
+    if s.trim_start().starts_with('-') {
+        return Err(format!("a size cannot be negative (got {s})"));
+    }
     parse_size(s).map_err(|e| e.to_string())
 }
 
@@ -94,8 +122,12 @@ pub fn run(ctx: &mut Ctx, cmd: VolumeCmd) -> Result<()> {
         VolumeCmd::ExportKey(a) => return super::tenant::export_key(ctx, a),
         VolumeCmd::Create(a) => {
             let mut p = json!({
-                "name": a.name, "size": a.size, "block_size": a.block_size, "backend": a.backend,
+                "name": a.name, "size": a.size.unwrap_or(0), "block_size": a.block_size,
+                "backend": a.backend,
             });
+            if a.adopt_existing {
+                p["adopt_existing"] = json!(true);
+            }
             if let Some(path) = a.path {
                 p["path"] = json!(path);
             }
@@ -144,6 +176,7 @@ pub fn run(ctx: &mut Ctx, cmd: VolumeCmd) -> Result<()> {
 fn print_volumes(v: &Value) {
     let mut t = Table::new(&[
         "NAME",
+        "STATE",
         "SIZE",
         "BLOCK",
         "BACKEND",
@@ -154,8 +187,13 @@ fn print_volumes(v: &Value) {
     ]);
     for vol in v.as_array().into_iter().flatten() {
         let s = |k: &str| vol[k].as_str().unwrap_or("").to_string();
+        let state = match vol["reason"].as_str() {
+            Some(r) => format!("{} ({r})", s("state")),
+            None => s("state"),
+        };
         t.row(vec![
             s("name"),
+            state,
             format_size(vol["size"].as_u64().unwrap_or(0)),
             vol["block_size"].to_string(),
             s("backend"),

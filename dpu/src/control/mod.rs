@@ -10,7 +10,11 @@
 //! the new state with [`state::save`]; only then commit it in memory. If persisting fails the
 //! live object is torn down again, so what runs and what would be replayed never diverge.
 
+pub mod host_channel;
+pub mod listener_retry;
+pub mod lock;
 pub mod nvmf;
+pub mod peer;
 pub mod qos;
 pub mod remote;
 pub mod server;
@@ -23,6 +27,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use nacre_shared::api::volume::BackendKind;
 use nacre_shared::rpc;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -113,6 +118,7 @@ pub fn methods() -> impl Iterator<Item = &'static Method> {
         .chain(tenant::METHODS)
         .chain(remote::METHODS)
         .chain(qos::METHODS)
+        .chain(peer::METHODS)
 }
 
 const META_METHODS: &[Method] = &[Method {
@@ -154,6 +160,11 @@ pub struct Live {
     pub volumes: HashMap<String, Arc<dyn BlockDevice>>,
     pub vhost_blk: HashMap<String, VhostBlkServer>,
     pub nvmf: Option<Arc<crate::frontend::nvmf_tcp::NvmfTarget>>,
+    /// Volumes that could not be opened at replay, with the reason (`volume_list` shows it).
+    pub failed: HashMap<String, String>,
+    /// NVMe/TCP listeners in the state that could not be bound at replay ((nqn, address) →
+    /// reason); [`listener_retry`] keeps trying them.
+    pub listeners_failed: std::collections::BTreeMap<(String, std::net::SocketAddr), String>,
     /// Tenants' unlocked KEKs (zeroized when dropped); see `tenant`.
     pub keks: HashMap<String, Arc<crate::crypto::tenant::UnlockedKek>>,
 }
@@ -172,7 +183,11 @@ pub struct Daemon {
     pub qos: Arc<crate::volume::qos::Qos>,
     /// Where the Prometheus endpoint listens, once nacred started it.
     pub metrics_addr: std::sync::OnceLock<std::net::SocketAddr>,
+    /// GPU peer windows hosts registered (not persisted; see `peer`).
+    pub peers: peer::Registry,
     inner: Mutex<Inner>,
+    /// `nacred.lock` in the state and run directories, held for the daemon's life.
+    _locks: Vec<lock::DirLock>,
 }
 
 impl Daemon {
@@ -180,11 +195,16 @@ impl Daemon {
     /// reopened and devices restarted. An object that fails to come back is logged and left
     /// in the state (so a missing backing file does not silently drop its configuration);
     /// the other objects still start. Returns the daemon and whether state existed before.
+    ///
+    /// Before anything else in the directories is touched, takes their locks
+    /// ([`lock::acquire_all`]): a second nacred over the same state or run directory fails here
+    /// and leaves the first one's sockets and files alone.
     pub fn open(config: DaemonConfig) -> anyhow::Result<(Arc<Daemon>, bool)> {
         for dir in [&config.state_dir, &config.run_dir] {
             std::fs::create_dir_all(dir)
                 .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
         }
+        let locks = lock::acquire_all(&[&config.state_dir, &config.run_dir])?;
         restrict_dir(&config.state_dir)?;
         let loaded = state::load(&config.state_dir)?;
         let existed = loaded.is_some();
@@ -194,13 +214,16 @@ impl Daemon {
             remotes: Default::default(),
             qos: crate::volume::qos::Qos::start(Default::default()),
             metrics_addr: Default::default(),
+            peers: Default::default(),
             inner: Mutex::new(Inner {
                 state: state.clone(),
                 live: Live::default(),
             }),
+            _locks: locks,
         });
         qos::apply(&daemon, &state.qos);
         daemon.replay(&state);
+        listener_retry::start(&daemon);
         Ok((daemon, existed))
     }
 
@@ -208,12 +231,33 @@ impl Daemon {
         remote::replay(self, state);
         let mut inner = self.lock();
         for rec in state.volumes.values() {
+            // A file volume whose file is missing comes up failed: served (so its devices
+            // come back) but every I/O errs, never recreated empty.
+            if let Some(path) = rec
+                .path
+                .as_ref()
+                .filter(|_| rec.backend == BackendKind::File)
+            {
+                if let Err(e) = volume::check_backing_file(path) {
+                    warn!(volume = %rec.name, error = %e, "volume failed");
+                    let failed = volume::FailedVolume::new(rec, e.message.clone());
+                    inner
+                        .live
+                        .volumes
+                        .insert(rec.name.clone(), Arc::new(failed));
+                    inner.live.failed.insert(rec.name.clone(), e.message);
+                    continue;
+                }
+            }
             match tenant::open_existing(self, &mut inner, rec) {
                 Ok(dev) => {
                     let dev = qos::wrap(self, rec, dev);
                     inner.live.volumes.insert(rec.name.clone(), dev);
                 }
-                Err(e) => warn!(volume = %rec.name, error = %e, "volume not reopened"),
+                Err(e) => {
+                    warn!(volume = %rec.name, error = %e, "volume not reopened");
+                    inner.live.failed.insert(rec.name.clone(), e.message);
+                }
             }
         }
         for rec in state.vhost_blk.values() {
@@ -270,6 +314,8 @@ impl Daemon {
             info!(device = %name, "stopping vhost-user-blk device");
             dev.stop();
         }
+        // Stops the listener retry too (it ends when nothing is left to retry).
+        inner.live.listeners_failed.clear();
         inner.live.nvmf = None;
         inner.live.volumes.clear();
         self.remotes.close_all();

@@ -105,7 +105,7 @@ pub fn target(inner: &mut Inner) -> Arc<NvmfTarget> {
     inner.live.nvmf.get_or_insert_with(NvmfTarget::new).clone()
 }
 
-fn rpc_err(e: NvmfError) -> RpcError {
+pub(super) fn rpc_err(e: NvmfError) -> RpcError {
     match e {
         NvmfError::InvalidNqn(_)
         | NvmfError::InvalidNsid(_)
@@ -153,7 +153,7 @@ pub fn exporters(inner: &Inner, volume: &str) -> Vec<String> {
 /// Bring one subsystem record to life on `t`; parts that fail are logged and skipped so the
 /// rest of the configuration still comes back.
 fn start_subsystem(
-    inner: &Inner,
+    inner: &mut Inner,
     t: &NvmfTarget,
     rec: &NvmfSubsystemRecord,
 ) -> Result<(), RpcError> {
@@ -178,7 +178,13 @@ fn start_subsystem(
     }
     for l in &rec.listeners {
         if let Err(e) = t.add_listener(&rec.nqn, *l) {
-            warn!(nqn = %rec.nqn, listener = %l, error = %e, "nvmf listener not restored");
+            warn!(nqn = %rec.nqn, listener = %l, error = %e, "nvmf listener not restored; retrying");
+            // Reported by the banner and nvmf_get_subsystems; retried by `listener_retry`.
+            let reason = e.to_string();
+            inner
+                .live
+                .listeners_failed
+                .insert((rec.nqn.clone(), *l), reason);
         }
     }
     Ok(())
@@ -378,6 +384,7 @@ fn nvmf_subsystem_add_listener(d: &Daemon, params: Value) -> Result<Value, RpcEr
         }
         let t = target(inner);
         let bound = t.add_listener(&p.nqn, addr).map_err(rpc_err)?;
+        inner.live.listeners_failed.remove(&(p.nqn.clone(), bound));
         commit(
             d,
             inner,
@@ -414,6 +421,7 @@ fn nvmf_subsystem_remove_listener(d: &Daemon, params: Value) -> Result<Value, Rp
             || {},
         )?;
         let _ = target(inner).remove_listener(&p.nqn, addr);
+        inner.live.listeners_failed.remove(&(p.nqn.clone(), addr));
         to_value(Ack { ok: true })
     })
 }
@@ -486,5 +494,8 @@ fn nvmf_subsystem_allow_any_host(d: &Daemon, params: Value) -> Result<Value, Rpc
 
 fn nvmf_get_subsystems(d: &Daemon, params: Value) -> Result<Value, RpcError> {
     let _: super::NoParams = parse_params(params)?;
-    d.with_inner(|inner| to_value(target(inner).subsystems()))
+    d.with_inner(|inner| {
+        let subs = target(inner).subsystems();
+        to_value(super::listener_retry::with_listener_states(inner, subs))
+    })
 }

@@ -12,6 +12,7 @@
 //! grown, and each parsed request is scrubbed ([`super::scrub`]) once answered.
 
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -33,6 +34,10 @@ const READ_CHUNK: usize = 16 << 10;
 
 pub struct RpcServer {
     path: PathBuf,
+    /// The listening socket (a second descriptor of it), shut down to stop the accept thread.
+    waker: UnixListener,
+    /// The socket file's inode, so that stopping never removes a socket someone else bound.
+    ino: Option<u64>,
     stop: Arc<AtomicBool>,
     thread: Option<thread::JoinHandle<()>>,
 }
@@ -58,6 +63,12 @@ impl RpcServer {
         unsafe { libc::umask(old) };
         let listener =
             bound.map_err(|e| anyhow::anyhow!("cannot bind RPC socket {}: {e}", path.display()))?;
+        // Stopping must not depend on the socket's path still naming this socket (someone
+        // may have removed or replaced it): shutdown(2) on the listening socket itself wakes
+        // a blocked accept (Linux answers it with EINVAL).
+        let waker = listener
+            .try_clone()
+            .map_err(|e| anyhow::anyhow!("cannot set up RPC socket {}: {e}", path.display()))?;
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
         let thread = thread::Builder::new()
@@ -74,12 +85,21 @@ impl RpcServer {
                                 .name("rpc-conn".into())
                                 .spawn(move || serve_connection(&d, s));
                         }
-                        Err(e) => warn!(error = %e, "RPC accept failed"),
+                        Err(e) => {
+                            warn!(error = %e, "RPC accept failed");
+                            // EMFILE and friends: do not spin at full speed.
+                            thread::sleep(std::time::Duration::from_millis(10));
+                        }
                     }
                 }
             })?;
         Ok(RpcServer {
             path: path.to_path_buf(),
+            ino: {
+                use std::os::unix::fs::MetadataExt;
+                std::fs::symlink_metadata(path).ok().map(|m| m.ino())
+            },
+            waker,
             stop,
             thread: Some(thread),
         })
@@ -94,12 +114,24 @@ impl Drop for RpcServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
         // Wake the accept loop so it sees the flag.
-        let _ = UnixStream::connect(&self.path);
+        // SAFETY: shutdown(2) on a descriptor we own; it only changes the socket's state.
+        unsafe { libc::shutdown(self.waker.as_raw_fd(), libc::SHUT_RDWR) };
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-        let _ = std::fs::remove_file(&self.path);
+        // Remove the socket only if the path still names ours.
+        use std::os::unix::fs::MetadataExt;
+        if std::fs::symlink_metadata(&self.path).is_ok_and(|m| Some(m.ino()) == self.ino) {
+            let _ = std::fs::remove_file(&self.path);
+        }
     }
+}
+
+/// Serve one already-connected client stream on the calling thread, as the accept loop
+/// does (the fuzz targets' way in: dpu/src/fuzzing.rs).
+#[doc(hidden)]
+pub fn serve_stream(d: &Daemon, stream: UnixStream) {
+    serve_connection(d, stream)
 }
 
 fn serve_connection(d: &Daemon, stream: UnixStream) {

@@ -437,6 +437,7 @@ fn tenant_unlock(d: &Daemon, params: Value) -> Result<Value, RpcError> {
                 Ok(dev) => {
                     let dev = super::qos::wrap(d, &rec, dev);
                     inner.live.volumes.insert(rec.name.clone(), dev);
+                    inner.live.failed.remove(&rec.name);
                     opened.push(rec.name.clone());
                 }
                 Err(e) => warn!(volume = %rec.name, error = %e, "volume not opened"),

@@ -1,10 +1,12 @@
 //! `volume_*` methods.
 
-use std::path::PathBuf;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use nacre_shared::api::volume::{
-    BackendKind, VolumeCreate, VolumeDelete, VolumeInfo, VolumeList, VolumeResize, BLOCK_SIZES,
+    BackendKind, VolumeCreate, VolumeDelete, VolumeInfo, VolumeList, VolumeResize, VolumeState,
+    BLOCK_SIZES,
 };
 use nacre_shared::api::{validate_name, Ack};
 use serde_json::Value;
@@ -23,7 +25,7 @@ pub const METHODS: &[Method] = &[
     Method {
         name: "volume_list",
         handler: volume_list,
-        help: "List volumes (optionally one: name).",
+        help: "List volumes (optionally one: name), each with its state (online|failed) and the reason a failed one gives.",
     },
     Method {
         name: "volume_delete",
@@ -57,11 +59,10 @@ pub fn open_backend(d: &Daemon, rec: &VolumeRecord) -> Result<Arc<dyn BlockDevic
                 .path
                 .clone()
                 .unwrap_or_else(|| default_volume_path(d, &rec.name));
-            if let Some(parent) = path.parent() {
-                std::fs::create_dir_all(parent).map_err(|e| {
-                    RpcError::failed(format!("cannot create {}: {e}", parent.display()))
-                })?;
-            }
+            // Never create it here: a missing file (deleted, or on a file system not mounted
+            // yet) must fail the volume, not come back empty and be served as zeros.
+            // `volume_create` makes new files ([`create_backing_file`]).
+            check_backing_file(&path)?;
             Arc::new(
                 FileVolume::open(&path, rec.size, rec.block_size, true).map_err(|e| {
                     RpcError::failed(format!("cannot open backing file {}: {e}", path.display()))
@@ -70,6 +71,94 @@ pub fn open_backend(d: &Daemon, rec: &VolumeRecord) -> Result<Arc<dyn BlockDevic
         }
     };
     Ok(dev)
+}
+
+/// The backing file must exist and be a regular file (or a block device).
+pub fn check_backing_file(path: &Path) -> Result<(), RpcError> {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_file() || m.file_type().is_block_device() => Ok(()),
+        Ok(_) => Err(RpcError::failed(format!(
+            "backing file {} is not a regular file",
+            path.display()
+        ))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(RpcError::failed(format!(
+            "backing file {} is missing (deleted, or its file system is not mounted); nacre \
+             never recreates it empty: restore it and restart nacred, or delete the volume",
+            path.display()
+        ))),
+        Err(e) => Err(RpcError::failed(format!(
+            "cannot stat backing file {}: {e}",
+            path.display()
+        ))),
+    }
+}
+
+/// Make a new, empty backing file of `size` bytes (sparse) for `volume_create`, refusing one
+/// that exists. The file, and every directory entry made on the way to it, is fsynced before
+/// the volume is acknowledged, so a crash cannot lose a volume whose state was saved.
+fn create_backing_file(path: &Path, size: u64) -> Result<(), RpcError> {
+    let failed = |what: &str, p: &Path, e: std::io::Error| {
+        RpcError::failed(format!("cannot {what} {}: {e}", p.display()))
+    };
+    // The directories that do not exist yet, outermost first.
+    let mut new_dirs = Vec::new();
+    let mut dir = path.parent();
+    while let Some(d) = dir {
+        if d.as_os_str().is_empty() || d.exists() {
+            break;
+        }
+        new_dirs.push(d.to_path_buf());
+        dir = d.parent();
+    }
+    for d in new_dirs.iter().rev() {
+        match std::fs::create_dir(d) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(failed("create", d, e)),
+        }
+    }
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| {
+            if e.kind() == std::io::ErrorKind::AlreadyExists {
+                exists_error(path)
+            } else {
+                failed("create", path, e)
+            }
+        })?;
+    file.set_len(size)
+        .and_then(|()| file.sync_all())
+        .map_err(|e| failed("size", path, e))?;
+    // The new file's entry, and those of the directories made for it.
+    let mut sync = vec![path.parent().map(Path::to_path_buf)];
+    sync.extend(new_dirs.iter().map(|d| d.parent().map(Path::to_path_buf)));
+    for d in sync.into_iter().flatten() {
+        let d = if d.as_os_str().is_empty() {
+            PathBuf::from(".")
+        } else {
+            d
+        };
+        std::fs::File::open(&d)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| failed("fsync directory", &d, e))?;
+    }
+    Ok(())
+}
+
+fn exists_error(path: &Path) -> RpcError {
+    RpcError::new(
+        nacre_shared::rpc::ALREADY_EXISTS,
+        format!(
+            "backing file {} already exists (data of an earlier volume?); nacre does not reuse \
+             data implicitly: pass --adopt-existing (\"adopt_existing\": true) to serve it, or \
+             remove the file",
+            path.display()
+        ),
+    )
 }
 
 /// Validate and normalise a `volume_create` request into a record.
@@ -81,12 +170,12 @@ pub fn new_record(d: &Daemon, p: &VolumeCreate) -> Result<VolumeRecord, RpcError
             p.block_size
         )));
     }
-    let size = if p.backend == BackendKind::Remote {
-        super::remote::volume_size(d, p)?
-    } else {
-        check_size(p.size, p.block_size)?;
-        p.size
-    };
+    if p.adopt_existing && p.backend != BackendKind::File {
+        return Err(RpcError::invalid_params(format!(
+            "adopt_existing only applies to file volumes (backend is {})",
+            p.backend
+        )));
+    }
     if p.remote.is_some() && p.backend != BackendKind::Remote {
         return Err(RpcError::invalid_params(format!(
             "remote only applies to remote volumes (backend is {})",
@@ -112,6 +201,14 @@ pub fn new_record(d: &Daemon, p: &VolumeCreate) -> Result<VolumeRecord, RpcError
         (BackendKind::File, None) => Some(default_volume_path(d, &p.name)),
         _ => None,
     };
+    let size = match (&path, p.backend) {
+        (_, BackendKind::Remote) => super::remote::volume_size(d, p)?,
+        (Some(path), BackendKind::File) if p.adopt_existing => adopted_size(path, p)?,
+        _ => {
+            check_size(p.size, p.block_size)?;
+            p.size
+        }
+    };
     let uuid = uuid::Uuid::new_v4();
     Ok(VolumeRecord {
         name: p.name.clone(),
@@ -134,7 +231,41 @@ pub fn serial_from_uuid(uuid: &uuid::Uuid) -> String {
     format!("NACRE{}", &hex[..15])
 }
 
+/// The size of a volume adopting `path`: the file's, which a given size must match.
+fn adopted_size(path: &Path, p: &VolumeCreate) -> Result<u64, RpcError> {
+    let m = std::fs::metadata(path).map_err(|e| {
+        RpcError::failed(format!("cannot adopt backing file {}: {e}", path.display()))
+    })?;
+    if !m.is_file() {
+        return Err(RpcError::failed(format!(
+            "cannot adopt {}: not a regular file",
+            path.display()
+        )));
+    }
+    let len = m.len();
+    if p.size != 0 && p.size != len {
+        return Err(RpcError::invalid_params(format!(
+            "{} is {len} bytes but size says {}; give its size or none to take the file's",
+            path.display(),
+            p.size
+        )));
+    }
+    check_size(len, p.block_size).map_err(|_| {
+        RpcError::invalid_params(format!(
+            "{} is {len} bytes, not a positive multiple of the block size {}",
+            path.display(),
+            p.block_size
+        ))
+    })?;
+    Ok(len)
+}
+
 fn check_size(size: u64, block_size: u32) -> Result<(), RpcError> {
+    if size == 0 {
+        return Err(RpcError::invalid_params(format!(
+            "size is required: a positive multiple of the block size {block_size}"
+        )));
+    }
     if size == 0 || size % block_size as u64 != 0 {
         return Err(RpcError::invalid_params(format!(
             "size must be a positive multiple of the block size {block_size} (got {size})"
@@ -169,13 +300,31 @@ pub fn create(d: &Daemon, p: &VolumeCreate) -> Result<VolumeInfo, RpcError> {
                 )));
             }
         }
-        let (dev, tenant) = super::tenant::open_for_create(d, inner, &rec)?;
+        // A file volume's file: made new here, or (asked for) an existing one adopted.
+        let made = match &rec.path {
+            Some(path) if !p.adopt_existing => {
+                create_backing_file(path, rec.size)?;
+                Some(path.clone())
+            }
+            _ => None,
+        };
+        // A failed create leaves no file behind (it would block the retry).
+        let undo = |e: RpcError| {
+            if let Some(path) = &made {
+                let _ = std::fs::remove_file(path);
+            }
+            e
+        };
+        let (dev, tenant) = super::tenant::open_for_create(d, inner, &rec).map_err(undo)?;
         let mut next = inner.state.clone();
         next.volumes.insert(rec.name.clone(), rec.clone());
         if let Some(t) = tenant {
             next.tenants.insert(t.name.clone(), t);
         }
-        d.persist(&next)?;
+        if let Err(e) = d.persist(&next) {
+            drop(dev);
+            return Err(undo(e));
+        }
         inner.state = next;
         let dev = super::qos::wrap(d, &rec, dev);
         inner.live.volumes.insert(rec.name.clone(), dev);
@@ -209,6 +358,12 @@ pub fn info_of(inner: &Inner, rec: &VolumeRecord) -> VolumeInfo {
         encrypted: rec.encrypted,
         exported_by: exporters(inner, &rec.name),
         remote: rec.remote.clone(),
+        state: if inner.live.failed.contains_key(&rec.name) {
+            VolumeState::Failed
+        } else {
+            VolumeState::Online
+        },
+        reason: inner.live.failed.get(&rec.name).cloned(),
     }
 }
 
@@ -258,6 +413,7 @@ fn volume_delete(d: &Daemon, params: Value) -> Result<Value, RpcError> {
         d.persist(&next)?;
         inner.state = next;
         inner.live.volumes.remove(&p.name);
+        inner.live.failed.remove(&p.name);
         if p.delete_data {
             if let Some(path) = &rec.path {
                 if let Err(e) = std::fs::remove_file(path) {
@@ -313,4 +469,40 @@ fn volume_resize(d: &Daemon, params: Value) -> Result<Value, RpcError> {
         let rec = inner.state.volumes[&p.name].clone();
         to_value(info_of(inner, &rec))
     })
+}
+
+/// What a volume that could not be opened serves: its geometry, and an error for every
+/// request (virtio-blk IOERR, an NVMe error status), so devices exporting it come back and
+/// their hosts see failed I/O instead of a missing disk or zeros.
+pub struct FailedVolume {
+    geometry: crate::volume::Geometry,
+    reason: String,
+}
+
+impl FailedVolume {
+    pub fn new(rec: &VolumeRecord, reason: String) -> Self {
+        FailedVolume {
+            geometry: crate::volume::Geometry {
+                size: rec.size,
+                block_size: rec.block_size,
+            },
+            reason,
+        }
+    }
+}
+
+impl BlockDevice for FailedVolume {
+    fn geometry(&self) -> crate::volume::Geometry {
+        self.geometry
+    }
+
+    fn submit(&self, req: crate::volume::IoRequest, done: &Arc<dyn crate::volume::Completion>) {
+        done.complete(
+            req.tag,
+            Err(crate::volume::IoError::Media(format!(
+                "volume failed: {}",
+                self.reason
+            ))),
+        );
+    }
 }

@@ -4,7 +4,9 @@
 //! `nvmf_subsystem_create`, …). Every parameter struct rejects unknown fields, so a typo in a
 //! request is an "invalid params" error that names the field, never a silently ignored knob.
 
+pub mod host;
 pub mod nvmf;
+pub mod peer;
 pub mod qos;
 pub mod remote;
 pub mod tenant;

@@ -106,3 +106,25 @@ pub struct NvmfSubsystemInfo {
     /// Controllers currently connected.
     pub controllers: u32,
 }
+
+/// Whether a configured listener accepts connections: `listening`, or `failed` with the
+/// reason (e.g. its port is taken after a restart; nacred keeps retrying it).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NvmfListenerState {
+    /// `address:port`.
+    pub address: String,
+    /// "listening" or "failed".
+    pub state: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// `nvmf_get_subsystems` element as nacred answers it: the subsystem and the state of each
+/// configured listener (`listeners` holds only those that listen).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NvmfSubsystemStatus {
+    #[serde(flatten)]
+    pub info: NvmfSubsystemInfo,
+    #[serde(default)]
+    pub listener_states: Vec<NvmfListenerState>,
+}

@@ -40,7 +40,8 @@ pub const DEFAULT_BLOCK_SIZE: u32 = 4096;
 pub struct VolumeCreate {
     pub name: String,
     /// Size in bytes; must be a positive multiple of `block_size`. For `remote` volumes 0
-    /// means the whole capacity of the extents.
+    /// means the whole capacity of the extents; with `adopt_existing`, the file's size.
+    #[serde(default)]
     pub size: u64,
     #[serde(default = "default_block_size")]
     pub block_size: u32,
@@ -58,6 +59,11 @@ pub struct VolumeCreate {
     /// For `remote`: the namespaces the volume lives on.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote: Option<RemoteLayout>,
+    /// For `file`: serve the data of a backing file that already exists (size 0 takes the
+    /// file's size; any other size must equal it). Without it an existing file is refused:
+    /// nacre never hands old data to a new volume implicitly.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub adopt_existing: bool,
 }
 
 fn default_block_size() -> u32 {
@@ -111,6 +117,31 @@ pub struct VolumeInfo {
     pub exported_by: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote: Option<RemoteLayout>,
+    /// `online`, or `failed` when nacred could not open it (see `reason`): I/O to a failed
+    /// volume gets errors, never data it does not have.
+    #[serde(default)]
+    pub state: VolumeState,
+    /// Why a volume is failed (e.g. its backing file is missing).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// Whether a volume serves I/O.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum VolumeState {
+    #[default]
+    Online,
+    Failed,
+}
+
+impl std::fmt::Display for VolumeState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            VolumeState::Online => "online",
+            VolumeState::Failed => "failed",
+        })
+    }
 }
 
 /// `volume_list` parameters (all optional).

@@ -57,6 +57,7 @@ fn parse() -> Result<Opts> {
 fn cpu_secs() -> f64 {
     // SAFETY: getrusage with a valid out pointer.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage writes one rusage through a valid pointer.
     unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) };
     let t = |tv: libc::timeval| tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
     t(ru.ru_utime) + t(ru.ru_stime)

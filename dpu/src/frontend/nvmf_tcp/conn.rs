@@ -655,6 +655,16 @@ impl Conn<'_> {
                 // An H2CData PDU without data.
                 return Err(fatal(fes::INVALID_HEADER_FIELD, ch_offset::PLEN, &chb));
             }
+            if ch.pdu_type == pdu_type::H2C_DATA {
+                // Data nobody asked for is refused before it is read: no buffer grows for it
+                // (before Connect the receive buffer stays small).
+                self.need(hlen)?;
+                let h = DataHeader::decode(&self.rbuf[self.rstart..self.rstart + hlen]);
+                if !self.h2c.contains_key(&h.ttag) {
+                    let hdr = &self.rbuf[self.rstart..self.rstart + hlen];
+                    return Err(fatal(fes::INVALID_HEADER_FIELD, data_offset_of::TTAG, hdr));
+                }
+            }
             self.need(plen)?;
             let buf = std::mem::take(&mut self.rbuf);
             let pdu = &buf[self.rstart..self.rstart + plen];

@@ -530,11 +530,16 @@ impl Controller {
                 // The event thread sends it: whoever raised the event (the control plane,
                 // holding its lock) must not wait on this host's socket.
                 let admin = lock(&self.queues).get(&0).cloned();
-                match (admin, self.target.upgrade()) {
+                let posted = match (admin, self.target.upgrade()) {
                     (Some(queue), Some(t)) if queue.strong_count() > 0 => {
                         t.post_async(super::AsyncReply { queue, cid, dw0 })
                     }
-                    _ => st.events.push_back(dw0),
+                    _ => false,
+                };
+                if !posted {
+                    // Not sent: the request stays outstanding and the event waits for it.
+                    st.aers.push(cid);
+                    st.events.push_back(dw0);
                 }
             }
             None => st.events.push_back(dw0),

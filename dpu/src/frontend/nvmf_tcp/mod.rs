@@ -650,11 +650,12 @@ impl TargetInner {
         }
     }
 
-    /// Hand an asynchronous event completion to the event thread.
-    pub(crate) fn post_async(&self, r: AsyncReply) {
-        if let Some(tx) = lock(&self.events).as_ref() {
-            let _ = tx.send(r);
-        }
+    /// Hand an asynchronous event completion to the event thread; false if there is none
+    /// (it could not be started, or the target is stopping).
+    pub(crate) fn post_async(&self, r: AsyncReply) -> bool {
+        lock(&self.events)
+            .as_ref()
+            .is_some_and(|tx| tx.send(r).is_ok())
     }
 }
 
@@ -746,5 +747,22 @@ fn keep_alive_reaper(t: Weak<TargetInner>) {
                 }
             }
         }
+    }
+}
+
+impl NvmfTarget {
+    /// Serve one already-connected stream on the calling thread, as if `listener` had
+    /// accepted it (the fuzz targets' way in: dpu/src/fuzzing.rs).
+    #[doc(hidden)]
+    pub fn serve_stream(&self, sock: TcpStream, listener: SocketAddr) {
+        // A listener of its own, holding just this connection: the caps do not apply.
+        let slot = ConnSlot {
+            conns: Arc::new(ListenerConns {
+                live: std::sync::atomic::AtomicUsize::new(1),
+                setup: Mutex::new(std::collections::VecDeque::new()),
+            }),
+            id: 0,
+        };
+        conn::serve(&self.inner, sock, listener, &slot)
     }
 }

@@ -30,8 +30,8 @@ pub mod spec;
 mod tests;
 
 use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::FileTypeExt;
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -108,6 +108,9 @@ pub struct VhostBlkServer {
     socket: PathBuf,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
+    /// A duplicate of the listening socket's descriptor: `shutdown(2)` on it wakes the accept
+    /// thread. Stopping must not depend on the socket path (it may be gone, or someone else's).
+    wake: OwnedFd,
 }
 
 impl VhostBlkServer {
@@ -124,6 +127,14 @@ impl VhostBlkServer {
             path: config.socket.clone(),
             source: io::Error::other(e.to_string()),
         })?;
+        // SAFETY: the listener owns this descriptor and is alive for the whole borrow, which
+        // only duplicates it.
+        let wake = unsafe { BorrowedFd::borrow_raw(listener.as_raw_fd()) }
+            .try_clone_to_owned()
+            .map_err(|source| VhostBlkError::Socket {
+                path: config.socket.clone(),
+                source,
+            })?;
         let shared = Arc::new(Shared {
             stopping: AtomicBool::new(false),
             connected: AtomicBool::new(false),
@@ -143,6 +154,7 @@ impl VhostBlkServer {
             socket,
             shared,
             thread: Some(thread),
+            wake,
         })
     }
 
@@ -175,9 +187,10 @@ impl VhostBlkServer {
                 h.shutdown();
             }
         }
-        // The accept thread may be blocked in accept(): wake it with a connection it will
-        // close at once.
-        let _ = UnixStream::connect(&self.socket);
+        // The accept thread may be blocked in accept(): shutting the listening socket down
+        // makes accept() fail (EINVAL), and the thread sees `stopping`.
+        // SAFETY: `wake` is an open descriptor this server owns; shutdown(2) touches no memory.
+        unsafe { libc::shutdown(self.wake.as_raw_fd(), libc::SHUT_RDWR) };
         if thread.join().is_err() {
             warn!(socket = %self.socket.display(), "vhost-user-blk server thread panicked");
         }

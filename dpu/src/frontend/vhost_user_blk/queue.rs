@@ -265,9 +265,14 @@ impl QueueWorker {
             if !event_idx {
                 rings.set_used_flags(VRING_USED_F_NO_NOTIFY as u16);
             }
-            self.pop_all(&rings, queue, avail_idx.unwrap_or_default());
+            let sane = self.pop_all(&rings, queue, avail_idx.unwrap_or_default());
             self.drain_remote();
             self.publish(&rings, queue);
+            if !sane {
+                // The avail index can never catch up with ours: looping (or polling) on it
+                // would spin this thread forever. Serve nothing more until the next kick.
+                return self.needs_interrupt(&rings, queue, old_used);
+            }
             if let Some(fd) = call.filter(|_| self.poll_ns > 0) {
                 if self.needs_interrupt(&rings, queue, old_used) {
                     signal_fd(fd);
@@ -353,7 +358,8 @@ impl QueueWorker {
     }
 
     /// Process the chains made available up to `avail_idx` (a snapshot of avail->idx).
-    fn pop_all(&mut self, rings: &Rings, queue: &mut Queue, avail_idx: u16) {
+    /// Returns false when the index is impossible (more chains than the queue holds).
+    fn pop_all(&mut self, rings: &Rings, queue: &mut Queue, avail_idx: u16) -> bool {
         let size = rings.size;
         let mut next = queue.next_avail();
         if avail_idx.wrapping_sub(next) > size {
@@ -361,7 +367,7 @@ impl QueueWorker {
                 avail_idx,
                 next, "virtio-blk: driver published more chains than the queue holds"
             );
-            return;
+            return false;
         }
         while next != avail_idx {
             let head = rings.avail_entry(next);
@@ -385,6 +391,7 @@ impl QueueWorker {
             }
         }
         queue.set_next_avail(next);
+        true
     }
 
     /// Walk a chain (§2.7.5) into `self.descs`, refusing loops. A chain whose head refers to

@@ -1,0 +1,208 @@
+//! The cargo-fuzz targets (fuzz/) in the test suite.
+//!
+//! * `corpus_replays_*` (always, stable Rust): every committed corpus file of a target
+//!   (fuzz/corpus/<target>/, crashers found earlier included) goes through the same entry
+//!   point of `nacre_dpu::fuzzing` the fuzzer calls; any panic — on any thread, caught or
+//!   not — fails the test with the file's name.
+//! * `short_fuzz_runs` (when the nightly toolchain and cargo-fuzz are installed; otherwise it
+//!   says so and passes): a few seconds of coverage-guided fuzzing per target, starting
+//!   from the committed corpus. NACRE_FUZZ_SECONDS=N changes the time per target.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use nacre_tests::fuzz::{count_panics, env_u64, panics};
+
+const TARGETS: [&str; 5] = [
+    "virtqueue",
+    "nvmf_target",
+    "nvme_commands",
+    "nvmf_initiator",
+    "json_rpc",
+];
+
+fn fuzz_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz")
+}
+
+/// The panic counter is process-wide: one replay at a time.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// How long one input may take (the slowest take milliseconds; a hang is a finding).
+const BOUND: Duration = Duration::from_secs(30);
+
+/// Run `run(data)` on its own thread: `Some(true)` when it returned, `Some(false)` when it
+/// panicked, `None` when it was still running after [`BOUND`] (left behind).
+fn bounded(run: fn(&[u8]), data: Vec<u8>) -> Option<bool> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let r = std::panic::catch_unwind(|| run(&data));
+        let _ = tx.send(r.is_ok());
+    });
+    rx.recv_timeout(BOUND).ok()
+}
+
+fn replay(target: &str, run: fn(&[u8])) {
+    let _turn = serial();
+    count_panics();
+    let dir = fuzz_dir().join("corpus").join(target);
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    assert!(
+        files.len() >= 10,
+        "{}: only {} corpus files",
+        dir.display(),
+        files.len()
+    );
+    for f in &files {
+        let data = std::fs::read(f).unwrap();
+        let before = panics();
+        let finished = bounded(run, data);
+        assert!(
+            finished.is_some(),
+            "{target}: {} did not finish within {BOUND:?}",
+            f.display()
+        );
+        assert!(
+            finished == Some(true) && panics() == before,
+            "{target}: {} panicked (rerun: cd fuzz && cargo +nightly fuzz run {target} {})",
+            f.display(),
+            f.display()
+        );
+    }
+    println!("{target}: {} corpus files replayed", files.len());
+}
+
+#[test]
+fn corpus_replays_virtqueue() {
+    replay("virtqueue", nacre_dpu::fuzzing::virtqueue);
+}
+
+#[test]
+fn corpus_replays_nvmf_target() {
+    replay("nvmf_target", nacre_dpu::fuzzing::nvmf_target);
+}
+
+#[test]
+fn corpus_replays_nvme_commands() {
+    replay("nvme_commands", nacre_dpu::fuzzing::nvme_commands);
+}
+
+#[test]
+fn corpus_replays_nvmf_initiator() {
+    replay("nvmf_initiator", nacre_dpu::fuzzing::nvmf_initiator);
+}
+
+#[test]
+fn corpus_replays_json_rpc() {
+    replay("json_rpc", nacre_dpu::fuzzing::json_rpc);
+}
+
+/// Found by the virtqueue target: a driver that set avail->idx more than the queue size
+/// ahead of the chains it had made available had the worker thread spin on the ring
+/// forever (one core at 100 %, no other chain served). The queue now serves nothing more
+/// until the next kick.
+#[test]
+fn virtqueue_avail_index_beyond_the_ring_does_not_spin_the_worker() {
+    let _turn = serial();
+    count_panics();
+    let before = panics();
+    for avail_idx in [17u8, 200] {
+        let input = nacre_dpu::fuzzing::seed::virtqueue(0, &[], &[], &[]);
+        let mut input = input;
+        input[1] = avail_idx;
+        assert_eq!(
+            bounded(nacre_dpu::fuzzing::virtqueue, input),
+            Some(true),
+            "avail->idx {avail_idx} on a ring of {}: the worker did not return",
+            nacre_dpu::fuzzing::VQ_SIZE
+        );
+    }
+    assert_eq!(panics(), before);
+}
+
+/// Whether `cargo +nightly fuzz` can run here.
+fn cargo_fuzz_available() -> Result<(), String> {
+    let nightly = Command::new("cargo")
+        .args(["+nightly", "--version"])
+        .output()
+        .map_err(|e| format!("cargo: {e}"))?;
+    if !nightly.status.success() {
+        return Err("no nightly toolchain (rustup toolchain install nightly)".into());
+    }
+    let fuzz = Command::new("cargo")
+        .args(["+nightly", "fuzz", "--version"])
+        .output()
+        .map_err(|e| format!("cargo fuzz: {e}"))?;
+    if !fuzz.status.success() {
+        return Err("cargo-fuzz is not installed (cargo install cargo-fuzz)".into());
+    }
+    Ok(())
+}
+
+#[test]
+fn short_fuzz_runs() {
+    if let Err(why) = cargo_fuzz_available() {
+        println!("SKIPPED short_fuzz_runs: {why}; the corpus replay tests still ran");
+        return;
+    }
+    let secs = env_u64("NACRE_FUZZ_SECONDS", 5);
+    let dir = fuzz_dir();
+    for t in TARGETS {
+        // A scratch copy of the corpus: what the fuzzer adds stays out of the repository.
+        let scratch = tempfile::tempdir().unwrap();
+        let corpus = scratch.path().join(t);
+        std::fs::create_dir_all(&corpus).unwrap();
+        for e in std::fs::read_dir(dir.join("corpus").join(t)).unwrap() {
+            let p = e.unwrap().path();
+            std::fs::copy(&p, corpus.join(p.file_name().unwrap())).unwrap();
+        }
+        let artifacts = scratch.path().join("artifacts");
+        std::fs::create_dir_all(&artifacts).unwrap();
+        let out = Command::new("cargo")
+            .current_dir(&dir)
+            .args(["+nightly", "fuzz", "run", "-O", "-a", "-s", "none", t])
+            .arg(&corpus)
+            .arg("--")
+            .arg(format!("-max_total_time={secs}"))
+            .arg("-runs=2000000")
+            .arg("-max_len=8192")
+            .arg("-timeout=30")
+            .arg(format!("-artifact_prefix={}/", artifacts.display()))
+            .output()
+            .expect("cargo fuzz run");
+        let log = String::from_utf8_lossy(&out.stderr);
+        let tail: String = log
+            .lines()
+            .rev()
+            .take(40)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect::<Vec<_>>()
+            .join("\n");
+        assert!(
+            out.status.success(),
+            "cargo fuzz run {t} failed (crash inputs in {}):\n{tail}",
+            artifacts.display()
+        );
+        let done = log
+            .lines()
+            .rev()
+            .find(|l| l.starts_with("Done ") || l.contains("DONE"))
+            .unwrap_or("(no summary)");
+        println!("{t}: {done}");
+        assert!(
+            log.contains("Done "),
+            "cargo fuzz run {t}: no libFuzzer summary:\n{tail}"
+        );
+    }
+}
