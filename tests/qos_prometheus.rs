@@ -137,6 +137,22 @@ impl Prometheus {
             .map(|s| s["value"][1].as_str().unwrap().parse::<f64>().unwrap())
     }
 
+    /// An instant query's whole result vector.
+    fn query_all(&self, promql: &str) -> Vec<Value> {
+        let (code, body) = get(
+            &self.addr,
+            &format!("/api/v1/query?query={}", encode(promql)),
+        )
+        .unwrap_or_else(|e| panic!("query {promql}: {e}"));
+        let v: Value = serde_json::from_str(&body)
+            .unwrap_or_else(|e| panic!("query {promql}: HTTP {code}, {e}: {body}"));
+        assert_eq!(v["status"], "success", "{promql}: {v}");
+        v["data"]["result"]
+            .as_array()
+            .expect("vector result")
+            .clone()
+    }
+
     /// Poll `promql` until `ok` holds for its value.
     fn wait_for(&self, promql: &str, what: &str, ok: impl Fn(f64) -> bool) -> f64 {
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -263,4 +279,52 @@ fn prometheus_scrapes_nacred_and_its_quantiles_match_the_client() {
         let p = prom.query(&promql).expect("a quantile");
         assert_quantile(q, p, trace.quantile(q));
     }
+}
+
+/// Every query of the Grafana dashboard in scripts/grafana, with its variables set to "all",
+/// is valid PromQL to this Prometheus and finds series from a running nacred.
+#[test]
+fn grafana_dashboard_queries_work_against_prometheus() {
+    let n = Nacred::start_args(&["--no-default", "--metrics-listen", "127.0.0.1:0"]);
+    let target = n.ok("metrics_endpoint", json!({}))["listen"]
+        .as_str()
+        .expect("metrics endpoint is on")
+        .to_string();
+    let sock = socket_of(&n, "vg");
+    let prom = Prometheus::start(&target);
+    n.ok("qos_set", json!({"volume": "vg", "limits": {"iops": 2000}}));
+    let load = Load::start(&sock, 8);
+    // Enough scrapes for rate() over the dashboard's window.
+    prom.wait_for(
+        r#"count_over_time(nacre_volume_queue_depth{volume="vg"}[1m])"#,
+        "five scrapes",
+        |v| v >= 5.0,
+    );
+    load.finish();
+    let dashboard: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            nacre_tests::testbed::repo_root().join("scripts/grafana/nacre-dashboard.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let mut checked = 0;
+    for panel in dashboard["panels"].as_array().unwrap() {
+        for t in panel["targets"].as_array().unwrap() {
+            let expr = t["expr"]
+                .as_str()
+                .unwrap()
+                .replace("$tenant", ".*")
+                .replace("$volume", ".*")
+                .replace("$__rate_interval", "1m");
+            let result = prom.query_all(&expr);
+            assert!(
+                !result.is_empty(),
+                "panel {}: {expr} found nothing",
+                panel["title"]
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= 8, "{checked} queries");
 }

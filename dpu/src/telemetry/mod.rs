@@ -378,4 +378,66 @@ mod test {
         }
         assert!(b[0] <= 1e-6 && *b.last().unwrap() > 10.0);
     }
+
+    /// Every metric the Grafana dashboard in scripts/grafana queries is one nacred exports
+    /// (histograms as their _bucket, _sum and _count series), so a renamed metric cannot leave
+    /// the dashboard silently empty.
+    #[test]
+    fn grafana_dashboard_queries_only_exported_metrics() {
+        let t = Arc::new(Telemetry::new());
+        let m = t.volume("v", Some("t"));
+        for kind in [IoKind::Read, IoKind::Write, IoKind::Flush] {
+            m.start();
+            m.finish(kind, 4096, Duration::from_micros(10), false);
+        }
+        m.throttled_enter();
+        m.throttled_leave();
+        let text = t.render();
+        let mut exported = std::collections::HashSet::new();
+        for line in text.lines() {
+            let mut w = line.split_whitespace();
+            if let (Some("#"), Some("TYPE"), Some(name), Some(kind)) =
+                (w.next(), w.next(), w.next(), w.next())
+            {
+                exported.insert(name.to_string());
+                if kind == "histogram" {
+                    for suffix in ["_bucket", "_sum", "_count"] {
+                        exported.insert(format!("{name}{suffix}"));
+                    }
+                }
+            }
+        }
+        let dashboard: serde_json::Value = serde_json::from_str(include_str!(
+            "../../../scripts/grafana/nacre-dashboard.json"
+        ))
+        .expect("the dashboard is JSON");
+        let mut exprs = Vec::new();
+        for panel in dashboard["panels"].as_array().expect("panels") {
+            for target in panel["targets"].as_array().expect("targets") {
+                exprs.push(target["expr"].as_str().expect("expr").to_string());
+            }
+        }
+        for var in dashboard["templating"]["list"]
+            .as_array()
+            .expect("variables")
+        {
+            if let Some(q) = var["definition"].as_str() {
+                exprs.push(q.to_string());
+            }
+        }
+        assert!(exprs.len() >= 8, "{exprs:?}");
+        for e in &exprs {
+            let names: Vec<&str> = e
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .filter(|w| w.starts_with("nacre_"))
+                .collect();
+            assert!(!names.is_empty(), "{e} queries no nacre metric");
+            for n in names {
+                assert!(
+                    exported.contains(n),
+                    "{e}: {n} is not exported ({exported:?})"
+                );
+            }
+        }
+    }
 }
