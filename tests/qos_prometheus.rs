@@ -291,6 +291,16 @@ fn grafana_dashboard_queries_work_against_prometheus() {
         .expect("metrics endpoint is on")
         .to_string();
     let sock = socket_of(&n, "vg");
+    // The same volume as an NVMe-oF namespace too: a second device of it.
+    let nqn = "nqn.2024-01.io.nacre:grafana";
+    n.ok(
+        "nvmf_subsystem_create",
+        json!({"nqn": nqn, "allow_any_host": true}),
+    );
+    n.ok(
+        "nvmf_subsystem_add_ns",
+        json!({"nqn": nqn, "volume": "vg", "nsid": 3}),
+    );
     let prom = Prometheus::start(&target);
     n.ok("qos_set", json!({"volume": "vg", "limits": {"iops": 2000}}));
     let load = Load::start(&sock, 8);
@@ -308,6 +318,13 @@ fn grafana_dashboard_queries_work_against_prometheus() {
         .unwrap(),
     )
     .unwrap();
+    // What nacred declares (# TYPE lines), samples or not.
+    let (_, text) = get(&target, "/metrics").unwrap();
+    let declared: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
     let mut checked = 0;
     for panel in dashboard["panels"].as_array().unwrap() {
         for t in panel["targets"].as_array().unwrap() {
@@ -317,14 +334,47 @@ fn grafana_dashboard_queries_work_against_prometheus() {
                 .replace("$tenant", ".*")
                 .replace("$volume", ".*")
                 .replace("$__rate_interval", "1m");
+            let names: Vec<&str> = expr
+                .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .filter(|w| w.starts_with("nacre_"))
+                .collect();
+            for n in &names {
+                let base = ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .find_map(|s| n.strip_suffix(s).filter(|b| declared.contains(b)))
+                    .unwrap_or(n);
+                assert!(
+                    declared.contains(&base),
+                    "{expr}: nacred does not export {n}"
+                );
+            }
             let result = prom.query_all(&expr);
-            assert!(
-                !result.is_empty(),
-                "panel {}: {expr} found nothing",
-                panel["title"]
-            );
+            // Remote paths exist only with remote storage attached; everything else has series
+            // from this run.
+            if !names.iter().any(|n| n.starts_with("nacre_remote_")) {
+                assert!(
+                    !result.is_empty(),
+                    "panel {}: {expr} found nothing",
+                    panel["title"]
+                );
+            }
             checked += 1;
         }
     }
-    assert!(checked >= 8, "{checked} queries");
+    assert!(checked >= 12, "{checked} queries");
+    // The device series name the volume they serve, and the limit set above is exported.
+    assert_eq!(
+        prom.query(r#"nacre_device_info{device="vg-dev",kind="vhost-blk",volume="vg"}"#),
+        Some(1.0)
+    );
+    assert_eq!(
+        prom.query(&format!(
+            r#"nacre_device_info{{device="{nqn}/3",kind="nvmf",volume="vg"}}"#
+        )),
+        Some(1.0)
+    );
+    assert_eq!(
+        prom.query(r#"nacre_qos_limit{kind="volume",name="vg",rate="iops"}"#),
+        Some(2000.0)
+    );
 }

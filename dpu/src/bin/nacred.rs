@@ -181,6 +181,7 @@ fn run(args: Args) -> anyhow::Result<()> {
             .context("cannot set up the embedded default")?;
     }
     if let Some(addr) = args.metrics_listen {
+        nacre_dpu::control::qos::export_daemon_series(&daemon);
         let bound = nacre_dpu::telemetry::http::serve(addr, daemon.qos.telemetry().clone())
             .with_context(|| format!("cannot serve metrics on {addr}"))?;
         let _ = daemon.metrics_addr.set(bound);

@@ -118,6 +118,130 @@ pub fn wrap(
     d.qos.wrap(&rec.name, rec.tenant.as_deref(), dev)
 }
 
+/// Path states (one per remote controller; every state a series, 1 for the current one, as
+/// Prometheus enums go).
+const PATH_STATES: [&str; 4] = ["live", "connecting", "failed", "closed"];
+
+/// Give the metrics endpoint the daemon's own series, rendered at scrape time from the state:
+/// devices (vhost-user-blk devices and NVMe-oF namespaces, each with the volume it serves, so
+/// per-device rates join the volume series `on (volume)`), remote controller path states,
+/// sessions lost (reconnects) and established, and the configured QoS limits.
+pub fn export_daemon_series(d: &Arc<Daemon>) {
+    let weak = Arc::downgrade(d);
+    d.qos.telemetry().set_extra(Box::new(move || {
+        weak.upgrade()
+            .map(|d| render_daemon_series(&d))
+            .unwrap_or_default()
+    }));
+}
+
+/// A Prometheus label value: backslash, double quote and newline escaped.
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+fn render_daemon_series(d: &Daemon) -> String {
+    use std::fmt::Write;
+    let Ok((devices, paths, limits)) = d.with_inner(|inner| {
+        let mut devices: Vec<(String, &str, String)> = inner
+            .state
+            .vhost_blk
+            .values()
+            .map(|r| (r.name.clone(), "vhost-blk", r.volume.clone()))
+            .collect();
+        for s in inner.state.nvmf.subsystems.values() {
+            for (nsid, volume) in &s.namespaces {
+                devices.push((format!("{}/{nsid}", s.nqn), "nvmf", volume.clone()));
+            }
+        }
+        let paths = super::remote::path_states(d, &inner.state);
+        let q = &inner.state.qos;
+        let mut limits: Vec<(&str, String, &str, u64)> = Vec::new();
+        let mut add = |kind: &'static str, name: &str, l: &QosLimits| {
+            for (rate, v) in l.rates() {
+                if let Some(v) = v {
+                    limits.push((kind, name.to_string(), rate, v));
+                }
+            }
+        };
+        for (v, l) in &q.volumes {
+            add("volume", v, l);
+        }
+        for (t, l) in &q.tenants {
+            add("tenant", t, l);
+        }
+        if let Some(l) = &q.global {
+            add("global", "*", l);
+        }
+        Ok((devices, paths, limits))
+    }) else {
+        return String::new();
+    };
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "# HELP nacre_device_info A device serving a volume (kind vhost-blk: a vhost-user-blk device; nvmf: an NVMe-oF namespace, NQN/NSID).\n# TYPE nacre_device_info gauge"
+    );
+    for (dev, kind, vol) in &devices {
+        let _ = writeln!(
+            out,
+            "nacre_device_info{{device=\"{}\",kind=\"{kind}\",volume=\"{}\"}} 1",
+            label(dev),
+            label(vol)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP nacre_remote_path_state State of each remote NVMe-oF controller (a path to remote storage): 1 for the current state.\n# TYPE nacre_remote_path_state gauge"
+    );
+    for (name, state, _, _) in &paths {
+        for s in PATH_STATES {
+            let _ = writeln!(
+                out,
+                "nacre_remote_path_state{{remote=\"{}\",state=\"{s}\"}} {}",
+                label(name),
+                u8::from(s == *state)
+            );
+        }
+    }
+    let _ = writeln!(
+        out,
+        "# HELP nacre_remote_resets_total Sessions of a remote controller lost (each one a reconnect).\n# TYPE nacre_remote_resets_total counter"
+    );
+    for (name, _, resets, _) in &paths {
+        let _ = writeln!(
+            out,
+            "nacre_remote_resets_total{{remote=\"{}\"}} {resets}",
+            label(name)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP nacre_remote_connects_total Sessions of a remote controller established.\n# TYPE nacre_remote_connects_total counter"
+    );
+    for (name, _, _, connects) in &paths {
+        let _ = writeln!(
+            out,
+            "nacre_remote_connects_total{{remote=\"{}\"}} {connects}",
+            label(name)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP nacre_qos_limit Configured QoS limits (per second; rate names as in qos_set).\n# TYPE nacre_qos_limit gauge"
+    );
+    for (kind, name, rate, v) in &limits {
+        let _ = writeln!(
+            out,
+            "nacre_qos_limit{{kind=\"{kind}\",name=\"{}\",rate=\"{rate}\"}} {v}",
+            label(name)
+        );
+    }
+    out
+}
+
 fn get(q: &QosState, t: &Target) -> Option<QosLimits> {
     match t {
         Target::Volume(v) => q.volumes.get(v).cloned(),
