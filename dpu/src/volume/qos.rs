@@ -37,6 +37,12 @@ use crate::telemetry::{Telemetry, VolumeMetrics};
 pub trait Clock: Send + Sync {
     /// Time since an arbitrary fixed origin; never goes backwards.
     fn now(&self) -> Duration;
+
+    /// The same clock at `t`, an instant the caller already read (one clock read per request
+    /// on the data path). Clocks other than the monotonic one ignore it.
+    fn at(&self, _t: Instant) -> Duration {
+        self.now()
+    }
 }
 
 /// The monotonic clock.
@@ -51,6 +57,10 @@ impl Default for MonotonicClock {
 impl Clock for MonotonicClock {
     fn now(&self) -> Duration {
         self.0.elapsed()
+    }
+
+    fn at(&self, t: Instant) -> Duration {
+        t.saturating_duration_since(self.0)
     }
 }
 
@@ -425,13 +435,13 @@ impl Qos {
         self.lock().queued
     }
 
-    fn submit_limited(&self, id: u64, req: IoRequest, done: Arc<dyn Completion>) {
+    fn submit_limited(&self, id: u64, req: IoRequest, done: Arc<dyn Completion>, arrived: Instant) {
         let dir = Dir::of(req.kind);
         let bytes = match dir {
             Dir::Read | Dir::Write => req.len,
             _ => 0,
         };
-        let now = self.clock.now();
+        let now = self.clock.at(arrived);
         let mut guard = self.lock();
         let st = &mut *guard;
         let Some(vs) = st.volumes.get_mut(&id) else {
@@ -652,15 +662,16 @@ impl BlockDevice for QosVolume {
 
     fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
         self.metrics.start();
+        let start = Instant::now();
         let timed: Arc<dyn Completion> = Arc::new(Timed {
             done: done.clone(),
-            start: Instant::now(),
+            start,
             kind: req.kind,
             bytes: req.len,
             metrics: self.metrics.clone(),
         });
         if self.limited.load(Ordering::Acquire) {
-            self.qos.submit_limited(self.id, req, timed);
+            self.qos.submit_limited(self.id, req, timed, start);
         } else {
             self.inner.submit(req, &timed);
         }
