@@ -170,10 +170,13 @@ impl Vhost {
         loop {
             let mut c = [MaybeUninit::<blkio::Completion>::uninit()];
             let mut t = Duration::from_millis(100);
-            let n = self
-                .q
-                .do_io(&mut c, 1, Some(&mut t), None)
-                .map_err(|e| anyhow::anyhow!("libblkio: {}", e.message()))?;
+            // A slice that ends with nothing completed is ETIME ("Timed out"), not 0: the
+            // request is still in flight (a loaded machine), so look at `killed` and go on.
+            let n = match self.q.do_io(&mut c, 1, Some(&mut t), None) {
+                Ok(n) => n,
+                Err(e) if e.errno() == blkio::Errno::TIME => 0,
+                Err(e) => bail!("libblkio: {}", e.message()),
+            };
             if n == 1 {
                 // SAFETY: do_io initialised the first n entries.
                 let ret = unsafe { c[0].assume_init_read() }.ret;
@@ -391,7 +394,9 @@ fn run(frontend: &str) {
         total_ops += ops;
         drop(disk);
         n.crash_restart();
-        // Every block, through the same frontend.
+        // Every block, through the same frontend, from the restarted nacred (alive: a read
+        // that is merely slow must be waited for, not taken for the kill).
+        killed.store(false, Ordering::SeqCst);
         let mut disk = connect(frontend, &n, &socket, &killed);
         const CHUNK: u64 = 16;
         for first in (0..BLOCKS).step_by(CHUNK as usize) {

@@ -39,23 +39,6 @@ pub struct Args {
     ca: Option<PathBuf>,
 }
 
-pub fn write_file(path: &Path, text: &str, private: bool) -> Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(if private { 0o600 } else { 0o644 })
-        .open(&tmp)
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    f.write_all(text.as_bytes())
-        .and_then(|_| f.sync_all())
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
-}
-
 fn read(p: &Path) -> Result<String> {
     std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))
 }
@@ -71,10 +54,10 @@ pub fn run(g: &Global, a: Args) -> Result<()> {
             "no host key here: run step 1 (nacre-host pair --host NAME) on this host first",
         )?);
         channel::client_config(&ca, &cert, &key)?;
-        write_file(&dir.join(files::HOST_CERT), &cert, false)?;
-        write_file(&dir.join(files::CA_CERT), &ca, false)?;
+        files::write(&dir.join(files::HOST_CERT), &cert, false)?;
+        files::write(&dir.join(files::CA_CERT), &ca, false)?;
         if let Some(dpu) = &g.dpu {
-            write_file(&dir.join(crate::channel::DPU_FILE), dpu, false)?;
+            files::write(&dir.join(crate::channel::DPU_FILE), dpu, false)?;
         }
         println!(
             "installed the host certificate and the DPU's CA in {}",
@@ -111,9 +94,9 @@ pub fn run(g: &Global, a: Args) -> Result<()> {
         );
     }
     let (csr, key) = channel::make_host_request(&host)?;
-    write_file(&key_path, &key, true)?;
+    files::write(&key_path, &key, true)?;
     let csr_path = dir.join(files::HOST_CSR);
-    write_file(&csr_path, &csr, false)?;
+    files::write(&csr_path, &csr, false)?;
     println!(
         "key in {}, request in {}\nOn the DPU: nacre cert issue --csr {host}.csr --host {host} --tenant TENANT --out {host}.pem",
         key_path.display(),

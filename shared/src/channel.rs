@@ -45,6 +45,29 @@ pub mod files {
     pub const HOST_KEY: &str = "host.key";
     pub const HOST_CSR: &str = "host.csr";
     pub const HOST_CERT: &str = "host.pem";
+
+    /// Write one of these files whole or not at all (a temporary file, fsynced, renamed over
+    /// the old one): readable by its owner only (keys) or by anyone (certificates).
+    pub fn write(path: &std::path::Path, text: &str, private: bool) -> std::io::Result<()> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let named = |p: &std::path::Path| {
+            let p = p.display().to_string();
+            move |e: std::io::Error| std::io::Error::new(e.kind(), format!("cannot write {p}: {e}"))
+        };
+        let tmp = path.with_extension("tmp");
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(if private { 0o600 } else { 0o644 })
+            .open(&tmp)
+            .map_err(named(&tmp))?;
+        f.write_all(text.as_bytes())
+            .and_then(|_| f.sync_all())
+            .map_err(named(&tmp))?;
+        std::fs::rename(&tmp, path).map_err(named(path))
+    }
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -67,24 +67,6 @@ fn default_dir() -> PathBuf {
         .join("tls")
 }
 
-/// Write a file only the owner can read (keys) or anyone can (certificates).
-pub fn write_file(path: &Path, text: &str, private: bool) -> Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(if private { 0o600 } else { 0o644 })
-        .open(&tmp)
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    f.write_all(text.as_bytes())
-        .and_then(|_| f.sync_all())
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))
-}
-
 fn read(path: &Path) -> Result<String> {
     std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))
 }
@@ -109,13 +91,13 @@ pub fn run(cmd: CertCmd) -> Result<()> {
                     .map(|s| s.trim().to_string())
                     .unwrap_or_else(|_| "dpu".into());
                 let ca = channel::make_ca(&host)?;
-                write_file(&dir.join(files::CA_KEY), &ca.key, true)?;
-                write_file(&dir.join(files::CA_CERT), &ca.cert, false)?;
+                files::write(&dir.join(files::CA_KEY), &ca.key, true)?;
+                files::write(&dir.join(files::CA_CERT), &ca.cert, false)?;
                 ca
             };
             let server = channel::make_server_cert(&ca, &names)?;
-            write_file(&dir.join(files::SERVER_KEY), &server.key, true)?;
-            write_file(&dir.join(files::SERVER_CERT), &server.cert, false)?;
+            files::write(&dir.join(files::SERVER_KEY), &server.key, true)?;
+            files::write(&dir.join(files::SERVER_CERT), &server.cert, false)?;
             println!(
                 "CA and server certificate in {}; give hosts {}",
                 dir.display(),
@@ -146,7 +128,7 @@ pub fn run(cmd: CertCmd) -> Result<()> {
                 now,
                 days,
             )?;
-            write_file(&out, &pem, false)?;
+            files::write(&out, &pem, false)?;
             println!(
                 "host {host} (tenant {tenant}) certificate in {}, valid {days} days",
                 out.display()
