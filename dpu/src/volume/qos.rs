@@ -22,45 +22,42 @@
 //! Everything limiter-related sits under one mutex that is taken only by requests some limit
 //! applies to; a volume with no limit on it, its tenant or the daemon checks one atomic flag.
 
+use std::cell::UnsafeCell;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use nacre_shared::api::qos::{QosLimits, DEFAULT_BURST_MS, DEFAULT_WEIGHT};
 use tracing::trace;
 
 use super::{BlockDevice, Completion, Geometry, IoKind, IoRequest, IoResult};
-use crate::telemetry::{Telemetry, VolumeMetrics};
+use crate::telemetry::{self, Telemetry, VolumeMetrics};
 
 /// Time as the limiter sees it: injectable so tests are deterministic.
 pub trait Clock: Send + Sync {
     /// Time since an arbitrary fixed origin; never goes backwards.
     fn now(&self) -> Duration;
 
-    /// The same clock at `t`, an instant the caller already read (one clock read per request
-    /// on the data path). Clocks other than the monotonic one ignore it.
-    fn at(&self, _t: Instant) -> Duration {
+    /// The same clock at `ns`, an instant of [`telemetry::clock`] the caller already read
+    /// (the request's arrival: no clock read of the limiter's own on the data path). Clocks
+    /// other than the monotonic one ignore it.
+    fn at_ns(&self, _ns: u64) -> Duration {
         self.now()
     }
 }
 
-/// The monotonic clock.
-pub struct MonotonicClock(Instant);
-
-impl Default for MonotonicClock {
-    fn default() -> Self {
-        MonotonicClock(Instant::now())
-    }
-}
+/// The monotonic clock ([`telemetry::clock`]'s, so arrival instants need no conversion).
+#[derive(Default)]
+pub struct MonotonicClock;
 
 impl Clock for MonotonicClock {
     fn now(&self) -> Duration {
-        self.0.elapsed()
+        Duration::from_nanos(telemetry::clock::read_ns())
     }
 
-    fn at(&self, t: Instant) -> Duration {
-        t.saturating_duration_since(self.0)
+    fn at_ns(&self, ns: u64) -> Duration {
+        Duration::from_nanos(ns)
     }
 }
 
@@ -139,6 +136,14 @@ enum Dir {
     Other,
 }
 
+/// Bucket indices in [`Buckets::b`].
+const IOPS: usize = 0;
+const READ_IOPS: usize = 1;
+const WRITE_IOPS: usize = 2;
+const BPS: usize = 3;
+const READ_BPS: usize = 4;
+const WRITE_BPS: usize = 5;
+
 impl Dir {
     fn of(kind: IoKind) -> Dir {
         match kind {
@@ -148,18 +153,34 @@ impl Dir {
             IoKind::Flush => Dir::Other,
         }
     }
+
+    /// The buckets this direction counts against, each with whether it costs bytes (else 1).
+    fn buckets(self) -> &'static [(usize, bool)] {
+        match self {
+            Dir::Read => &[
+                (IOPS, false),
+                (READ_IOPS, false),
+                (BPS, true),
+                (READ_BPS, true),
+            ],
+            Dir::Write => &[
+                (IOPS, false),
+                (WRITE_IOPS, false),
+                (BPS, true),
+                (WRITE_BPS, true),
+            ],
+            Dir::WriteNoData => &[(IOPS, false), (WRITE_IOPS, false)],
+            Dir::Other => &[(IOPS, false)],
+        }
+    }
 }
 
 /// The six buckets of one limit set.
 #[derive(Debug, Clone, Default)]
 struct Buckets {
     limits: QosLimits,
-    read_iops: Option<TokenBucket>,
-    write_iops: Option<TokenBucket>,
-    iops: Option<TokenBucket>,
-    read_bps: Option<TokenBucket>,
-    write_bps: Option<TokenBucket>,
-    bps: Option<TokenBucket>,
+    /// Indexed by [`IOPS`] … [`WRITE_BPS`]; `None`: no such limit.
+    b: [Option<TokenBucket>; 6],
 }
 
 impl Buckets {
@@ -169,48 +190,36 @@ impl Buckets {
 
     fn configure(&mut self, limits: &QosLimits, now: Duration) {
         let burst = Duration::from_millis(limits.burst_ms.unwrap_or(DEFAULT_BURST_MS) as u64);
-        let set = |b: &mut Option<TokenBucket>, rate: Option<u64>| match (b.as_mut(), rate) {
-            (_, None) => *b = None,
-            (Some(tb), Some(r)) => tb.reconfigure(r, burst, now),
-            (None, Some(r)) => *b = Some(TokenBucket::new(r, burst, now)),
-        };
-        set(&mut self.read_iops, limits.read_iops);
-        set(&mut self.write_iops, limits.write_iops);
-        set(&mut self.iops, limits.iops);
-        set(&mut self.read_bps, limits.read_bps);
-        set(&mut self.write_bps, limits.write_bps);
-        set(&mut self.bps, limits.bps);
+        let rates = [
+            limits.iops,
+            limits.read_iops,
+            limits.write_iops,
+            limits.bps,
+            limits.read_bps,
+            limits.write_bps,
+        ];
+        for (b, rate) in self.b.iter_mut().zip(rates) {
+            match (b.as_mut(), rate) {
+                (_, None) => *b = None,
+                (Some(tb), Some(r)) => tb.reconfigure(r, burst, now),
+                (None, Some(r)) => *b = Some(TokenBucket::new(r, burst, now)),
+            }
+        }
         self.limits = limits.clone();
     }
 
-    /// The buckets `dir` counts against, with each one's cost.
-    fn each(&mut self, dir: Dir, bytes: u64, mut f: impl FnMut(&mut TokenBucket, f64)) {
-        let b = bytes as f64;
-        let mut visit = |tb: &mut Option<TokenBucket>, cost: f64| {
-            if let Some(tb) = tb {
-                f(tb, cost)
+    /// The buckets `dir` counts against, with each one's index and cost.
+    fn each(&mut self, dir: Dir, bytes: u64, mut f: impl FnMut(usize, &mut TokenBucket, f64)) {
+        for &(i, by_bytes) in dir.buckets() {
+            if let Some(tb) = &mut self.b[i] {
+                f(i, tb, if by_bytes { bytes as f64 } else { 1.0 })
             }
-        };
-        visit(&mut self.iops, 1.0);
-        match dir {
-            Dir::Read => {
-                visit(&mut self.read_iops, 1.0);
-                visit(&mut self.read_bps, b);
-                visit(&mut self.bps, b);
-            }
-            Dir::Write => {
-                visit(&mut self.write_iops, 1.0);
-                visit(&mut self.write_bps, b);
-                visit(&mut self.bps, b);
-            }
-            Dir::WriteNoData => visit(&mut self.write_iops, 1.0),
-            Dir::Other => {}
         }
     }
 
     fn wait(&mut self, dir: Dir, bytes: u64, now: Duration) -> Duration {
         let mut w = Duration::ZERO;
-        self.each(dir, bytes, |tb, cost| {
+        self.each(dir, bytes, |_, tb, cost| {
             tb.refill(now);
             w = w.max(tb.wait(cost));
         });
@@ -218,7 +227,77 @@ impl Buckets {
     }
 
     fn take(&mut self, dir: Dir, bytes: u64) {
-        self.each(dir, bytes, |tb, cost| tb.take(cost));
+        self.each(dir, bytes, |_, tb, cost| tb.take(cost));
+    }
+
+    /// Hand back a thread's unused credit (see [`Credit`]); the bucket stays within its depth.
+    fn give_back(&mut self, credit: &mut [f64; 6]) {
+        for (b, c) in self.b.iter_mut().zip(credit.iter_mut()) {
+            if let Some(tb) = b {
+                if c.is_finite() && *c > 0.0 {
+                    tb.tokens = (tb.tokens + *c).min(tb.depth);
+                }
+            }
+            *c = 0.0;
+        }
+    }
+
+    /// Move up to [`CREDIT_GRANT`] worth of each bucket's tokens to a thread's credit; a
+    /// bucket that does not exist is unlimited credit.
+    fn grant(&mut self, credit: &mut [f64; 6]) {
+        for (b, c) in self.b.iter_mut().zip(credit.iter_mut()) {
+            *c = match b {
+                None => f64::INFINITY,
+                Some(tb) => {
+                    let g = tb.tokens.min(tb.rate * CREDIT_GRANT.as_secs_f64()).max(0.0);
+                    tb.tokens -= g;
+                    g
+                }
+            };
+        }
+    }
+}
+
+/// How much of a bucket's rate one thread may take ahead for its lock-free fast path. Tokens
+/// only move (bucket → credit → request, or back): the long-run rate stays exact, and a
+/// limit change or queueing costs at most this much extra per thread.
+const CREDIT_GRANT: Duration = Duration::from_millis(1);
+
+/// Tokens one thread slot took ahead from the buckets of one volume, its tenant and the
+/// daemon ([`Buckets::grant`]): requests they cover are admitted without the limiter's lock.
+/// Valid while `generation` matches [`Qos::generation`] (every limit change bumps it).
+#[derive(Default)]
+struct Credit {
+    generation: u64,
+    /// Volume, tenant, daemon; by bucket index.
+    tokens: [[f64; 6]; 3],
+}
+
+impl Credit {
+    /// Admit from credit alone: every bucket `dir` needs must cover the full cost.
+    #[inline]
+    fn try_take(&mut self, dir: Dir, bytes: u64) -> bool {
+        let costs = dir.buckets();
+        let cost = |by_bytes: bool| if by_bytes { bytes as f64 } else { 1.0 };
+        let covered = self
+            .tokens
+            .iter()
+            .all(|lvl| costs.iter().all(|&(i, b)| lvl[i] >= cost(b)));
+        if covered {
+            for lvl in &mut self.tokens {
+                for &(i, b) in costs {
+                    lvl[i] -= cost(b);
+                }
+            }
+        }
+        covered
+    }
+}
+
+fn bytes_of(dir: Dir, req: &IoRequest) -> u64 {
+    match dir {
+        Dir::Read | Dir::Write => req.len,
+        _ => 0,
     }
 }
 
@@ -293,13 +372,15 @@ pub struct Qos {
     state: Mutex<SchedState>,
     wake: Condvar,
     next_id: AtomicU64,
+    /// Bumped by every limit change: threads' [`Credit`] from before it is void.
+    generation: AtomicU64,
     telemetry: Arc<Telemetry>,
 }
 
 impl Qos {
     /// A limiter on the monotonic clock with its pacer thread.
     pub fn start(telemetry: Arc<Telemetry>) -> Arc<Qos> {
-        let q = Self::manual(Arc::new(MonotonicClock::default()), telemetry);
+        let q = Self::manual(Arc::new(MonotonicClock), telemetry);
         let weak = Arc::downgrade(&q);
         std::thread::Builder::new()
             .name("qos-pacer".into())
@@ -315,6 +396,7 @@ impl Qos {
             state: Mutex::new(SchedState::default()),
             wake: Condvar::new(),
             next_id: AtomicU64::new(1),
+            generation: AtomicU64::new(1),
             telemetry,
         })
     }
@@ -335,7 +417,7 @@ impl Qos {
         inner: Arc<dyn BlockDevice>,
     ) -> Arc<QosVolume> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let metrics = Arc::new(self.telemetry.volume(name, tenant));
+        let metrics = self.telemetry.volume(name, tenant);
         let limited = Arc::new(AtomicBool::new(false));
         let now = self.clock.now();
         let mut st = self.lock();
@@ -367,6 +449,9 @@ impl Qos {
             limited,
             qos: self.clone(),
             metrics,
+            locals: (0..telemetry::clock::SLOTS)
+                .map(|_| Local(UnsafeCell::new(Default::default())))
+                .collect(),
         })
     }
 
@@ -395,6 +480,7 @@ impl Qos {
             }
             (None, None) => st.global.configure(l, now),
         }
+        self.generation.fetch_add(1, Ordering::AcqRel);
         refresh_flags(&mut st);
         drop(st);
         self.wake.notify_all();
@@ -435,24 +521,45 @@ impl Qos {
         self.lock().queued
     }
 
-    fn submit_limited(&self, id: u64, req: IoRequest, done: Arc<dyn Completion>, arrived: Instant) {
+    /// The limiter's slow path, under its lock: admit now (returned, for the caller to submit
+    /// outside the lock) or queue for the pacer. `credit` is the calling thread's credit for
+    /// this volume: what is left of it goes back to the buckets first, and when nothing waits
+    /// anywhere it is refilled so the next requests skip this path.
+    fn admit(
+        &self,
+        id: u64,
+        req: IoRequest,
+        done: Arc<dyn Completion>,
+        arrived: u64,
+        credit: Option<&mut Credit>,
+    ) -> Option<Admitted> {
         let dir = Dir::of(req.kind);
-        let bytes = match dir {
-            Dir::Read | Dir::Write => req.len,
-            _ => 0,
-        };
-        let now = self.clock.at(arrived);
+        let bytes = bytes_of(dir, &req);
+        let now = self.clock.at_ns(arrived);
         let mut guard = self.lock();
         let st = &mut *guard;
         let Some(vs) = st.volumes.get_mut(&id) else {
             // Unreachable while the QosVolume lives (it unregisters on drop).
-            return;
+            return None;
         };
+        let mut tenant = vs.tenant.as_ref().and_then(|t| st.tenants.get_mut(t));
+        let mut credit = credit;
+        if let Some(c) = credit.as_deref_mut() {
+            if c.generation == self.generation.load(Ordering::Acquire) {
+                vs.buckets.give_back(&mut c.tokens[0]);
+                if let Some(ts) = tenant.as_mut() {
+                    ts.buckets.give_back(&mut c.tokens[1]);
+                }
+                st.global.give_back(&mut c.tokens[2]);
+            }
+            // Credit from before a limit change is dropped, not returned: the buckets were
+            // rebuilt (at most CREDIT_GRANT of the old rate is lost).
+            c.tokens = Default::default();
+        }
         // FIFO per volume; and while anything waits, new requests that need the daemon-wide
         // bucket queue too, so the pacer's weighted order decides under contention.
         let global_contended = st.global.active() && st.queued > 0;
         if vs.queue.is_empty() && !global_contended {
-            let mut tenant = vs.tenant.as_ref().and_then(|t| st.tenants.get_mut(t));
             let mut w = vs.buckets.wait(dir, bytes, now);
             if let Some(ts) = tenant.as_mut() {
                 w = w.max(ts.buckets.wait(dir, bytes, now));
@@ -460,17 +567,29 @@ impl Qos {
             w = w.max(st.global.wait(dir, bytes, now));
             if w.is_zero() {
                 vs.buckets.take(dir, bytes);
-                if let Some(ts) = tenant {
+                if let Some(ts) = tenant.as_mut() {
                     ts.buckets.take(dir, bytes);
                     ts.vtime = ts.vtime.max(st.vclock) + 1.0 / ts.weight as f64;
                 } else {
                     vs.vtime = vs.vtime.max(st.vclock) + 1.0 / DEFAULT_WEIGHT as f64;
                 }
                 st.global.take(dir, bytes);
-                let inner = vs.inner.clone();
-                drop(guard);
-                inner.submit(req, &done);
-                return;
+                if let Some(c) = credit {
+                    if st.queued == 0 {
+                        c.generation = self.generation.load(Ordering::Acquire);
+                        vs.buckets.grant(&mut c.tokens[0]);
+                        match tenant {
+                            Some(ts) => ts.buckets.grant(&mut c.tokens[1]),
+                            None => c.tokens[1] = [f64::INFINITY; 6],
+                        }
+                        st.global.grant(&mut c.tokens[2]);
+                    }
+                }
+                return Some(Admitted {
+                    inner: vs.inner.clone(),
+                    req,
+                    done,
+                });
             }
         }
         vs.metrics.throttled_enter();
@@ -484,6 +603,7 @@ impl Qos {
         st.queued += 1;
         drop(guard);
         self.wake.notify_one();
+        None
     }
 
     fn unregister(&self, id: u64) {
@@ -618,17 +738,127 @@ fn pacer(q: Weak<Qos>) {
 }
 
 /// The layer over one volume: statistics always, limits when any apply.
+///
+/// Per request it costs, on the thread that submits: one batch-clock read (none inside a
+/// frontend batch), a few counter updates in this thread's own statistics shard, a completion
+/// wrapper taken from this thread's pool (no allocation, no reference-count traffic when the
+/// frontend's completion is the same as last time), and — only when a limit applies — tokens
+/// from this thread's [`Credit`], with the limiter's lock taken once per credit grant.
 pub struct QosVolume {
     inner: Arc<dyn BlockDevice>,
     id: u64,
     limited: Arc<AtomicBool>,
     qos: Arc<Qos>,
     metrics: Arc<VolumeMetrics>,
+    /// Per thread slot ([`telemetry::clock::slot`]); the shared overflow slot has none and
+    /// allocates wrappers and takes the lock per request.
+    locals: Box<[Local]>,
 }
+
+/// Most wrappers a pool keeps: enough for a queue of in-flight asynchronous requests.
+const POOL_MAX: usize = 256;
+
+/// What one thread slot keeps for one volume, used only by the thread that owns the slot.
+#[repr(align(128))]
+struct Local(UnsafeCell<LocalState>);
+
+#[derive(Default)]
+struct LocalState {
+    /// Completion wrappers ([`Timed`]) for reuse, oldest first.
+    pool: std::collections::VecDeque<Arc<dyn Completion>>,
+    credit: Credit,
+}
+
+// SAFETY: a `Local` is only touched by the thread that owns its slot (`telemetry::clock::slot`
+// hands each live thread a distinct one; a slot passes to a new thread only through a mutex
+// after its owner exited), and every access is a short borrow that ends before any call into
+// another layer, so even a re-entrant submit on the same thread never sees two borrows.
+unsafe impl Sync for Local {}
 
 impl QosVolume {
     pub fn metrics(&self) -> &Arc<VolumeMetrics> {
         &self.metrics
+    }
+
+    /// This thread's state, if it owns an exclusive slot.
+    ///
+    /// # Safety
+    /// The caller must own `slot` (it came from [`telemetry::clock::slot`] on this thread) and
+    /// must end the borrow before calling out of this module.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn local(&self, slot: usize) -> Option<&mut LocalState> {
+        // SAFETY: per the caller's promise, no other borrow of this slot's state exists.
+        self.locals.get(slot).map(|l| unsafe { &mut *l.0.get() })
+    }
+
+    /// A completion wrapper for one request: a pooled one no device holds any more,
+    /// refilled in place, or a new one.
+    fn timed(
+        &self,
+        slot: usize,
+        done: &Arc<dyn Completion>,
+        start: u64,
+        req: &IoRequest,
+    ) -> Arc<dyn Completion> {
+        // SAFETY: `slot` is this thread's; the borrow ends within this block, and what it
+        // drops (a replaced frontend completion) never calls back into this volume.
+        let reused = unsafe { self.local(slot) }.and_then(|l| {
+            // Completions mostly come back in order: the oldest wrapper is the likeliest free.
+            let mut a = l.pool.pop_front()?;
+            let Some(w) = Arc::get_mut(&mut a) else {
+                // Still at a device: to the back of the line.
+                l.pool.push_back(a);
+                return None;
+            };
+            // SAFETY: every wrapper in a pool was made as an `Arc<Timed>` (below).
+            let w = unsafe { &mut *(w as *mut dyn Completion as *mut Timed) };
+            // Keep the frontend's completion when it is the same one (the common case): no
+            // reference-count traffic.
+            if !Arc::ptr_eq(&w.done, done) {
+                w.done = done.clone();
+            }
+            w.start = start;
+            w.kind = req.kind;
+            w.bytes = req.len;
+            Some(a)
+        });
+        reused.unwrap_or_else(|| {
+            Arc::new(Timed {
+                done: done.clone(),
+                start,
+                kind: req.kind,
+                bytes: req.len,
+                metrics: self.metrics.clone(),
+            })
+        })
+    }
+
+    fn recycle(&self, slot: usize, w: Arc<dyn Completion>) {
+        // SAFETY: as in `timed`; dropping `w` when the pool is full happens after the borrow.
+        if let Some(l) = unsafe { self.local(slot) } {
+            if l.pool.len() < POOL_MAX {
+                l.pool.push_back(w);
+            }
+        }
+    }
+
+    /// The limiter: this thread's credit when it covers the request, else the locked path.
+    fn submit_limited(&self, slot: usize, req: IoRequest, done: &Arc<dyn Completion>, at: u64) {
+        let generation = self.qos.generation.load(Ordering::Acquire);
+        let dir = Dir::of(req.kind);
+        let bytes = bytes_of(dir, &req);
+        // SAFETY: `slot` is this thread's; the borrow ends before `submit` below.
+        let fast = unsafe { self.local(slot) }
+            .is_some_and(|l| l.credit.generation == generation && l.credit.try_take(dir, bytes));
+        if fast {
+            self.inner.submit(req, done);
+            return;
+        }
+        // SAFETY: as above; `admit` only takes the limiter's lock and returns.
+        let credit = unsafe { self.local(slot) }.map(|l| &mut l.credit);
+        if let Some(a) = self.qos.admit(self.id, req, done.clone(), at, credit) {
+            a.submit();
+        }
     }
 }
 
@@ -641,7 +871,8 @@ impl Drop for QosVolume {
 /// Times a request from its arrival at the volume (so QoS queueing counts) to its completion.
 struct Timed {
     done: Arc<dyn Completion>,
-    start: Instant,
+    /// Arrival, on the batch clock ([`telemetry::clock::now_ns`]).
+    start: u64,
     kind: IoKind,
     bytes: u64,
     metrics: Arc<VolumeMetrics>,
@@ -649,8 +880,9 @@ struct Timed {
 
 impl Completion for Timed {
     fn complete(&self, tag: u64, result: IoResult) {
+        let elapsed = telemetry::clock::now_ns().saturating_sub(self.start);
         self.metrics
-            .finish(self.kind, self.bytes, self.start.elapsed(), result.is_err());
+            .finish(self.kind, self.bytes, elapsed, result.is_err());
         self.done.complete(tag, result);
     }
 }
@@ -662,19 +894,15 @@ impl BlockDevice for QosVolume {
 
     fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
         self.metrics.start();
-        let start = Instant::now();
-        let timed: Arc<dyn Completion> = Arc::new(Timed {
-            done: done.clone(),
-            start,
-            kind: req.kind,
-            bytes: req.len,
-            metrics: self.metrics.clone(),
-        });
+        let start = telemetry::clock::now_ns();
+        let slot = telemetry::clock::slot();
+        let timed = self.timed(slot, done, start, &req);
         if self.limited.load(Ordering::Acquire) {
-            self.qos.submit_limited(self.id, req, timed, start);
+            self.submit_limited(slot, req, &timed, start);
         } else {
             self.inner.submit(req, &timed);
         }
+        self.recycle(slot, timed);
     }
 
     fn resize(&self, new_size: u64) -> IoResult {

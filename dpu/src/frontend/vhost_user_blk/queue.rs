@@ -15,7 +15,8 @@
 //! Completions never touch the ring themselves: an inline completion lands in a thread-local
 //! list that the worker drains right after `submit`; a completion from another thread lands in
 //! a shared list and wakes the worker through an eventfd. No allocation happens per request:
-//! the lists, the descriptor scratch and the per-head slots are sized once per queue.
+//! the lists, the descriptor scratch and the per-head slots are sized once per queue. The
+//! clock is read once per batch ([`crate::telemetry::clock::batch`]), not per request.
 
 use std::cell::RefCell;
 use std::num::Wrapping;
@@ -265,7 +266,11 @@ impl QueueWorker {
             if !event_idx {
                 rings.set_used_flags(VRING_USED_F_NO_NOTIFY as u16);
             }
+            // One clock read for the whole batch: the statistics and QoS layers below stamp
+            // every request of it with this instant (telemetry::clock).
+            let batch = crate::telemetry::clock::batch();
             let sane = self.pop_all(&rings, queue, avail_idx.unwrap_or_default());
+            drop(batch);
             self.drain_remote();
             self.publish(&rings, queue);
             if !sane {
