@@ -35,6 +35,22 @@ Stop it with SIGTERM or SIGINT.";
 
 /// nacre's DPU daemon: serves encrypted, per-tenant volumes to hosts as vhost-user-blk
 /// devices (and NVMe-oF), driven over a JSON-RPC socket by the `nacre` CLI.
+/// Where `/metrics` is served unless `--metrics-listen` says otherwise (loopback only).
+const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9444";
+
+/// `--metrics-listen`: an address, or `off` (None).
+#[derive(Debug, Clone, Copy)]
+struct MetricsListen(Option<SocketAddr>);
+
+fn parse_metrics_listen(s: &str) -> Result<MetricsListen, String> {
+    if s == "off" {
+        return Ok(MetricsListen(None));
+    }
+    s.parse()
+        .map(|a| MetricsListen(Some(a)))
+        .map_err(|e| format!("{e}: expected ADDR:PORT (e.g. 127.0.0.1:9444) or off"))
+}
+
 #[derive(Parser, Debug)]
 #[command(name = "nacred", version, about, after_help = EXAMPLES)]
 struct Args {
@@ -81,10 +97,13 @@ struct Args {
     #[arg(long, env = "NACRE_NVMF_MAX_CONNECTIONS_PER_HOST", default_value_t = ConnLimits::DEFAULT.per_host)]
     nvmf_max_connections_per_host: usize,
 
-    /// Serve Prometheus metrics on http://ADDR/metrics, e.g. 127.0.0.1:9444 (port 0: any free
-    /// one; `nacre rpc metrics_endpoint` tells which). Off unless given; keep it on loopback.
-    #[arg(long, env = "NACRE_METRICS_LISTEN")]
-    metrics_listen: Option<std::net::SocketAddr>,
+    /// Serve Prometheus metrics on http://ADDR/metrics (port 0: any free one; `nacre rpc
+    /// metrics_endpoint` tells which), or `off`. Keep it on loopback. When the default port is
+    /// taken (a second nacred on this machine) nacred warns and runs without the endpoint; an
+    /// address given explicitly must bind.
+    #[arg(long, env = "NACRE_METRICS_LISTEN", default_value = DEFAULT_METRICS_LISTEN,
+          value_parser = parse_metrics_listen)]
+    metrics_listen: MetricsListen,
 
     /// Serve volumes without the QoS and statistics layer (limits are kept, not enforced):
     /// the baseline of scripts/bench-qos.
@@ -180,11 +199,18 @@ fn run(args: Args) -> anyhow::Result<()> {
         embedded_default(&daemon, args.nvmf_listen)
             .context("cannot set up the embedded default")?;
     }
-    if let Some(addr) = args.metrics_listen {
+    if let MetricsListen(Some(addr)) = args.metrics_listen {
         nacre_dpu::control::qos::export_daemon_series(&daemon);
-        let bound = nacre_dpu::telemetry::http::serve(addr, daemon.qos.telemetry().clone())
-            .with_context(|| format!("cannot serve metrics on {addr}"))?;
-        let _ = daemon.metrics_addr.set(bound);
+        match nacre_dpu::telemetry::http::serve(addr, daemon.qos.telemetry().clone()) {
+            Ok(bound) => {
+                let _ = daemon.metrics_addr.set(bound);
+            }
+            Err(e) if addr.to_string() == DEFAULT_METRICS_LISTEN => {
+                warn!(%addr, error = %e, "metrics endpoint off: the default address is taken \
+                    (another nacred?); pass --metrics-listen ADDR or off");
+            }
+            Err(e) => return Err(e).with_context(|| format!("cannot serve metrics on {addr}")),
+        }
     }
     // Last: a client that reaches the RPC socket finds every device already serving.
     let server = RpcServer::start(daemon.clone(), &rpc_path)?;
