@@ -18,4 +18,5 @@ pub mod fabric;
 pub mod frontend;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod telemetry;
 pub mod volume;

@@ -137,6 +137,9 @@ impl Nacred {
             .args(&defaults)
             .args(&self.extra_args)
             .env_remove("NACRE_RPC")
+            // No fixed port in tests (the default 127.0.0.1:9444 would be shared by every
+            // nacred on the machine); a test that wants the endpoint passes --metrics-listen.
+            .env("NACRE_METRICS_LISTEN", "off")
             // A relative path in a request must never land in the checkout.
             .current_dir(self.state_dir.parent().expect("test root"))
             .stdin(Stdio::null())

@@ -35,6 +35,22 @@ Stop it with SIGTERM or SIGINT.";
 
 /// nacre's DPU daemon: serves encrypted, per-tenant volumes to hosts as vhost-user-blk
 /// devices (and NVMe-oF), driven over a JSON-RPC socket by the `nacre` CLI.
+/// Where `/metrics` is served unless `--metrics-listen` says otherwise (loopback only).
+const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9444";
+
+/// `--metrics-listen`: an address, or `off` (None).
+#[derive(Debug, Clone, Copy)]
+struct MetricsListen(Option<SocketAddr>);
+
+fn parse_metrics_listen(s: &str) -> Result<MetricsListen, String> {
+    if s == "off" {
+        return Ok(MetricsListen(None));
+    }
+    s.parse()
+        .map(|a| MetricsListen(Some(a)))
+        .map_err(|e| format!("{e}: expected ADDR:PORT (e.g. 127.0.0.1:9444) or off"))
+}
+
 #[derive(Parser, Debug)]
 #[command(name = "nacred", version, about, after_help = EXAMPLES)]
 struct Args {
@@ -80,6 +96,19 @@ struct Args {
     /// with Connect Controller Busy.
     #[arg(long, env = "NACRE_NVMF_MAX_CONNECTIONS_PER_HOST", default_value_t = ConnLimits::DEFAULT.per_host)]
     nvmf_max_connections_per_host: usize,
+
+    /// Serve Prometheus metrics on http://ADDR/metrics (port 0: any free one; `nacre rpc
+    /// metrics_endpoint` tells which), or `off`. Keep it on loopback. When the default port is
+    /// taken (a second nacred on this machine) nacred warns and runs without the endpoint; an
+    /// address given explicitly must bind.
+    #[arg(long, env = "NACRE_METRICS_LISTEN", default_value = DEFAULT_METRICS_LISTEN,
+          value_parser = parse_metrics_listen)]
+    metrics_listen: MetricsListen,
+
+    /// Serve volumes without the QoS and statistics layer (limits are kept, not enforced):
+    /// the baseline of scripts/bench-qos.
+    #[arg(long)]
+    no_qos: bool,
 
     /// Log filter (tracing's EnvFilter syntax), e.g. info, debug, nacre_dpu=trace.
     #[arg(long, env = "NACRE_LOG", default_value = "info")]
@@ -155,6 +184,9 @@ fn run(args: Args) -> anyhow::Result<()> {
         per_host: args.nvmf_max_connections_per_host,
     });
 
+    if args.no_qos {
+        nacre_dpu::control::qos::DISABLED.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
     let (daemon, existed) = Daemon::open(DaemonConfig {
         state_dir: args.state_dir.clone(),
         run_dir: args.run_dir.clone(),
@@ -166,6 +198,19 @@ fn run(args: Args) -> anyhow::Result<()> {
     if !existed && !args.no_default {
         embedded_default(&daemon, args.nvmf_listen)
             .context("cannot set up the embedded default")?;
+    }
+    if let MetricsListen(Some(addr)) = args.metrics_listen {
+        nacre_dpu::control::qos::export_daemon_series(&daemon);
+        match nacre_dpu::telemetry::http::serve(addr, daemon.qos.telemetry().clone()) {
+            Ok(bound) => {
+                let _ = daemon.metrics_addr.set(bound);
+            }
+            Err(e) if addr.to_string() == DEFAULT_METRICS_LISTEN => {
+                warn!(%addr, error = %e, "metrics endpoint off: the default address is taken \
+                    (another nacred?); pass --metrics-listen ADDR or off");
+            }
+            Err(e) => return Err(e).with_context(|| format!("cannot serve metrics on {addr}")),
+        }
     }
     // Last: a client that reaches the RPC socket finds every device already serving.
     let server = RpcServer::start(daemon.clone(), &rpc_path)?;

@@ -7,9 +7,12 @@
 pub mod cert;
 pub mod nvmf;
 pub mod peer;
+pub mod qos;
 pub mod remote;
+pub mod stats;
 pub mod table;
 pub mod tenant;
+pub mod top;
 pub mod vhost;
 pub mod volume;
 
@@ -82,6 +85,16 @@ pub enum Command {
         after_help = "Examples:\n  nacre remote attach shelf1 --address 192.0.2.10 --port 4420 --subnqn nqn.2024-01.io.example:shelf\n  nacre remote volume-create big --extent shelf1:1\n  nacre remote list"
     )]
     Remote(remote::RemoteCmd),
+    /// QoS limits of volumes, tenants and the daemon: IOPS and bytes/s, bursts, weights.
+    #[command(
+        subcommand,
+        after_help = "Examples:\n  nacre qos set --volume db --iops 2000\n  nacre qos set --tenant acme --write-bps 100M --burst-ms 500\n  nacre qos show\n  nacre qos clear --volume db"
+    )]
+    Qos(qos::QosCmd),
+    /// I/O counters, queue depth, throttling and latency quantiles per volume.
+    Stats(stats::StatsArgs),
+    /// Live per-volume rates, refreshed in place.
+    Top(top::TopArgs),
     /// GPU peer windows hosts registered for the zero-copy RDMA path.
     #[command(
         subcommand,
@@ -148,6 +161,9 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Nvmf(c) => nvmf::run(&mut ctx, c),
         Command::Tenant(c) => tenant::run(&mut ctx, c),
         Command::Remote(c) => remote::run(&mut ctx, c),
+        Command::Qos(c) => qos::run(&mut ctx, c),
+        Command::Stats(a) => stats::run(&mut ctx, a),
+        Command::Top(a) => top::run(&mut ctx, a),
         Command::Peer(c) => peer::run(&mut ctx, c),
         Command::Cert(_) => unreachable!("handled above"),
         Command::Methods => {

@@ -15,6 +15,7 @@ pub mod listener_retry;
 pub mod lock;
 pub mod nvmf;
 pub mod peer;
+pub mod qos;
 pub mod remote;
 pub mod server;
 pub mod state;
@@ -116,6 +117,7 @@ pub fn methods() -> impl Iterator<Item = &'static Method> {
         .chain(nvmf::METHODS)
         .chain(tenant::METHODS)
         .chain(remote::METHODS)
+        .chain(qos::METHODS)
         .chain(peer::METHODS)
 }
 
@@ -177,6 +179,10 @@ pub struct Daemon {
     pub config: DaemonConfig,
     /// Remote NVMe-oF controllers (outside `inner`: volumes need them while it is held).
     pub remotes: remote::Registry,
+    /// QoS limiter and the per-volume statistics it keeps (see `qos`).
+    pub qos: Arc<crate::volume::qos::Qos>,
+    /// Where the Prometheus endpoint listens, once nacred started it.
+    pub metrics_addr: std::sync::OnceLock<std::net::SocketAddr>,
     /// GPU peer windows hosts registered (not persisted; see `peer`).
     pub peers: peer::Registry,
     inner: Mutex<Inner>,
@@ -206,6 +212,8 @@ impl Daemon {
         let daemon = Arc::new(Daemon {
             config,
             remotes: Default::default(),
+            qos: crate::volume::qos::Qos::start(Default::default()),
+            metrics_addr: Default::default(),
             peers: Default::default(),
             inner: Mutex::new(Inner {
                 state: state.clone(),
@@ -213,6 +221,7 @@ impl Daemon {
             }),
             _locks: locks,
         });
+        qos::apply(&daemon, &state.qos);
         daemon.replay(&state);
         listener_retry::start(&daemon);
         Ok((daemon, existed))
@@ -242,6 +251,7 @@ impl Daemon {
             }
             match tenant::open_existing(self, &mut inner, rec) {
                 Ok(dev) => {
+                    let dev = qos::wrap(self, rec, dev);
                     inner.live.volumes.insert(rec.name.clone(), dev);
                 }
                 Err(e) => {

@@ -442,6 +442,26 @@ fn info_of(d: &Daemon, inner: &Inner, rec: &RemoteRecord) -> RemoteInfo {
     }
 }
 
+/// Each attached remote controller (one path to its storage) for the metrics endpoint: name,
+/// state as `remote_list` reports it, sessions lost, sessions established.
+pub fn path_states(d: &Daemon, state: &State) -> Vec<(String, &'static str, u64, u64)> {
+    state
+        .remotes
+        .keys()
+        .map(|name| {
+            let st = d.remotes.get(name).map(|c| c.core().status());
+            let phase = match st.as_ref().map(|s| s.phase) {
+                Some(Phase::Live) => "live",
+                Some(Phase::Connecting) => "connecting",
+                Some(Phase::Failed) => "failed",
+                Some(Phase::Closed) | None => "closed",
+            };
+            let (resets, connects) = st.map_or((0, 0), |s| (s.resets, s.connects));
+            (name.clone(), phase, resets, connects)
+        })
+        .collect()
+}
+
 fn remote_list(d: &Daemon, params: Value) -> Result<Value, RpcError> {
     let p: RemoteList = parse_params(params)?;
     d.with_inner(|inner| {

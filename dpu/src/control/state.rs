@@ -34,6 +34,9 @@ pub struct State {
     pub tenants: BTreeMap<String, crate::crypto::tenant::TenantRecord>,
     #[serde(default)]
     pub remotes: BTreeMap<String, super::remote::RemoteRecord>,
+    /// QoS limits of volumes, tenants and the daemon.
+    #[serde(default)]
+    pub qos: super::qos::QosState,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]

@@ -435,6 +435,7 @@ fn tenant_unlock(d: &Daemon, params: Value) -> Result<Value, RpcError> {
         for rec in closed {
             match open_existing(d, inner, &rec) {
                 Ok(dev) => {
+                    let dev = super::qos::wrap(d, &rec, dev);
                     inner.live.volumes.insert(rec.name.clone(), dev);
                     inner.live.failed.remove(&rec.name);
                     opened.push(rec.name.clone());

@@ -326,6 +326,7 @@ pub fn create(d: &Daemon, p: &VolumeCreate) -> Result<VolumeInfo, RpcError> {
             return Err(undo(e));
         }
         inner.state = next;
+        let dev = super::qos::wrap(d, &rec, dev);
         inner.live.volumes.insert(rec.name.clone(), dev);
         info!(volume = %rec.name, size = rec.size, backend = %rec.backend, "volume created");
         Ok(info_of(inner, &rec))
@@ -407,6 +408,7 @@ fn volume_delete(d: &Daemon, params: Value) -> Result<Value, RpcError> {
         }
         let mut next = inner.state.clone();
         next.volumes.remove(&p.name);
+        next.qos.volumes.remove(&p.name);
         super::tenant::forget_volume(&mut next, &rec);
         d.persist(&next)?;
         inner.state = next;

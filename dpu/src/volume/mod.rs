@@ -28,6 +28,7 @@
 
 pub mod file;
 pub mod null;
+pub mod qos;
 pub mod ram;
 pub mod stripe;
 pub mod uring;

@@ -7,6 +7,7 @@
 pub mod host;
 pub mod nvmf;
 pub mod peer;
+pub mod qos;
 pub mod remote;
 pub mod tenant;
 pub mod vhost;

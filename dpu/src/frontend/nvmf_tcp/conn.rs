@@ -770,7 +770,11 @@ impl Conn<'_> {
             self.need(plen)?;
             let buf = std::mem::take(&mut self.rbuf);
             let pdu = &buf[self.rstart..self.rstart + plen];
+            // One clock read per PDU for the statistics and QoS layers below (an inline
+            // completion then costs no second one).
+            let batch = crate::telemetry::clock::batch();
             let r = self.pdu(&ch, pdu, hlen, pdo, dlen);
+            drop(batch);
             self.rbuf = buf;
             self.rstart += plen;
             r?;

@@ -17,7 +17,8 @@
 //! a shared list and wakes the worker through an eventfd. The lists, the descriptor scratch and
 //! the per-head slots are sized once per queue, so a request of up to four data segments
 //! allocates nothing; a longer chain's segment list ([`crate::volume::Segments`], inline for
-//! four) spills to the heap.
+//! four) spills to the heap. The clock is read once per batch
+//! ([`crate::telemetry::clock::batch`]), not per request.
 
 use std::cell::RefCell;
 use std::num::Wrapping;
@@ -267,7 +268,11 @@ impl QueueWorker {
             if !event_idx {
                 rings.set_used_flags(VRING_USED_F_NO_NOTIFY as u16);
             }
+            // One clock read for the whole batch: the statistics and QoS layers below stamp
+            // every request of it with this instant (telemetry::clock).
+            let batch = crate::telemetry::clock::batch();
             let sane = self.pop_all(&rings, queue, avail_idx.unwrap_or_default());
+            drop(batch);
             self.drain_remote();
             self.publish(&rings, queue);
             if !sane {
