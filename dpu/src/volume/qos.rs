@@ -741,9 +741,10 @@ fn pacer(q: Weak<Qos>) {
 ///
 /// Per request it costs, on the thread that submits: one batch-clock read (none inside a
 /// frontend batch), a few counter updates in this thread's own statistics shard, a completion
-/// wrapper taken from this thread's pool (no allocation, no reference-count traffic when the
-/// frontend's completion is the same as last time), and — only when a limit applies — tokens
-/// from this thread's [`Credit`], with the limiter's lock taken once per credit grant.
+/// wrapper taken from this thread's pool when the previous request completed inline (no
+/// allocation; one reference to the frontend's completion taken and let go), and — only when
+/// a limit applies — tokens from this thread's [`Credit`], with the limiter's lock taken once
+/// per credit grant.
 pub struct QosVolume {
     inner: Arc<dyn BlockDevice>,
     id: u64,
@@ -803,20 +804,14 @@ impl QosVolume {
         // SAFETY: `slot` is this thread's; the borrow ends within this block, and what it
         // drops (a replaced frontend completion) never calls back into this volume.
         let reused = unsafe { self.local(slot) }.and_then(|l| {
-            // Completions mostly come back in order: the oldest wrapper is the likeliest free.
             let mut a = l.pool.pop_front()?;
             let Some(w) = Arc::get_mut(&mut a) else {
-                // Still at a device: to the back of the line.
-                l.pool.push_back(a);
+                // Pooled wrappers are unshared (see `recycle`); drop one that is not.
                 return None;
             };
             // SAFETY: every wrapper in a pool was made as an `Arc<Timed>` (below).
             let w = unsafe { &mut *(w as *mut dyn Completion as *mut Timed) };
-            // Keep the frontend's completion when it is the same one (the common case): no
-            // reference-count traffic.
-            if !Arc::ptr_eq(&w.done, done) {
-                w.done = done.clone();
-            }
+            w.done = Some(done.clone());
             w.start = start;
             w.kind = req.kind;
             w.bytes = req.len;
@@ -824,7 +819,7 @@ impl QosVolume {
         });
         reused.unwrap_or_else(|| {
             Arc::new(Timed {
-                done: done.clone(),
+                done: Some(done.clone()),
                 start,
                 kind: req.kind,
                 bytes: req.len,
@@ -833,13 +828,25 @@ impl QosVolume {
         })
     }
 
-    fn recycle(&self, slot: usize, w: Arc<dyn Completion>) {
-        // SAFETY: as in `timed`; dropping `w` when the pool is full happens after the borrow.
+    /// Keep a wrapper for the next request if its request is over (it completed inline, so
+    /// nothing else holds it), with the frontend's completion let go: a pooled wrapper must
+    /// not keep a frontend object alive (an NVMe/TCP queue and its socket would outlive the
+    /// host's connection). A request still in flight keeps its wrapper to itself.
+    fn recycle(&self, slot: usize, mut w: Arc<dyn Completion>) {
+        let Some(t) = Arc::get_mut(&mut w) else {
+            return;
+        };
+        // SAFETY: every wrapper this layer hands out was made as an `Arc<Timed>` (`timed`).
+        let t = unsafe { &mut *(t as *mut dyn Completion as *mut Timed) };
+        let done = t.done.take();
+        // SAFETY: as in `timed`; the borrow ends before `done` and, when the pool is full,
+        // `w` are dropped.
         if let Some(l) = unsafe { self.local(slot) } {
             if l.pool.len() < POOL_MAX {
                 l.pool.push_back(w);
             }
         }
+        drop(done);
     }
 
     /// The limiter: this thread's credit when it covers the request, else the locked path.
@@ -870,7 +877,8 @@ impl Drop for QosVolume {
 
 /// Times a request from its arrival at the volume (so QoS queueing counts) to its completion.
 struct Timed {
-    done: Arc<dyn Completion>,
+    /// The frontend's completion while a request runs; `None` while pooled.
+    done: Option<Arc<dyn Completion>>,
     /// Arrival, on the batch clock ([`telemetry::clock::now_ns`]).
     start: u64,
     kind: IoKind,
@@ -883,7 +891,9 @@ impl Completion for Timed {
         let elapsed = telemetry::clock::now_ns().saturating_sub(self.start);
         self.metrics
             .finish(self.kind, self.bytes, elapsed, result.is_err());
-        self.done.complete(tag, result);
+        if let Some(d) = &self.done {
+            d.complete(tag, result);
+        }
     }
 }
 
