@@ -241,4 +241,12 @@ fn nvme_tcp_frontend_is_limited_too() {
     assert_rate("NVMe/TCP, 3 s window", count as f64 / 3.0, limit, &|| {
         format!("{} reads in all", done.len())
     });
+    // The NVMe/TCP frontend records its requests in the volume's statistics: every read the
+    // host saw completed, each 4 KiB, none still inside, and their time waiting for tokens
+    // counted in the latency (at 300 IOPS one at a time, the median wait is ~3 ms).
+    let s = stats(&n, "vn");
+    assert_eq!(s["read_ops"], done.len() as u64, "{s}");
+    assert_eq!(s["read_bytes"], 4096 * done.len() as u64, "{s}");
+    assert_eq!(s["queue_depth"], 0, "{s}");
+    assert!(s["p50_us"].as_f64().unwrap() >= 1000.0, "{s}");
 }

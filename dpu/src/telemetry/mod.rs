@@ -5,9 +5,11 @@
 //! The data path never shares a cache line between threads and never does an atomic
 //! read-modify-write: every counter and histogram bucket of a volume is kept in one shard per
 //! thread slot ([`clock::slot`]), written by that thread alone with a relaxed load and store,
-//! and the shards are summed only when someone asks (a scrape, `stats_get`). Latency is
-//! measured from the request's arrival at the volume (QoS queueing included) to its
-//! completion, i.e. everything below the frontend, on the batch clock ([`clock::now_ns`]).
+//! and the shards are summed only when someone asks (a scrape, `stats_get`). The frontends
+//! record each request ([`VolumeMetrics::arrive`] when they hand it to the volume,
+//! [`VolumeMetrics::complete`] when it is done), so latency runs from the request's arrival at
+//! the volume (QoS queueing included) to its completion, i.e. everything below the frontend,
+//! on the batch clock ([`clock::now_ns`]).
 //!
 //! Latency buckets grow by 2^(1/3) (≈1.26) from 1 µs to ~17 s, so `histogram_quantile`
 //! computed from them is within one bucket (+26%/−21%) of the true quantile.
@@ -113,6 +115,25 @@ impl Shard {
                 sum_ns: AtomicU64::new(0),
             }),
         })
+    }
+}
+
+/// What a frontend keeps for one request between [`VolumeMetrics::arrive`] and
+/// [`VolumeMetrics::complete`].
+#[derive(Clone, Copy, Debug)]
+pub struct Arrival {
+    start: u64,
+    bytes: u64,
+    kind: IoKind,
+}
+
+impl Default for Arrival {
+    fn default() -> Self {
+        Arrival {
+            start: 0,
+            bytes: 0,
+            kind: IoKind::Flush,
+        }
     }
 }
 
@@ -374,21 +395,41 @@ impl VolumeMetrics {
     /// This thread's shard, and whether it owns it.
     #[inline]
     fn mine(&self) -> (&Shard, bool) {
-        let s = clock::slot();
-        (self.shards[s].get_or_init(Shard::new), s != clock::OVERFLOW)
+        self.shard(clock::slot())
+    }
+
+    /// The shard of `slot`, and whether it is exclusive to the thread owning that slot.
+    #[inline]
+    fn shard(&self, slot: usize) -> (&Shard, bool) {
+        (
+            self.shards[slot].get_or_init(Shard::new),
+            slot != clock::OVERFLOW,
+        )
     }
 
     /// A request arrived.
     #[inline]
     pub fn start(&self) {
-        let (s, x) = self.mine();
+        self.start_in(clock::slot());
+    }
+
+    /// [`start`](Self::start) for a caller that already knows its thread's slot.
+    #[inline]
+    pub fn start_in(&self, slot: usize) {
+        let (s, x) = self.shard(slot);
         add(&s.arrived, 1, x);
     }
 
     /// A request completed `elapsed_ns` after it arrived.
     #[inline]
     pub fn finish(&self, kind: IoKind, bytes: u64, elapsed_ns: u64, error: bool) {
-        let (s, x) = self.mine();
+        self.finish_in(clock::slot(), kind, bytes, elapsed_ns, error);
+    }
+
+    /// [`finish`](Self::finish) for a caller that already knows its thread's slot.
+    #[inline]
+    pub fn finish_in(&self, slot: usize, kind: IoKind, bytes: u64, elapsed_ns: u64, error: bool) {
+        let (s, x) = self.shard(slot);
         let op = op_index(kind);
         add(&s.ops[op], 1, x);
         if op < 2 && !error {
@@ -400,6 +441,25 @@ impl VolumeMetrics {
         let h = &s.lat[op.min(2)];
         add(&h.counts[bucket_of(elapsed_ns)], 1, x);
         add(&h.sum_ns, elapsed_ns, x);
+    }
+
+    /// A frontend took a request for this volume: count it and stamp its arrival (on the
+    /// batch clock, so inside a frontend's batch this reads no clock).
+    #[inline]
+    pub fn arrive(&self, kind: IoKind, bytes: u64) -> Arrival {
+        self.start();
+        Arrival {
+            start: clock::now_ns(),
+            bytes,
+            kind,
+        }
+    }
+
+    /// The request stamped `a` completed (`error`: it failed). Any thread may call it.
+    #[inline]
+    pub fn complete(&self, a: &Arrival, error: bool) {
+        let elapsed = clock::now_ns().saturating_sub(a.start);
+        self.finish(a.kind, a.bytes, elapsed, error);
     }
 
     /// A request starts waiting for QoS tokens.

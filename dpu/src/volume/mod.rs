@@ -238,6 +238,15 @@ pub trait BlockDevice: Send + Sync {
     /// panicking.
     fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>);
 
+    /// Where a frontend records the requests it submits here
+    /// ([`VolumeMetrics::arrive`](crate::telemetry::VolumeMetrics::arrive) and
+    /// [`complete`](crate::telemetry::VolumeMetrics::complete)): the QoS and statistics
+    /// layer's ([`qos::QosVolume`]); a bare device (`nacred --no-qos`) has none. Frontends
+    /// ask once, when they attach, not per request.
+    fn metrics(&self) -> Option<Arc<crate::telemetry::VolumeMetrics>> {
+        None
+    }
+
     /// Change the size (`volume_resize`). Backends that cannot resize return Unsupported.
     fn resize(&self, _new_size: u64) -> IoResult {
         Err(IoError::Unsupported)

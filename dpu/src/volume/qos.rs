@@ -269,28 +269,57 @@ const CREDIT_GRANT: Duration = Duration::from_millis(1);
 #[derive(Default)]
 struct Credit {
     generation: u64,
-    /// Volume, tenant, daemon; by bucket index.
+    /// Volume, tenant, daemon; by bucket index. A bucket that does not exist is infinite.
     tokens: [[f64; 6]; 3],
+    /// Per [`Dir`]: the finite entries of `tokens` it takes from, so the fast path looks at
+    /// the one or two buckets a typical limit has, not at all eighteen.
+    need: [Need; 4],
+}
+
+#[derive(Default, Clone, Copy)]
+struct Need {
+    n: usize,
+    /// (index into the flattened `tokens`, costs bytes).
+    at: [(u8, bool); 12],
 }
 
 impl Credit {
+    /// Recompute `need` after a grant.
+    fn plan(&mut self) {
+        for dir in [Dir::Read, Dir::Write, Dir::WriteNoData, Dir::Other] {
+            let mut need = Need::default();
+            for (lvl, tokens) in self.tokens.iter().enumerate() {
+                for &(i, by_bytes) in dir.buckets() {
+                    if tokens[i].is_finite() {
+                        need.at[need.n] = ((lvl * 6 + i) as u8, by_bytes);
+                        need.n += 1;
+                    }
+                }
+            }
+            self.need[dir as usize] = need;
+        }
+    }
+
+    /// Void: nothing left, until the next grant.
+    fn clear(&mut self) {
+        self.generation = 0;
+        self.tokens = Default::default();
+    }
+
     /// Admit from credit alone: every bucket `dir` needs must cover the full cost.
     #[inline]
     fn try_take(&mut self, dir: Dir, bytes: u64) -> bool {
-        let costs = dir.buckets();
+        let need = &self.need[dir as usize];
+        let at = &need.at[..need.n];
+        let tokens = self.tokens.as_flattened_mut();
         let cost = |by_bytes: bool| if by_bytes { bytes as f64 } else { 1.0 };
-        let covered = self
-            .tokens
-            .iter()
-            .all(|lvl| costs.iter().all(|&(i, b)| lvl[i] >= cost(b)));
-        if covered {
-            for lvl in &mut self.tokens {
-                for &(i, b) in costs {
-                    lvl[i] -= cost(b);
-                }
-            }
+        if at.iter().any(|&(p, b)| tokens[p as usize] < cost(b)) {
+            return false;
         }
-        covered
+        for &(p, b) in at {
+            tokens[p as usize] -= cost(b);
+        }
+        true
     }
 }
 
@@ -554,7 +583,7 @@ impl Qos {
             }
             // Credit from before a limit change is dropped, not returned: the buckets were
             // rebuilt (at most CREDIT_GRANT of the old rate is lost).
-            c.tokens = Default::default();
+            c.clear();
         }
         // FIFO per volume; and while anything waits, new requests that need the daemon-wide
         // bucket queue too, so the pacer's weighted order decides under contention.
@@ -583,6 +612,7 @@ impl Qos {
                             None => c.tokens[1] = [f64::INFINITY; 6],
                         }
                         st.global.grant(&mut c.tokens[2]);
+                        c.plan();
                     }
                 }
                 return Some(Admitted {
@@ -737,14 +767,14 @@ fn pacer(q: Weak<Qos>) {
     }
 }
 
-/// The layer over one volume: statistics always, limits when any apply.
+/// The layer over one volume: its statistics, for the frontends to record requests in
+/// ([`BlockDevice::metrics`]), and its limits, when any apply.
 ///
-/// Per request it costs, on the thread that submits: one batch-clock read (none inside a
-/// frontend batch), a few counter updates in this thread's own statistics shard, a completion
-/// wrapper taken from this thread's pool when the previous request completed inline (no
-/// allocation; one reference to the frontend's completion taken and let go), and — only when
-/// a limit applies — tokens from this thread's [`Credit`], with the limiter's lock taken once
-/// per credit grant.
+/// The statistics are the frontends' to record because they already keep a slot per request
+/// and see its completion: a wrapper around every completion here cost a quarter of a null
+/// request's whole path. Per request this layer costs, on the submitting thread, one atomic
+/// flag load when no limit applies; when one does, tokens from this thread's [`Credit`],
+/// with the limiter's lock taken once per credit grant.
 pub struct QosVolume {
     inner: Arc<dyn BlockDevice>,
     id: u64,
@@ -752,23 +782,13 @@ pub struct QosVolume {
     qos: Arc<Qos>,
     metrics: Arc<VolumeMetrics>,
     /// Per thread slot ([`telemetry::clock::slot`]); the shared overflow slot has none and
-    /// allocates wrappers and takes the lock per request.
+    /// takes the limiter's lock per request.
     locals: Box<[Local]>,
 }
 
-/// Most wrappers a pool keeps: enough for a queue of in-flight asynchronous requests.
-const POOL_MAX: usize = 256;
-
 /// What one thread slot keeps for one volume, used only by the thread that owns the slot.
 #[repr(align(128))]
-struct Local(UnsafeCell<LocalState>);
-
-#[derive(Default)]
-struct LocalState {
-    /// Completion wrappers ([`Timed`]) for reuse, oldest first.
-    pool: std::collections::VecDeque<Arc<dyn Completion>>,
-    credit: Credit,
-}
+struct Local(UnsafeCell<Credit>);
 
 // SAFETY: a `Local` is only touched by the thread that owns its slot (`telemetry::clock::slot`
 // hands each live thread a distinct one; a slot passes to a new thread only through a mutex
@@ -777,92 +797,41 @@ struct LocalState {
 unsafe impl Sync for Local {}
 
 impl QosVolume {
-    pub fn metrics(&self) -> &Arc<VolumeMetrics> {
-        &self.metrics
-    }
-
-    /// This thread's state, if it owns an exclusive slot.
+    /// This thread's credit, if it owns an exclusive slot.
     ///
     /// # Safety
     /// The caller must own `slot` (it came from [`telemetry::clock::slot`] on this thread) and
     /// must end the borrow before calling out of this module.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn local(&self, slot: usize) -> Option<&mut LocalState> {
+    unsafe fn credit(&self, slot: usize) -> Option<&mut Credit> {
         // SAFETY: per the caller's promise, no other borrow of this slot's state exists.
         self.locals.get(slot).map(|l| unsafe { &mut *l.0.get() })
     }
 
-    /// A completion wrapper for one request: a pooled one no device holds any more,
-    /// refilled in place, or a new one.
-    fn timed(
-        &self,
-        slot: usize,
-        done: &Arc<dyn Completion>,
-        start: u64,
-        req: &IoRequest,
-    ) -> Arc<dyn Completion> {
-        // SAFETY: `slot` is this thread's; the borrow ends within this block, and what it
-        // drops (a replaced frontend completion) never calls back into this volume.
-        let reused = unsafe { self.local(slot) }.and_then(|l| {
-            let mut a = l.pool.pop_front()?;
-            let Some(w) = Arc::get_mut(&mut a) else {
-                // Pooled wrappers are unshared (see `recycle`); drop one that is not.
-                return None;
-            };
-            // SAFETY: every wrapper in a pool was made as an `Arc<Timed>` (below).
-            let w = unsafe { &mut *(w as *mut dyn Completion as *mut Timed) };
-            w.done = Some(done.clone());
-            w.start = start;
-            w.kind = req.kind;
-            w.bytes = req.len;
-            Some(a)
-        });
-        reused.unwrap_or_else(|| {
-            Arc::new(Timed {
-                done: Some(done.clone()),
-                start,
-                kind: req.kind,
-                bytes: req.len,
-                metrics: self.metrics.clone(),
-            })
-        })
-    }
-
-    /// Keep a wrapper for the next request if its request is over (it completed inline, so
-    /// nothing else holds it), with the frontend's completion let go: a pooled wrapper must
-    /// not keep a frontend object alive (an NVMe/TCP queue and its socket would outlive the
-    /// host's connection). A request still in flight keeps its wrapper to itself.
-    fn recycle(&self, slot: usize, mut w: Arc<dyn Completion>) {
-        let Some(t) = Arc::get_mut(&mut w) else {
-            return;
-        };
-        // SAFETY: every wrapper this layer hands out was made as an `Arc<Timed>` (`timed`).
-        let t = unsafe { &mut *(t as *mut dyn Completion as *mut Timed) };
-        let done = t.done.take();
-        // SAFETY: as in `timed`; the borrow ends before `done` and, when the pool is full,
-        // `w` are dropped.
-        if let Some(l) = unsafe { self.local(slot) } {
-            if l.pool.len() < POOL_MAX {
-                l.pool.push_back(w);
-            }
-        }
-        drop(done);
-    }
-
     /// The limiter: this thread's credit when it covers the request, else the locked path.
-    fn submit_limited(&self, slot: usize, req: IoRequest, done: &Arc<dyn Completion>, at: u64) {
+    #[inline(always)]
+    fn submit_limited(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+        let slot = telemetry::clock::slot();
         let generation = self.qos.generation.load(Ordering::Acquire);
         let dir = Dir::of(req.kind);
         let bytes = bytes_of(dir, &req);
         // SAFETY: `slot` is this thread's; the borrow ends before `submit` below.
-        let fast = unsafe { self.local(slot) }
-            .is_some_and(|l| l.credit.generation == generation && l.credit.try_take(dir, bytes));
+        let fast = unsafe { self.credit(slot) }
+            .is_some_and(|c| c.generation == generation && c.try_take(dir, bytes));
         if fast {
             self.inner.submit(req, done);
-            return;
+        } else {
+            self.submit_locked(slot, req, done);
         }
-        // SAFETY: as above; `admit` only takes the limiter's lock and returns.
-        let credit = unsafe { self.local(slot) }.map(|l| &mut l.credit);
+    }
+
+    /// The limiter's locked path: no credit (first request, credit spent, limits changed).
+    #[cold]
+    #[inline(never)]
+    fn submit_locked(&self, slot: usize, req: IoRequest, done: &Arc<dyn Completion>) {
+        let at = telemetry::clock::now_ns();
+        // SAFETY: `slot` is this thread's; `admit` only takes the limiter's lock and returns.
+        let credit = unsafe { self.credit(slot) };
         if let Some(a) = self.qos.admit(self.id, req, done.clone(), at, credit) {
             a.submit();
         }
@@ -875,44 +844,22 @@ impl Drop for QosVolume {
     }
 }
 
-/// Times a request from its arrival at the volume (so QoS queueing counts) to its completion.
-struct Timed {
-    /// The frontend's completion while a request runs; `None` while pooled.
-    done: Option<Arc<dyn Completion>>,
-    /// Arrival, on the batch clock ([`telemetry::clock::now_ns`]).
-    start: u64,
-    kind: IoKind,
-    bytes: u64,
-    metrics: Arc<VolumeMetrics>,
-}
-
-impl Completion for Timed {
-    fn complete(&self, tag: u64, result: IoResult) {
-        let elapsed = telemetry::clock::now_ns().saturating_sub(self.start);
-        self.metrics
-            .finish(self.kind, self.bytes, elapsed, result.is_err());
-        if let Some(d) = &self.done {
-            d.complete(tag, result);
-        }
-    }
-}
-
 impl BlockDevice for QosVolume {
     fn geometry(&self) -> Geometry {
         self.inner.geometry()
     }
 
+    #[inline]
     fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
-        self.metrics.start();
-        let start = telemetry::clock::now_ns();
-        let slot = telemetry::clock::slot();
-        let timed = self.timed(slot, done, start, &req);
         if self.limited.load(Ordering::Acquire) {
-            self.submit_limited(slot, req, &timed, start);
+            self.submit_limited(req, done);
         } else {
-            self.inner.submit(req, &timed);
+            self.inner.submit(req, done);
         }
-        self.recycle(slot, timed);
+    }
+
+    fn metrics(&self) -> Option<Arc<VolumeMetrics>> {
+        Some(self.metrics.clone())
     }
 
     fn resize(&self, new_size: u64) -> IoResult {

@@ -27,6 +27,7 @@ use tracing::{debug, warn};
 use super::ctrl::{AdminReply, Controller};
 use super::subsystem::{Namespace, Subsystem};
 use super::{limits, lock, ConnSlot, TargetInner};
+use crate::telemetry::{Arrival, VolumeMetrics};
 use crate::volume::{self, IoError, IoKind, IoRequest, IoResult, Segment};
 
 thread_local! {
@@ -93,6 +94,8 @@ struct Slot {
     /// Bytes to return in C2HData on success (reads), 0 otherwise.
     read_len: usize,
     buf: Vec<u8>,
+    /// The namespace volume's statistics and this request's arrival in them.
+    stats: Option<(Arc<VolumeMetrics>, Arrival)>,
 }
 
 /// What a queue has to send, gathered until the connection thread is about to block (or a
@@ -309,16 +312,18 @@ impl volume::Completion for Queue {
         let Some(slot) = self.slots.get().and_then(|s| s.get(tag as usize)) else {
             return;
         };
-        let s = lock(slot);
+        let mut s = lock(slot);
         let status = match &result {
             Ok(()) => Status::SUCCESS,
             Err(e) => io_status(e, s.read_len > 0),
         };
+        if let Some((m, a)) = s.stats.take() {
+            m.complete(&a, !status.is_success());
+        }
         // Free the slot before the host can see the reply (it may reuse the queue entry at
         // once); whoever takes it next waits for this slot's lock, which is held until the
         // reply no longer needs the buffer.
         lock(&self.free).push(tag as u16);
-        let mut s = s;
         if status.is_success() && s.read_len >= GATHER_MIN {
             // The data is sent from the slot's buffer itself: the slot gives it up.
             let mut b = std::mem::take(&mut s.buf);
@@ -1333,6 +1338,10 @@ impl Conn<'_> {
                 _ => s.buf = lock(&self.q.pool).take(len),
             }
             s.read_len = if kind == IoKind::Read { len } else { 0 };
+            s.stats = ns
+                .metrics
+                .as_ref()
+                .map(|m| (m.clone(), m.arrive(kind, len as u64)));
             // SAFETY: the slot's buffer is not touched again until the volume calls
             // `complete` for this tag (the slot is off the free list until then), so the
             // segment stays valid and exclusively the volume's while the request runs.
@@ -1360,6 +1369,10 @@ impl Conn<'_> {
             let mut s = lock(&slots[tag as usize]);
             s.cid = cid;
             s.read_len = 0;
+            s.stats = ns
+                .metrics
+                .as_ref()
+                .map(|m| (m.clone(), m.arrive(kind, len)));
         }
         let req = IoRequest::new(kind, offset, len, tag as u64);
         ns.volume.submit(req, &self.done);

@@ -24,6 +24,8 @@ pub struct Namespace {
     pub nguid: [u8; 16],
     /// Logical block size (the LBA format), fixed for the namespace's life.
     pub block_size: u32,
+    /// The volume's statistics ([`BlockDevice::metrics`]), looked up once.
+    pub metrics: Option<Arc<crate::telemetry::VolumeMetrics>>,
 }
 
 impl Namespace {
@@ -137,6 +139,7 @@ impl Subsystem {
                 Arc::new(Namespace {
                     nsid: id,
                     name,
+                    metrics: volume.metrics(),
                     volume,
                     nguid,
                     block_size,

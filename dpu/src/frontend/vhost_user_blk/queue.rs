@@ -37,6 +37,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::guest::GuestMap;
 use super::request::{self, Action, Desc, DeviceParams, Mem, Outcome};
 use super::spec::{self, S_IOERR, S_OK, S_UNSUPP};
+use crate::telemetry::{Arrival, VolumeMetrics};
 use crate::volume::{BlockDevice, Completion, IoError, IoResult};
 
 /// Longest busy-poll after a batch (QEMU's default `poll-max-ns` is the same 32 µs).
@@ -140,11 +141,15 @@ struct Slot {
     /// request's segments point into alive until it completes, even if the driver replaces
     /// the memory table meanwhile.
     pinned: Option<Arc<Mem>>,
+    /// For the volume's statistics.
+    arrival: Arrival,
 }
 
 /// Per-queue state, owned by the queue's worker thread.
 pub struct QueueWorker {
     volume: Arc<dyn BlockDevice>,
+    /// The volume's statistics (none without the QoS and statistics layer).
+    metrics: Option<Arc<VolumeMetrics>>,
     params: Arc<DeviceParams>,
     completer: Arc<QueueCompleter>,
     done: Arc<dyn Completion>,
@@ -175,6 +180,7 @@ impl QueueWorker {
         let completer = Arc::new(QueueCompleter::new(n)?);
         let done: Arc<dyn Completion> = completer.clone();
         Ok(QueueWorker {
+            metrics: volume.metrics(),
             volume,
             params,
             completer,
@@ -185,6 +191,7 @@ impl QueueWorker {
                     data_in: 0,
                     busy: false,
                     pinned: None,
+                    arrival: Arrival::default(),
                 })
                 .collect(),
             descs: Vec::with_capacity(n),
@@ -523,6 +530,9 @@ impl QueueWorker {
                 slot.status = parsed.status;
                 slot.data_in = parsed.data_in;
                 slot.busy = true;
+                if let Some(m) = &self.metrics {
+                    slot.arrival = m.arrive(req.kind, req.len);
+                }
                 self.volume.submit(req, &self.done);
                 self.drain_inline();
                 let slot = &mut self.slots[head as usize];
@@ -548,6 +558,8 @@ impl QueueWorker {
         if self.completer.pending.load(Ordering::Acquire) == 0 {
             return;
         }
+        // One clock read for the statistics of everything drained now.
+        let _batch = crate::telemetry::clock::batch();
         {
             let mut remote = self
                 .completer
@@ -577,6 +589,9 @@ impl QueueWorker {
         unsafe { std::ptr::write_volatile(slot.status, code) };
         let used_len = if code == S_OK { slot.data_in + 1 } else { 1 };
         slot.busy = false;
+        if let Some(m) = &self.metrics {
+            m.complete(&slot.arrival, code != S_OK);
+        }
         if slot.pinned.take().is_some() {
             self.in_flight_async -= 1;
         }
