@@ -1,7 +1,8 @@
 //! The per-request cost of the QoS and statistics layer ([`nacre_dpu::volume::qos`]), alone:
 //! one thread submits 4 KiB reads to a null volume in batches of 32, as the vhost-user-blk
 //! queue worker does (one batch-clock read per batch, each request recorded in the volume's
-//! statistics as a frontend records it: `arrive` before the submit, `complete` after), through
+//! statistics as that worker records it: `arrive` before the submit, `complete` after, on a
+//! recorder made once per batch), through
 //!   - `bare`:    the null volume itself (what `nacred --no-qos` runs; no statistics),
 //!   - `stats`:   the layer with no limit (statistics only),
 //!   - `limited`: the layer with a volume IOPS limit no run reaches (every request takes
@@ -43,18 +44,19 @@ fn run(dev: &dyn BlockDevice, done: &Arc<dyn Completion>, buf: &mut [u8], n: u64
     let mut i = 0;
     while i < n {
         let _batch = telemetry::clock::batch();
+        let rec = metrics.as_deref().map(|m| m.recorder());
         for _ in 0..BATCH {
             // SAFETY: the null volume never touches segment memory; `buf` outlives the call.
             let seg = unsafe { Segment::new(buf.as_mut_ptr(), buf.len()) };
             let off = (i * 4096) & ((1 << 30) - 1);
-            let arrival = metrics.as_ref().map(|m| m.arrive(IoKind::Read, 4096));
+            let arrival = rec.as_ref().map(|r| r.arrive(IoKind::Read, 4096));
             dev.submit(
                 IoRequest::new(IoKind::Read, off, 4096, i).with_segments([seg]),
                 done,
             );
             // The null volume completed inline; a frontend records it as it finishes.
-            if let (Some(m), Some(a)) = (&metrics, &arrival) {
-                m.complete(a, false);
+            if let (Some(r), Some(a)) = (&rec, &arrival) {
+                r.complete(a, false);
             }
             i += 1;
         }

@@ -78,9 +78,10 @@ fn op_index(kind: IoKind) -> usize {
 }
 
 struct Hist {
+    /// First, beside the lowest buckets, where fast requests land: one cache line for both.
+    sum_ns: AtomicU64,
     /// Per bucket (not cumulative); `[NB]` counts what is beyond the last bound.
     counts: [AtomicU64; NB + 1],
-    sum_ns: AtomicU64,
 }
 
 /// One thread slot's share of a volume's statistics (two cache lines' alignment so
@@ -95,6 +96,59 @@ struct Shard {
     throttled: AtomicU64,
     unthrottled: AtomicU64,
     lat: [Hist; 3],
+}
+
+impl Shard {
+    #[inline]
+    fn record(&self, x: bool, kind: IoKind, bytes: u64, elapsed_ns: u64, error: bool) {
+        let op = op_index(kind);
+        add(&self.ops[op], 1, x);
+        if op < 2 && !error {
+            add(&self.bytes[op], bytes, x);
+        }
+        if error {
+            add(&self.errors, 1, x);
+        }
+        let h = &self.lat[op.min(2)];
+        add(&h.counts[bucket_of(elapsed_ns)], 1, x);
+        add(&h.sum_ns, elapsed_ns, x);
+    }
+}
+
+/// One thread's handle on one volume's statistics for one batch of requests (a vhost-user-blk
+/// queue worker's pass over its ring): the thread's shard is looked up once, so recording a
+/// request is a few plain stores.
+pub struct Recorder<'a> {
+    shard: &'a Shard,
+    exclusive: bool,
+    /// Not `Send`: the shard is the making thread's to write with plain stores.
+    _this_thread: std::marker::PhantomData<*const ()>,
+}
+
+impl Recorder<'_> {
+    #[inline]
+    fn shard(&self) -> &Shard {
+        self.shard
+    }
+
+    /// [`VolumeMetrics::arrive`].
+    #[inline]
+    pub fn arrive(&self, kind: IoKind, bytes: u64) -> Arrival {
+        add(&self.shard().arrived, 1, self.exclusive);
+        Arrival {
+            start: clock::now_ns(),
+            bytes,
+            kind,
+        }
+    }
+
+    /// [`VolumeMetrics::complete`], on the thread that made this recorder.
+    #[inline]
+    pub fn complete(&self, a: &Arrival, error: bool) {
+        let elapsed = clock::now_ns().saturating_sub(a.start);
+        self.shard()
+            .record(self.exclusive, a.kind, a.bytes, elapsed, error);
+    }
 }
 
 fn zeros<const N: usize>() -> [AtomicU64; N] {
@@ -430,17 +484,17 @@ impl VolumeMetrics {
     #[inline]
     pub fn finish_in(&self, slot: usize, kind: IoKind, bytes: u64, elapsed_ns: u64, error: bool) {
         let (s, x) = self.shard(slot);
-        let op = op_index(kind);
-        add(&s.ops[op], 1, x);
-        if op < 2 && !error {
-            add(&s.bytes[op], bytes, x);
+        s.record(x, kind, bytes, elapsed_ns, error);
+    }
+
+    /// A recorder for this thread's current batch of requests (see [`Recorder`]).
+    pub fn recorder(&self) -> Recorder<'_> {
+        let (shard, exclusive) = self.mine();
+        Recorder {
+            shard,
+            exclusive,
+            _this_thread: std::marker::PhantomData,
         }
-        if error {
-            add(&s.errors, 1, x);
-        }
-        let h = &s.lat[op.min(2)];
-        add(&h.counts[bucket_of(elapsed_ns)], 1, x);
-        add(&h.sum_ns, elapsed_ns, x);
     }
 
     /// A frontend took a request for this volume: count it and stamp its arrival (on the

@@ -37,7 +37,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::guest::GuestMap;
 use super::request::{self, Action, Desc, DeviceParams, Mem, Outcome};
 use super::spec::{self, S_IOERR, S_OK, S_UNSUPP};
-use crate::telemetry::{Arrival, VolumeMetrics};
+use crate::telemetry::{Arrival, Recorder, VolumeMetrics};
 use crate::volume::{BlockDevice, Completion, IoError, IoResult};
 
 /// Longest busy-poll after a batch (QEMU's default `poll-max-ns` is the same 32 µs).
@@ -278,7 +278,12 @@ impl QueueWorker {
             // One clock read for the whole batch: the statistics and QoS layers below stamp
             // every request of it with this instant (telemetry::clock).
             let batch = crate::telemetry::clock::batch();
-            let sane = self.pop_all(&rings, queue, avail_idx.unwrap_or_default());
+            // The statistics are moved out for the batch (no reference count taken) so the
+            // recorder can borrow them while `pop_all` borrows the worker.
+            let metrics = self.metrics.take();
+            let rec = metrics.as_deref().map(VolumeMetrics::recorder);
+            let sane = self.pop_all(&rings, queue, avail_idx.unwrap_or_default(), rec.as_ref());
+            self.metrics = metrics;
             drop(batch);
             self.drain_remote();
             self.publish(&rings, queue);
@@ -373,7 +378,13 @@ impl QueueWorker {
 
     /// Process the chains made available up to `avail_idx` (a snapshot of avail->idx).
     /// Returns false when the index is impossible (more chains than the queue holds).
-    fn pop_all(&mut self, rings: &Rings, queue: &mut Queue, avail_idx: u16) -> bool {
+    fn pop_all(
+        &mut self,
+        rings: &Rings,
+        queue: &mut Queue,
+        avail_idx: u16,
+        rec: Option<&Recorder>,
+    ) -> bool {
         let size = rings.size;
         let mut next = queue.next_avail();
         if avail_idx.wrapping_sub(next) > size {
@@ -394,7 +405,7 @@ impl QueueWorker {
                 continue;
             }
             match self.collect_chain(rings, head) {
-                Ok(()) => self.handle_chain(head),
+                Ok(()) => self.handle_chain(head, rec),
                 Err(reason) => {
                     warn!(
                         head,
@@ -485,7 +496,7 @@ impl QueueWorker {
         }
     }
 
-    fn handle_chain(&mut self, head: u16) {
+    fn handle_chain(&mut self, head: u16, rec: Option<&Recorder>) {
         let Some(slot) = self.slots.get(head as usize) else {
             warn!(
                 head,
@@ -530,11 +541,11 @@ impl QueueWorker {
                 slot.status = parsed.status;
                 slot.data_in = parsed.data_in;
                 slot.busy = true;
-                if let Some(m) = &self.metrics {
-                    slot.arrival = m.arrive(req.kind, req.len);
+                if let Some(r) = rec {
+                    slot.arrival = r.arrive(req.kind, req.len);
                 }
                 self.volume.submit(req, &self.done);
-                self.drain_inline();
+                self.drain_inline(rec);
                 let slot = &mut self.slots[head as usize];
                 if slot.busy {
                     slot.pinned = Some(self.map.as_ref().expect("map").mem().clone());
@@ -544,11 +555,11 @@ impl QueueWorker {
         }
     }
 
-    fn drain_inline(&mut self) {
+    fn drain_inline(&mut self, rec: Option<&Recorder>) {
         INLINE.with(|c| std::mem::swap(&mut c.borrow_mut().done, &mut self.finished));
         let mut finished = std::mem::take(&mut self.finished);
         for &(tag, code) in &finished {
-            self.finish(tag, code);
+            self.finish(tag, code, rec);
         }
         finished.clear();
         self.finished = finished;
@@ -558,8 +569,10 @@ impl QueueWorker {
         if self.completer.pending.load(Ordering::Acquire) == 0 {
             return;
         }
-        // One clock read for the statistics of everything drained now.
+        // One clock read and one shard lookup for the statistics of everything drained now.
         let _batch = crate::telemetry::clock::batch();
+        let metrics = self.metrics.take();
+        let rec = metrics.as_deref().map(VolumeMetrics::recorder);
         {
             let mut remote = self
                 .completer
@@ -573,13 +586,15 @@ impl QueueWorker {
         }
         let mut finished = std::mem::take(&mut self.finished);
         for &(tag, code) in &finished {
-            self.finish(tag, code);
+            self.finish(tag, code, rec.as_ref());
         }
         finished.clear();
         self.finished = finished;
+        self.metrics = metrics;
     }
 
-    fn finish(&mut self, tag: u64, code: u8) {
+    /// `rec`: the statistics recorder of this thread's batch (`None` without statistics).
+    fn finish(&mut self, tag: u64, code: u8, rec: Option<&Recorder>) {
         let Some(slot) = self.slots.get_mut(tag as usize).filter(|s| s.busy) else {
             error!(tag, "virtio-blk: completion for a request not in flight");
             return;
@@ -589,8 +604,8 @@ impl QueueWorker {
         unsafe { std::ptr::write_volatile(slot.status, code) };
         let used_len = if code == S_OK { slot.data_in + 1 } else { 1 };
         slot.busy = false;
-        if let Some(m) = &self.metrics {
-            m.complete(&slot.arrival, code != S_OK);
+        if let Some(r) = rec {
+            r.complete(&slot.arrival, code != S_OK);
         }
         if slot.pinned.take().is_some() {
             self.in_flight_async -= 1;
