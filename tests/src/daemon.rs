@@ -109,6 +109,9 @@ impl Nacred {
             // port instead of 4420.
             defaults.extend(["--nvmf-listen", "127.0.0.1:0"]);
         }
+        if !self.extra_args.iter().any(|a| a == "--log") {
+            defaults.extend(["--log", "debug"]);
+        }
         let mut cmd = Command::new(bin("nacred"));
         if let Some((soft, hard)) = self.fd_limit {
             use std::os::unix::process::CommandExt;
@@ -132,8 +135,6 @@ impl Nacred {
             .arg(&self.state_dir)
             .arg("--run-dir")
             .arg(&self.run_dir)
-            .arg("--log")
-            .arg("debug")
             .args(&defaults)
             .args(&self.extra_args)
             .env_remove("NACRE_RPC")

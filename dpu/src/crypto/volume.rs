@@ -27,6 +27,8 @@ use std::sync::{Arc, Mutex};
 
 use tracing::warn;
 
+use crate::telemetry::trace::TARGET as TRACE;
+
 use super::keys::XtsKey;
 use super::policy::EncryptionPolicy;
 use super::xts::{EngineKind, UnitLayout, XtsEngine};
@@ -410,6 +412,9 @@ impl Completion for ReadDone {
         let Some(mut bounce) = self.bounce.lock().unwrap_or_else(|p| p.into_inner()).take() else {
             return;
         };
+        let _span = tracing::trace_span!(target: TRACE, "crypt",
+            step = "decrypt", unit = self.first, len = self.len)
+        .entered();
         let result = result.and_then(|()| {
             let buf = bounce.slice(self.len);
             self.shared
@@ -438,6 +443,15 @@ impl BlockDevice for EncryptedVolume {
             done.complete(req.tag, Err(e));
             return;
         }
+        let _span = tracing::trace_span!(target: TRACE, "crypt",
+            step = match req.kind {
+                IoKind::Write => "encrypt",
+                IoKind::Read => "read",
+                IoKind::WriteZeroes => "zeroes",
+                _ => "pass",
+            },
+            unit = self.shared.unit_of(req.offset), len = req.len)
+        .entered();
         match req.kind {
             IoKind::Write if req.len > 0 => self.submit_write(req, done),
             IoKind::Read if req.len > 0 => self.submit_read(req, done),

@@ -39,6 +39,8 @@ use nacre_shared::nvme_tcp::{
 };
 use tracing::{debug, warn};
 
+use crate::telemetry::trace::TARGET as TRACE;
+
 use super::cmd::{AdminWait, Cmd, Dir, IoData, Target};
 use super::FabricError;
 use crate::volume::{copy_from_segments, copy_to_segments, IoError};
@@ -305,6 +307,8 @@ impl QueueConn {
         slot.gen = slot.gen.wrapping_add(1) & 0x3F;
         let cid = cid_of(idx, slot.gen);
         cmd.sqe.cid = cid;
+        tracing::trace!(target: TRACE, qid = self.qid, cid = format_args!("{cid:#06x}"),
+            opcode = cmd.sqe.opcode, len = cmd.len, "fabric: command sent");
         cmd.sqe.flags = (cmd.sqe.flags & !0xC0) | PSDT_SGL;
         // Fabrics commands (Connect data) always travel in the capsule (NVMe-oF 1.1 §3.3:
         // a controller accepts Connect data in-capsule whatever its IOCCSZ).
@@ -554,6 +558,10 @@ impl QueueConn {
                 let cqe = Cqe::decode(&hdr[CH_LEN..]);
                 let cmd = self.take_cmd(cqe.cid, hdr)?;
                 self.completed.fetch_add(1, Ordering::Relaxed);
+                let st = cqe.status();
+                let _span = tracing::trace_span!(target: TRACE, "fabric_cpl", qid = self.qid,
+                    cid = format_args!("{:#06x}", cqe.cid), sct = st.sct, sc = st.sc)
+                .entered();
                 cmd.complete(cqe);
                 Ok(())
             }
@@ -786,6 +794,10 @@ impl QueueConn {
         if success {
             let cmd = self.take_cmd(dh.cccid, hdr)?;
             self.completed.fetch_add(1, Ordering::Relaxed);
+            // A C2HData PDU with the SUCCESS flag stands for the response capsule.
+            let _span = tracing::trace_span!(target: TRACE, "fabric_cpl", qid = self.qid,
+                cid = format_args!("{:#06x}", dh.cccid), sct = 0u8, sc = 0u8)
+            .entered();
             cmd.complete(Cqe {
                 cid: dh.cccid,
                 sqid: self.qid,

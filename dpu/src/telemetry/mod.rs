@@ -16,6 +16,7 @@
 
 pub mod clock;
 pub mod http;
+pub mod trace;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -179,6 +180,13 @@ pub struct Arrival {
     start: u64,
     bytes: u64,
     kind: IoKind,
+}
+
+impl Arrival {
+    /// Time since arrival, on this thread's batch clock.
+    pub fn elapsed_ns(&self) -> u64 {
+        clock::now_ns().saturating_sub(self.start)
+    }
 }
 
 impl Default for Arrival {
@@ -495,6 +503,11 @@ impl VolumeMetrics {
             exclusive,
             _this_thread: std::marker::PhantomData,
         }
+    }
+
+    /// The volume these statistics are of.
+    pub fn volume(&self) -> &str {
+        &self.volume
     }
 
     /// A frontend took a request for this volume: count it and stamp its arrival (on the

@@ -851,6 +851,9 @@ impl BlockDevice for QosVolume {
 
     #[inline]
     fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+        let _span = tracing::trace_span!(target: telemetry::trace::TARGET, "volume",
+            volume = self.metrics.volume(), op = ?req.kind, offset = req.offset, len = req.len)
+        .entered();
         if self.limited.load(Ordering::Acquire) {
             self.submit_limited(req, done);
         } else {

@@ -27,7 +27,7 @@ use tracing::{debug, warn};
 use super::ctrl::{AdminReply, Controller};
 use super::subsystem::{Namespace, Subsystem};
 use super::{limits, lock, ConnSlot, TargetInner};
-use crate::telemetry::{Arrival, VolumeMetrics};
+use crate::telemetry::{trace, Arrival, VolumeMetrics};
 use crate::volume::{self, IoError, IoKind, IoRequest, IoResult, Segment};
 
 thread_local! {
@@ -317,9 +317,13 @@ impl volume::Completion for Queue {
             Ok(()) => Status::SUCCESS,
             Err(e) => io_status(e, s.read_len > 0),
         };
-        if let Some((m, a)) = s.stats.take() {
-            m.complete(&a, !status.is_success());
+        let stats = s.stats.take();
+        if let Some((m, a)) = &stats {
+            m.complete(a, !status.is_success());
         }
+        tracing::trace!(target: trace::TARGET, qid = self.qid.load(Ordering::Relaxed),
+            cid = s.cid, status = %status,
+            latency_us = stats.map(|(_, a)| a.elapsed_ns() as f64 / 1e3), "nvmf: done");
         // Free the slot before the host can see the reply (it may reuse the queue entry at
         // once); whoever takes it next waits for this slot's lock, which is held until the
         // reply no longer needs the buffer.
@@ -593,6 +597,13 @@ fn initialize(rd: &mut TcpStream) -> Result<IcReq, End> {
 }
 
 impl Conn<'_> {
+    /// The span a command's submission runs in (see [`trace`]).
+    fn io_span(&self, cid: u16) -> tracing::span::EnteredSpan {
+        tracing::trace_span!(target: trace::TARGET, "nvmf",
+            qid = self.q.qid.load(Ordering::Relaxed), cid)
+        .entered()
+    }
+
     fn close(&mut self) {
         if let Some(h) = self.host_counted.take() {
             self.target.release_host_queue(&h);
@@ -1348,6 +1359,7 @@ impl Conn<'_> {
             unsafe { Segment::new(s.buf.as_mut_ptr(), len) }
         };
         let req = IoRequest::new(kind, offset, len as u64, tag as u64).with_segments([seg]);
+        let _span = self.io_span(cid);
         ns.volume.submit(req, &self.done);
         None
     }
@@ -1375,6 +1387,7 @@ impl Conn<'_> {
                 .map(|m| (m.clone(), m.arrive(kind, len)));
         }
         let req = IoRequest::new(kind, offset, len, tag as u64);
+        let _span = self.io_span(cid);
         ns.volume.submit(req, &self.done);
         None
     }

@@ -37,7 +37,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use super::guest::GuestMap;
 use super::request::{self, Action, Desc, DeviceParams, Mem, Outcome};
 use super::spec::{self, S_IOERR, S_OK, S_UNSUPP};
-use crate::telemetry::{Arrival, Recorder, VolumeMetrics};
+use crate::telemetry::{trace, Arrival, Recorder, VolumeMetrics};
 use crate::volume::{BlockDevice, Completion, IoError, IoResult};
 
 /// Longest busy-poll after a batch (QEMU's default `poll-max-ns` is the same 32 µs).
@@ -121,6 +121,7 @@ impl Completion for QueueCompleter {
         if inline {
             return;
         }
+        tracing::trace!(target: trace::TARGET, head = tag, "vhost: completion queued for the queue worker");
         self.remote
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -537,6 +538,9 @@ impl QueueWorker {
             }
             Action::Submit(mut req) => {
                 req.tag = head as u64;
+                let _span = tracing::trace_span!(target: trace::TARGET, "vhost",
+                    dev = %trace::Serial(&self.params.serial), head)
+                .entered();
                 let slot = &mut self.slots[head as usize];
                 slot.status = parsed.status;
                 slot.data_in = parsed.data_in;
@@ -607,6 +611,9 @@ impl QueueWorker {
         if let Some(r) = rec {
             r.complete(&slot.arrival, code != S_OK);
         }
+        tracing::trace!(target: trace::TARGET,
+            dev = %trace::Serial(&self.params.serial), head = tag, status = code,
+            latency_us = rec.map(|_| slot.arrival.elapsed_ns() as f64 / 1e3), "vhost: done");
         if slot.pinned.take().is_some() {
             self.in_flight_async -= 1;
         }
