@@ -33,8 +33,6 @@ nacred replays its state directory on start: volumes, devices and their sockets 
 as they were, so a VM whose vhost-user-blk backend restarted reconnects and finds its data.
 Stop it with SIGTERM or SIGINT.";
 
-/// nacre's DPU daemon: serves encrypted, per-tenant volumes to hosts as vhost-user-blk
-/// devices (and NVMe-oF), driven over a JSON-RPC socket by the `nacre` CLI.
 /// Where `/metrics` is served unless `--metrics-listen` says otherwise (loopback only).
 const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9444";
 
@@ -51,8 +49,10 @@ fn parse_metrics_listen(s: &str) -> Result<MetricsListen, String> {
         .map_err(|e| format!("{e}: expected ADDR:PORT (e.g. 127.0.0.1:9444) or off"))
 }
 
+/// nacre's DPU daemon: serves encrypted, per-tenant volumes to hosts as vhost-user-blk
+/// devices (and NVMe-oF), driven over a JSON-RPC socket by the `nacre` CLI.
 #[derive(Parser, Debug)]
-#[command(name = "nacred", version, about, after_help = EXAMPLES)]
+#[command(name = "nacred", version, after_help = EXAMPLES)]
 struct Args {
     /// Persistent state: state.json, file volumes, wrapped keys (mode 0700).
     #[arg(long, env = config::ENV_STATE_DIR, default_value = config::DEFAULT_STATE_DIR)]
@@ -372,5 +372,36 @@ fn print_attach_hints(d: &Daemon) {
                 sub.nqn
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod test {
+    use super::*;
+
+    /// The endpoint is on by default, on loopback only, at the documented port; `off` and an
+    /// explicit address are taken; a typo gets a message that shows the expected form.
+    #[test]
+    fn metrics_endpoint_defaults_to_loopback_9444() {
+        // SAFETY: this test alone in this binary touches the environment.
+        unsafe { std::env::remove_var("NACRE_METRICS_LISTEN") };
+        let a = Args::try_parse_from(["nacred"]).unwrap();
+        let addr = a.metrics_listen.0.expect("on by default");
+        assert!(addr.ip().is_loopback(), "{addr}");
+        assert_eq!(addr.port(), 9444);
+        let a = Args::try_parse_from(["nacred", "--metrics-listen", "off"]).unwrap();
+        assert!(a.metrics_listen.0.is_none());
+        let a = Args::try_parse_from(["nacred", "--metrics-listen", "127.0.0.1:0"]).unwrap();
+        assert_eq!(a.metrics_listen.0, Some("127.0.0.1:0".parse().unwrap()));
+        let e = Args::try_parse_from(["nacred", "--metrics-listen", "9444"]).unwrap_err();
+        assert!(e.to_string().contains("expected ADDR:PORT"), "{e}");
+    }
+
+    #[test]
+    fn help_describes_the_daemon() {
+        let help = <Args as clap::CommandFactory>::command()
+            .render_help()
+            .to_string();
+        assert!(help.starts_with("nacre's DPU daemon"), "{help}");
     }
 }
