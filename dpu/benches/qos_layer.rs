@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use nacre_dpu::telemetry::{self, Telemetry};
 use nacre_dpu::volume::null::NullVolume;
-use nacre_dpu::volume::qos::Qos;
+use nacre_dpu::volume::qos::{Qos, VolumePath};
 use nacre_dpu::volume::{BlockDevice, Completion, IoKind, IoRequest, IoResult, Segment};
 use nacre_shared::api::qos::QosLimits;
 
@@ -38,13 +38,13 @@ impl Completion for Count {
 
 const BATCH: u64 = 32;
 
-fn run(dev: &dyn BlockDevice, done: &Arc<dyn Completion>, buf: &mut [u8], n: u64) -> f64 {
+fn run(dev: &VolumePath, done: &Arc<dyn Completion>, buf: &mut [u8], n: u64) -> f64 {
     let metrics = dev.metrics();
     let t = Instant::now();
     let mut i = 0;
     while i < n {
         let _batch = telemetry::clock::batch();
-        let rec = metrics.as_deref().map(|m| m.recorder());
+        let rec = metrics.map(|m| m.recorder());
         for _ in 0..BATCH {
             // SAFETY: the null volume never touches segment memory; `buf` outlives the call.
             let seg = unsafe { Segment::new(buf.as_mut_ptr(), buf.len()) };
@@ -72,6 +72,11 @@ fn env(name: &str, default: u64) -> u64 {
 }
 
 fn main() {
+    // nacred's logging as it runs by default (per-request tracing off, as in production).
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new("info"))
+        .with_writer(std::io::stderr)
+        .init();
     let rounds = env("ROUNDS", 7);
     let n = env("REQUESTS", 4_000_000);
     let qos = Qos::start(Arc::new(Telemetry::new()));
@@ -89,12 +94,16 @@ fn main() {
     let count = Arc::new(Count(AtomicU64::new(0)));
     let done: Arc<dyn Completion> = count.clone();
     let mut buf = vec![0u8; 4096];
-    let devs: [(&str, &dyn BlockDevice); 3] =
-        [("bare", &*bare), ("stats", &*stats), ("limited", &*limited)];
+    // Each as a frontend submits to it.
+    let devs: [(&str, VolumePath); 3] = [
+        ("bare", VolumePath::new(bare)),
+        ("stats", VolumePath::new(stats)),
+        ("limited", VolumePath::new(limited)),
+    ];
     let mut best = [f64::INFINITY; 3];
     for _ in 0..rounds {
         for (k, (_, d)) in devs.iter().enumerate() {
-            best[k] = best[k].min(run(*d, &done, &mut buf, n));
+            best[k] = best[k].min(run(d, &done, &mut buf, n));
         }
     }
     assert_eq!(

@@ -247,6 +247,12 @@ pub trait BlockDevice: Send + Sync {
         None
     }
 
+    /// The QoS and statistics layer, when this device is one ([`qos::VolumePath`] submits
+    /// through it without a dynamic call).
+    fn qos_layer(&self) -> Option<Arc<qos::QosVolume>> {
+        None
+    }
+
     /// Change the size (`volume_resize`). Backends that cannot resize return Unsupported.
     fn resize(&self, _new_size: u64) -> IoResult {
         Err(IoError::Unsupported)

@@ -1360,7 +1360,7 @@ impl Conn<'_> {
         };
         let req = IoRequest::new(kind, offset, len as u64, tag as u64).with_segments([seg]);
         let _span = self.io_span(cid);
-        ns.volume.submit(req, &self.done);
+        ns.path.submit(req, &self.done);
         None
     }
 
@@ -1388,7 +1388,7 @@ impl Conn<'_> {
         }
         let req = IoRequest::new(kind, offset, len, tag as u64);
         let _span = self.io_span(cid);
-        ns.volume.submit(req, &self.done);
+        ns.path.submit(req, &self.done);
         None
     }
 }

@@ -26,6 +26,8 @@ pub struct Namespace {
     pub block_size: u32,
     /// The volume's statistics ([`BlockDevice::metrics`]), looked up once.
     pub metrics: Option<Arc<crate::telemetry::VolumeMetrics>>,
+    /// The data path to `volume` ([`VolumePath`]).
+    pub path: crate::volume::qos::VolumePath,
 }
 
 impl Namespace {
@@ -140,6 +142,7 @@ impl Subsystem {
                     nsid: id,
                     name,
                     metrics: volume.metrics(),
+                    path: crate::volume::qos::VolumePath::new(volume.clone()),
                     volume,
                     nguid,
                     block_size,

@@ -38,6 +38,7 @@ use super::guest::GuestMap;
 use super::request::{self, Action, Desc, DeviceParams, Mem, Outcome};
 use super::spec::{self, S_IOERR, S_OK, S_UNSUPP};
 use crate::telemetry::{trace, Arrival, Recorder, VolumeMetrics};
+use crate::volume::qos::VolumePath;
 use crate::volume::{BlockDevice, Completion, IoError, IoResult};
 
 /// Longest busy-poll after a batch (QEMU's default `poll-max-ns` is the same 32 µs).
@@ -148,7 +149,7 @@ struct Slot {
 
 /// Per-queue state, owned by the queue's worker thread.
 pub struct QueueWorker {
-    volume: Arc<dyn BlockDevice>,
+    volume: VolumePath,
     /// The volume's statistics (none without the QoS and statistics layer).
     metrics: Option<Arc<VolumeMetrics>>,
     params: Arc<DeviceParams>,
@@ -182,7 +183,7 @@ impl QueueWorker {
         let done: Arc<dyn Completion> = completer.clone();
         Ok(QueueWorker {
             metrics: volume.metrics(),
-            volume,
+            volume: VolumePath::new(volume),
             params,
             completer,
             done,
