@@ -84,6 +84,8 @@ impl SlotOwner {
 
 impl Drop for SlotOwner {
     fn drop(&mut self) {
+        // From here on this thread uses the shared slot (a later destructor may still count).
+        CACHED.with(|c| c.set(OVERFLOW));
         if self.0 < SLOTS {
             FREE.lock().unwrap_or_else(|p| p.into_inner()).push(self.0);
         }
@@ -92,13 +94,26 @@ impl Drop for SlotOwner {
 
 thread_local! {
     static SLOT: SlotOwner = SlotOwner::acquire();
+    /// `SLOT`'s value once known, in a plain thread-local (no lazy state, no destructor to
+    /// check), so the data path reads it with one load. `usize::MAX`: not yet known.
+    static CACHED: Cell<usize> = const { Cell::new(usize::MAX) };
 }
 
 /// This thread's slot: `< SLOTS` is exclusive to it until it exits, [`OVERFLOW`] is shared.
 #[inline]
 pub fn slot() -> usize {
+    match CACHED.with(Cell::get) {
+        usize::MAX => first_slot(),
+        s => s,
+    }
+}
+
+#[cold]
+fn first_slot() -> usize {
     // During thread teardown the slot may already be given back: use the shared one.
-    SLOT.try_with(|s| s.0).unwrap_or(OVERFLOW)
+    let s = SLOT.try_with(|s| s.0).unwrap_or(OVERFLOW);
+    CACHED.with(|c| c.set(s));
+    s
 }
 
 #[cfg(test)]

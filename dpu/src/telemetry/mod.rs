@@ -116,9 +116,9 @@ impl Shard {
     }
 }
 
-/// One thread's handle on one volume's statistics for one batch of requests (a vhost-user-blk
-/// queue worker's pass over its ring): the thread's shard is looked up once, so recording a
-/// request is a few plain stores.
+/// One thread's handle on one volume's statistics for a run of requests (a vhost-user-blk
+/// queue worker's passes over its ring between two sleeps): the thread's shard is looked up
+/// once, so recording a request is a few plain stores.
 pub struct Recorder<'a> {
     shard: &'a Shard,
     exclusive: bool,
@@ -495,7 +495,7 @@ impl VolumeMetrics {
         s.record(x, kind, bytes, elapsed_ns, error);
     }
 
-    /// A recorder for this thread's current batch of requests (see [`Recorder`]).
+    /// A recorder for requests this thread handles from now until it drops it ([`Recorder`]).
     pub fn recorder(&self) -> Recorder<'_> {
         let (shard, exclusive) = self.mine();
         Recorder {

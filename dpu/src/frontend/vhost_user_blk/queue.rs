@@ -239,6 +239,23 @@ impl QueueWorker {
         mem: &dyn Fn() -> Arc<Mem>,
         call: Option<RawFd>,
     ) -> bool {
+        // The statistics are moved out for the whole call (no reference count taken) so one
+        // recorder (this thread's shard, looked up once) can borrow them while the passes
+        // borrow the worker.
+        let metrics = self.metrics.take();
+        let rec = metrics.as_deref().map(VolumeMetrics::recorder);
+        let interrupt = self.run_passes(queue, mem, call, rec.as_ref());
+        self.metrics = metrics;
+        interrupt
+    }
+
+    fn run_passes(
+        &mut self,
+        queue: &mut Queue,
+        mem: &dyn Fn() -> Arc<Mem>,
+        call: Option<RawFd>,
+        rec: Option<&Recorder>,
+    ) -> bool {
         let me = self.completer.id();
         INLINE.with(|c| {
             let mut c = c.borrow_mut();
@@ -280,14 +297,9 @@ impl QueueWorker {
             // One clock read for the whole batch: the statistics and QoS layers below stamp
             // every request of it with this instant (telemetry::clock).
             let batch = crate::telemetry::clock::batch();
-            // The statistics are moved out for the batch (no reference count taken) so the
-            // recorder can borrow them while `pop_all` borrows the worker.
-            let metrics = self.metrics.take();
-            let rec = metrics.as_deref().map(VolumeMetrics::recorder);
-            let sane = self.pop_all(&rings, queue, avail_idx.unwrap_or_default(), rec.as_ref());
-            self.metrics = metrics;
+            let sane = self.pop_all(&rings, queue, avail_idx.unwrap_or_default(), rec);
             drop(batch);
-            self.drain_remote();
+            self.drain_remote(rec);
             self.publish(&rings, queue);
             if !sane {
                 // The avail index can never catch up with ours: looping (or polling) on it
@@ -363,7 +375,9 @@ impl QueueWorker {
             return false;
         };
         let old_used = Wrapping(queue.next_used());
-        self.drain_remote();
+        let metrics = self.metrics.take();
+        self.drain_remote(metrics.as_deref().map(VolumeMetrics::recorder).as_ref());
+        self.metrics = metrics;
         self.publish(&rings, queue);
         self.needs_interrupt(&rings, queue, old_used)
     }
@@ -570,14 +584,13 @@ impl QueueWorker {
         self.finished = finished;
     }
 
-    fn drain_remote(&mut self) {
+    /// `rec`: this thread's statistics recorder (`None` without statistics).
+    fn drain_remote(&mut self, rec: Option<&Recorder>) {
         if self.completer.pending.load(Ordering::Acquire) == 0 {
             return;
         }
-        // One clock read and one shard lookup for the statistics of everything drained now.
+        // One clock read for the statistics of everything drained now.
         let _batch = crate::telemetry::clock::batch();
-        let metrics = self.metrics.take();
-        let rec = metrics.as_deref().map(VolumeMetrics::recorder);
         {
             let mut remote = self
                 .completer
@@ -591,11 +604,10 @@ impl QueueWorker {
         }
         let mut finished = std::mem::take(&mut self.finished);
         for &(tag, code) in &finished {
-            self.finish(tag, code, rec.as_ref());
+            self.finish(tag, code, rec);
         }
         finished.clear();
         self.finished = finished;
-        self.metrics = metrics;
     }
 
     /// `rec`: the statistics recorder of this thread's batch (`None` without statistics).
