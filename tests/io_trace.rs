@@ -134,19 +134,20 @@ fn a_request_is_followed_from_the_frontend_to_the_wire_and_back() {
 
     // The write: one line on the submitting thread carries the whole chain, down to the
     // NVMe Write (opcode 1) sent with a command identifier.
-    let sent_write = io
-        .iter()
-        .find(|l| {
-            l.contains("fabric: command sent")
-                && field(l, "opcode") == Some("1")
-                && field(l, "offset") == Some("1048576")
-        })
-        .unwrap_or_else(|| panic!("no traced write command\n{}", show()));
-    assert_eq!(
-        spans(sent_write),
-        ["vhost", "volume", "crypt"],
-        "{sent_write}"
-    );
+    // The vhost-user-blk command with this NVMe opcode at byte offset 1 MiB, sent to the shelf.
+    let sent = |opcode: &str| -> &str {
+        let l = io
+            .iter()
+            .find(|l| {
+                l.contains("fabric: command sent")
+                    && field(l, "opcode") == Some(opcode)
+                    && field(l, "offset") == Some("1048576")
+            })
+            .unwrap_or_else(|| panic!("no traced command with opcode {opcode}\n{}", show()));
+        assert_eq!(spans(l), ["vhost", "volume", "crypt"], "{l}");
+        l
+    };
+    let sent_write = sent("1");
     assert_eq!(
         field(sent_write, "step"),
         Some("\"encrypt\""),
@@ -158,26 +159,14 @@ fn a_request_is_followed_from_the_frontend_to_the_wire_and_back() {
     // The read: its command on the wire, then its completion (same fabric qid and cid)
     // decrypted and handed to the vhost queue worker for the same descriptor head, and the
     // worker's "done" for that head with its latency.
-    let sent_read = io
-        .iter()
-        .find(|l| {
-            l.contains("fabric: command sent")
-                && field(l, "opcode") == Some("2")
-                && field(l, "offset") == Some("1048576")
-        })
-        .unwrap_or_else(|| panic!("no traced read command\n{}", show()));
-    assert_eq!(
-        spans(sent_read),
-        ["vhost", "volume", "crypt"],
-        "{sent_read}"
-    );
+    let sent_read = sent("2");
     assert_eq!(field(sent_read, "step"), Some("\"read\""), "{sent_read}");
     let read_head = field(sent_read, "head").unwrap();
     let (qid, cid) = (
         field(sent_read, "qid").unwrap(),
         field(sent_read, "cid").unwrap(),
     );
-    let sent_at = io.iter().position(|l| l == sent_read).unwrap();
+    let sent_at = io.iter().position(|l| *l == sent_read).unwrap();
     let back = io[sent_at..]
         .iter()
         .find(|l| l.contains("vhost: completion queued") && field(l, "head") == Some(read_head))

@@ -514,19 +514,13 @@ impl VolumeMetrics {
     /// batch clock, so inside a frontend's batch this reads no clock).
     #[inline]
     pub fn arrive(&self, kind: IoKind, bytes: u64) -> Arrival {
-        self.start();
-        Arrival {
-            start: clock::now_ns(),
-            bytes,
-            kind,
-        }
+        self.recorder().arrive(kind, bytes)
     }
 
     /// The request stamped `a` completed (`error`: it failed). Any thread may call it.
     #[inline]
     pub fn complete(&self, a: &Arrival, error: bool) {
-        let elapsed = clock::now_ns().saturating_sub(a.start);
-        self.finish(a.kind, a.bytes, elapsed, error);
+        self.recorder().complete(a, error);
     }
 
     /// A request starts waiting for QoS tokens.
