@@ -103,18 +103,8 @@ fn a_request_is_followed_from_the_frontend_to_the_wire_and_back() {
     // The same volume as an NVMe-oF namespace, read by an NVMe/TCP host: block 256 is the
     // byte offset written above.
     let nqn = "nqn.2024-01.io.nacre:trace-export";
-    n.ok(
-        "nvmf_subsystem_create",
-        json!({"nqn": nqn, "allow_any_host": true}),
-    );
-    n.ok("nvmf_subsystem_add_ns", json!({"nqn": nqn, "volume": "ev"}));
-    let l = n.ok(
-        "nvmf_subsystem_add_listener",
-        json!({"nqn": nqn, "address": "127.0.0.1", "port": 0}),
-    );
-    let port = l["port"].as_u64().unwrap() as u16;
-    let mut h =
-        NvmfHost::connect(([127, 0, 0, 1], port).into(), nqn, HostOptions::default()).unwrap();
+    let addr = n.export_nvmf(nqn, "ev");
+    let mut h = NvmfHost::connect(addr, nqn, HostOptions::default()).unwrap();
     assert_eq!(h.read(0, 1, 256, 1, 4096).unwrap(), data);
 
     // The trace lines are written as the requests run; give the log a moment to settle.

@@ -26,16 +26,7 @@ fn setup(n: &Nacred) -> SocketAddr {
         "volume_create",
         json!({"name": "nv", "size": 16 << 20, "block_size": 512, "backend": "ram"}),
     );
-    n.ok(
-        "nvmf_subsystem_create",
-        json!({"nqn": NQN, "allow_any_host": true}),
-    );
-    n.ok("nvmf_subsystem_add_ns", json!({"nqn": NQN, "volume": "nv"}));
-    let l = n.ok(
-        "nvmf_subsystem_add_listener",
-        json!({"nqn": NQN, "address": "127.0.0.1", "port": 0}),
-    );
-    SocketAddr::from(([127, 0, 0, 1], l["port"].as_u64().unwrap() as u16))
+    n.export_nvmf(NQN, "nv")
 }
 
 fn host(nqn_suffix: &str) -> HostOptions {

@@ -209,24 +209,14 @@ fn nvme_tcp_frontend_is_limited_too() {
         "volume_create",
         json!({"name": "vn", "size": 1u64 << 30, "backend": "null"}),
     );
-    n.ok(
-        "nvmf_subsystem_create",
-        json!({"nqn": nqn, "allow_any_host": true}),
-    );
-    n.ok("nvmf_subsystem_add_ns", json!({"nqn": nqn, "volume": "vn"}));
-    let l = n.ok(
-        "nvmf_subsystem_add_listener",
-        json!({"nqn": nqn, "address": "127.0.0.1", "port": 0}),
-    );
-    let port = l["port"].as_u64().unwrap() as u16;
+    let addr = n.export_nvmf(nqn, "vn");
     let limit = 300.0;
     // A one-second burst, as above; its allowance is spent before the window opens.
     n.ok(
         "qos_set",
         json!({"volume": "vn", "limits": {"iops": limit as u64, "burst_ms": 1000}}),
     );
-    let mut h =
-        NvmfHost::connect(([127, 0, 0, 1], port).into(), nqn, HostOptions::default()).unwrap();
+    let mut h = NvmfHost::connect(addr, nqn, HostOptions::default()).unwrap();
     let start = Instant::now();
     let mut done = Vec::new();
     let mut lba = 0u64;

@@ -226,6 +226,25 @@ impl Nacred {
             .unwrap_or_else(|e| panic!("{method} failed: {e}\n{}", self.log_text()))
     }
 
+    /// Export `volume` as a namespace of a new subsystem `nqn` that any host may reach, on a
+    /// listener on a free loopback port; returns the listener's address.
+    pub fn export_nvmf(&self, nqn: &str, volume: &str) -> std::net::SocketAddr {
+        self.ok(
+            "nvmf_subsystem_create",
+            serde_json::json!({"nqn": nqn, "allow_any_host": true}),
+        );
+        self.ok(
+            "nvmf_subsystem_add_ns",
+            serde_json::json!({"nqn": nqn, "volume": volume}),
+        );
+        let l = self.ok(
+            "nvmf_subsystem_add_listener",
+            serde_json::json!({"nqn": nqn, "address": "127.0.0.1", "port": 0}),
+        );
+        let port = l["port"].as_u64().expect("listener port") as u16;
+        std::net::SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
     /// Call and expect a JSON-RPC error; returns (code, message).
     pub fn err(&self, method: &str, params: Value) -> (i64, String) {
         match self.call(method, params) {

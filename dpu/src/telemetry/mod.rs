@@ -127,15 +127,10 @@ pub struct Recorder<'a> {
 }
 
 impl Recorder<'_> {
-    #[inline]
-    fn shard(&self) -> &Shard {
-        self.shard
-    }
-
     /// [`VolumeMetrics::arrive`].
     #[inline]
     pub fn arrive(&self, kind: IoKind, bytes: u64) -> Arrival {
-        add(&self.shard().arrived, 1, self.exclusive);
+        add(&self.shard.arrived, 1, self.exclusive);
         Arrival {
             start: clock::now_ns(),
             bytes,
@@ -147,7 +142,7 @@ impl Recorder<'_> {
     #[inline]
     pub fn complete(&self, a: &Arrival, error: bool) {
         let elapsed = clock::now_ns().saturating_sub(a.start);
-        self.shard()
+        self.shard
             .record(self.exclusive, a.kind, a.bytes, elapsed, error);
     }
 }
@@ -457,41 +452,21 @@ impl VolumeMetrics {
     /// This thread's shard, and whether it owns it.
     #[inline]
     fn mine(&self) -> (&Shard, bool) {
-        self.shard(clock::slot())
-    }
-
-    /// The shard of `slot`, and whether it is exclusive to the thread owning that slot.
-    #[inline]
-    fn shard(&self, slot: usize) -> (&Shard, bool) {
-        (
-            self.shards[slot].get_or_init(Shard::new),
-            slot != clock::OVERFLOW,
-        )
+        let s = clock::slot();
+        (self.shards[s].get_or_init(Shard::new), s != clock::OVERFLOW)
     }
 
     /// A request arrived.
     #[inline]
     pub fn start(&self) {
-        self.start_in(clock::slot());
-    }
-
-    /// [`start`](Self::start) for a caller that already knows its thread's slot.
-    #[inline]
-    pub fn start_in(&self, slot: usize) {
-        let (s, x) = self.shard(slot);
+        let (s, x) = self.mine();
         add(&s.arrived, 1, x);
     }
 
     /// A request completed `elapsed_ns` after it arrived.
     #[inline]
     pub fn finish(&self, kind: IoKind, bytes: u64, elapsed_ns: u64, error: bool) {
-        self.finish_in(clock::slot(), kind, bytes, elapsed_ns, error);
-    }
-
-    /// [`finish`](Self::finish) for a caller that already knows its thread's slot.
-    #[inline]
-    pub fn finish_in(&self, slot: usize, kind: IoKind, bytes: u64, elapsed_ns: u64, error: bool) {
-        let (s, x) = self.shard(slot);
+        let (s, x) = self.mine();
         s.record(x, kind, bytes, elapsed_ns, error);
     }
 

@@ -238,17 +238,9 @@ pub trait BlockDevice: Send + Sync {
     /// panicking.
     fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>);
 
-    /// Where a frontend records the requests it submits here
-    /// ([`VolumeMetrics::arrive`](crate::telemetry::VolumeMetrics::arrive) and
-    /// [`complete`](crate::telemetry::VolumeMetrics::complete)): the QoS and statistics
-    /// layer's ([`qos::QosVolume`]); a bare device (`nacred --no-qos`) has none. Frontends
-    /// ask once, when they attach, not per request.
-    fn metrics(&self) -> Option<Arc<crate::telemetry::VolumeMetrics>> {
-        None
-    }
-
-    /// The QoS and statistics layer, when this device is one ([`qos::VolumePath`] submits
-    /// through it without a dynamic call).
+    /// The QoS and statistics layer, when this device is one: [`qos::VolumePath`] submits
+    /// through it without a dynamic call and hands frontends its statistics (a bare device,
+    /// `nacred --no-qos`, has none).
     fn qos_layer(&self) -> Option<Arc<qos::QosVolume>> {
         None
     }

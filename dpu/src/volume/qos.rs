@@ -872,12 +872,8 @@ impl VolumePath {
         }
     }
 
-    /// The volume as a device (geometry, and everything but the data path).
-    pub fn device(&self) -> &Arc<dyn BlockDevice> {
-        &self.dev
-    }
-
-    /// The volume's statistics, for the frontend to record its requests in.
+    /// The volume's statistics, for the frontend to record its requests in
+    /// ([`VolumeMetrics::arrive`] and [`VolumeMetrics::complete`]).
     pub fn metrics(&self) -> Option<&Arc<VolumeMetrics>> {
         self.layer.as_ref().map(|l| &l.metrics)
     }
@@ -908,10 +904,6 @@ impl BlockDevice for QosVolume {
 
     fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
         self.submit_here(req, done);
-    }
-
-    fn metrics(&self) -> Option<Arc<VolumeMetrics>> {
-        Some(self.metrics.clone())
     }
 
     fn qos_layer(&self) -> Option<Arc<QosVolume>> {

@@ -1350,8 +1350,8 @@ impl Conn<'_> {
             }
             s.read_len = if kind == IoKind::Read { len } else { 0 };
             s.stats = ns
-                .metrics
-                .as_ref()
+                .path
+                .metrics()
                 .map(|m| (m.clone(), m.arrive(kind, len as u64)));
             // SAFETY: the slot's buffer is not touched again until the volume calls
             // `complete` for this tag (the slot is off the free list until then), so the
@@ -1381,10 +1381,7 @@ impl Conn<'_> {
             let mut s = lock(&slots[tag as usize]);
             s.cid = cid;
             s.read_len = 0;
-            s.stats = ns
-                .metrics
-                .as_ref()
-                .map(|m| (m.clone(), m.arrive(kind, len)));
+            s.stats = ns.path.metrics().map(|m| (m.clone(), m.arrive(kind, len)));
         }
         let req = IoRequest::new(kind, offset, len, tag as u64);
         let _span = self.io_span(cid);

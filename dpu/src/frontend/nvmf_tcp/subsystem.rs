@@ -24,9 +24,7 @@ pub struct Namespace {
     pub nguid: [u8; 16],
     /// Logical block size (the LBA format), fixed for the namespace's life.
     pub block_size: u32,
-    /// The volume's statistics ([`BlockDevice::metrics`]), looked up once.
-    pub metrics: Option<Arc<crate::telemetry::VolumeMetrics>>,
-    /// The data path to `volume` ([`VolumePath`]).
+    /// The data path to `volume` (and its statistics): [`VolumePath`].
     pub path: crate::volume::qos::VolumePath,
 }
 
@@ -141,7 +139,6 @@ impl Subsystem {
                 Arc::new(Namespace {
                     nsid: id,
                     name,
-                    metrics: volume.metrics(),
                     path: crate::volume::qos::VolumePath::new(volume.clone()),
                     volume,
                     nguid,

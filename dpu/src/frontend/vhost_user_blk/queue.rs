@@ -150,8 +150,6 @@ struct Slot {
 /// Per-queue state, owned by the queue's worker thread.
 pub struct QueueWorker {
     volume: VolumePath,
-    /// The volume's statistics (none without the QoS and statistics layer).
-    metrics: Option<Arc<VolumeMetrics>>,
     params: Arc<DeviceParams>,
     completer: Arc<QueueCompleter>,
     done: Arc<dyn Completion>,
@@ -182,7 +180,6 @@ impl QueueWorker {
         let completer = Arc::new(QueueCompleter::new(n)?);
         let done: Arc<dyn Completion> = completer.clone();
         Ok(QueueWorker {
-            metrics: volume.metrics(),
             volume: VolumePath::new(volume),
             params,
             completer,
@@ -239,14 +236,11 @@ impl QueueWorker {
         mem: &dyn Fn() -> Arc<Mem>,
         call: Option<RawFd>,
     ) -> bool {
-        // The statistics are moved out for the whole call (no reference count taken) so one
-        // recorder (this thread's shard, looked up once) can borrow them while the passes
-        // borrow the worker.
-        let metrics = self.metrics.take();
+        // One recorder (this thread's shard, looked up once) for every pass until we sleep;
+        // it borrows its own reference to the statistics while the passes borrow the worker.
+        let metrics = self.volume.metrics().cloned();
         let rec = metrics.as_deref().map(VolumeMetrics::recorder);
-        let interrupt = self.run_passes(queue, mem, call, rec.as_ref());
-        self.metrics = metrics;
-        interrupt
+        self.run_passes(queue, mem, call, rec.as_ref())
     }
 
     fn run_passes(
@@ -375,9 +369,8 @@ impl QueueWorker {
             return false;
         };
         let old_used = Wrapping(queue.next_used());
-        let metrics = self.metrics.take();
+        let metrics = self.volume.metrics().cloned();
         self.drain_remote(metrics.as_deref().map(VolumeMetrics::recorder).as_ref());
-        self.metrics = metrics;
         self.publish(&rings, queue);
         self.needs_interrupt(&rings, queue, old_used)
     }
