@@ -266,14 +266,25 @@ const CREDIT_GRANT: Duration = Duration::from_millis(1);
 /// Tokens one thread slot took ahead from the buckets of one volume, its tenant and the
 /// daemon ([`Buckets::grant`]): requests they cover are admitted without the limiter's lock.
 /// Valid while `generation` matches [`Qos::generation`] (every limit change bumps it).
+///
+/// Two levels, both private to the thread: `tokens` is what the grant moved out of each
+/// bucket; `budget` is what was carved out of `tokens` for one [`Dir`] alone — whole
+/// operations and bytes, taken from every bucket that direction counts against at once. A
+/// request then costs one direction-indexed pair of integer compares ([`Credit::try_take`]);
+/// the buckets are looked at again only when that direction's budget runs short
+/// ([`Credit::carve`]), and carved budget goes back to the buckets exactly as it came
+/// ([`Credit::fold`]).
 #[derive(Default)]
 struct Credit {
     generation: u64,
     /// Volume, tenant, daemon; by bucket index. A bucket that does not exist is infinite.
     tokens: [[f64; 6]; 3],
-    /// Per [`Dir`]: the finite entries of `tokens` it takes from, so the fast path looks at
-    /// the one or two buckets a typical limit has, not at all eighteen.
+    /// Per [`Dir`]: the finite entries of `tokens` it takes from, so carving looks at the one
+    /// or two buckets a typical limit has, not at all eighteen.
     need: [Need; 4],
+    /// Per [`Dir`]: operations and bytes carved for it; [`UNBOUNDED`] where no bucket of that
+    /// kind applies.
+    budget: [Budget; 4],
 }
 
 #[derive(Default, Clone, Copy)]
@@ -283,8 +294,17 @@ struct Need {
     at: [(u8, bool); 12],
 }
 
+#[derive(Default, Clone, Copy)]
+struct Budget {
+    ops: u64,
+    bytes: u64,
+}
+
+/// A budget no run exhausts: the direction is not limited in that dimension.
+const UNBOUNDED: u64 = u64::MAX / 2;
+
 impl Credit {
-    /// Recompute `need` after a grant.
+    /// Recompute `need` after a grant; nothing is carved yet.
     fn plan(&mut self) {
         for dir in [Dir::Read, Dir::Write, Dir::WriteNoData, Dir::Other] {
             let mut need = Need::default();
@@ -298,28 +318,93 @@ impl Credit {
             }
             self.need[dir as usize] = need;
         }
+        self.budget = Default::default();
     }
 
     /// Void: nothing left, until the next grant.
     fn clear(&mut self) {
         self.generation = 0;
         self.tokens = Default::default();
+        self.budget = Default::default();
     }
 
-    /// Admit from credit alone: every bucket `dir` needs must cover the full cost.
-    #[inline]
+    /// Admit from this direction's budget alone, carving more from the buckets' credit when
+    /// it runs short.
+    #[inline(always)]
     fn try_take(&mut self, dir: Dir, bytes: u64) -> bool {
-        let need = &self.need[dir as usize];
+        let b = &mut self.budget[dir as usize];
+        if b.ops >= 1 && b.bytes >= bytes {
+            b.ops -= 1;
+            b.bytes -= bytes;
+            return true;
+        }
+        self.carve(dir, bytes)
+    }
+
+    /// Move credit from `tokens` into `dir`'s budget so it covers one request of `bytes`,
+    /// plus half again of what is left (so a thread alternating directions carves rarely,
+    /// and leaves the other directions something), and take the request. Carves nothing when
+    /// the credit cannot cover it: the locked path folds everything back then.
+    #[cold]
+    #[inline(never)]
+    fn carve(&mut self, dir: Dir, bytes: u64) -> bool {
+        let need = self.need[dir as usize];
         let at = &need.at[..need.n];
         let tokens = self.tokens.as_flattened_mut();
-        let cost = |by_bytes: bool| if by_bytes { bytes as f64 } else { 1.0 };
-        if at.iter().any(|&(p, b)| tokens[p as usize] < cost(b)) {
+        let b = &mut self.budget[dir as usize];
+        // Per dimension (operations, bytes): what this direction holds, what one request costs,
+        // and the least credit among the buckets of that kind it counts against.
+        let avail = |by_bytes: bool| {
+            at.iter()
+                .filter(|&&(_, bb)| bb == by_bytes)
+                .map(|&(p, _)| tokens[p as usize].max(0.0).floor() as u64)
+                .min()
+        };
+        let dims = [
+            (false, b.ops, 1, avail(false)),
+            (true, b.bytes, bytes, avail(true)),
+        ];
+        if dims
+            .iter()
+            .any(|&(_, have, cost, avail)| avail.is_some_and(|a| have + a < cost))
+        {
             return false;
         }
-        for &(p, b) in at {
-            tokens[p as usize] -= cost(b);
+        for (by_bytes, have, cost, avail) in dims {
+            let carved = match avail {
+                None => UNBOUNDED,
+                Some(a) => {
+                    let short = cost.saturating_sub(have);
+                    let take = (short + (a - short).div_ceil(2)).min(a);
+                    for &(p, bb) in at {
+                        if bb == by_bytes {
+                            tokens[p as usize] -= take as f64;
+                        }
+                    }
+                    have + take
+                }
+            };
+            if by_bytes {
+                b.bytes = carved;
+            } else {
+                b.ops = carved;
+            }
         }
+        b.ops -= 1;
+        b.bytes -= bytes;
         true
+    }
+
+    /// Put every direction's carved budget back into `tokens`, each bucket getting back what
+    /// was carved from it.
+    fn fold(&mut self) {
+        let tokens = self.tokens.as_flattened_mut();
+        for (need, b) in self.need.iter().zip(&mut self.budget) {
+            for &(p, by_bytes) in &need.at[..need.n] {
+                tokens[p as usize] += if by_bytes { b.bytes } else { b.ops } as f64;
+            }
+            *b = Budget::default();
+        }
     }
 }
 
@@ -576,6 +661,7 @@ impl Qos {
         let mut credit = credit;
         if let Some(c) = credit.as_deref_mut() {
             if c.generation == self.generation.load(Ordering::Acquire) {
+                c.fold();
                 vs.buckets.give_back(&mut c.tokens[0]);
                 if let Some(ts) = tenant.as_mut() {
                     ts.buckets.give_back(&mut c.tokens[1]);
@@ -1011,6 +1097,40 @@ mod test {
             .zip(start)
             .map(|((_, c), s)| c.get() - s)
             .collect()
+    }
+
+    #[test]
+    fn credit_admits_no_more_than_granted_and_folds_back_exactly() {
+        // A volume limited to 10 IOPS in all and 3 × 4 KiB/s of reads; nothing else limited.
+        let mut c = Credit {
+            tokens: [[f64::INFINITY; 6]; 3],
+            ..Default::default()
+        };
+        c.tokens[0][IOPS] = 10.0;
+        c.tokens[0][READ_BPS] = 3.0 * 4096.0;
+        c.plan();
+        let reads = (0..10).filter(|_| c.try_take(Dir::Read, 4096)).count();
+        assert_eq!(
+            reads, 3,
+            "the read bytes bucket admits exactly three 4 KiB reads"
+        );
+        let writes = (0..10).filter(|_| c.try_take(Dir::Write, 4096)).count();
+        let flushes = (0..10).filter(|_| c.try_take(Dir::Other, 0)).count();
+        let ops = reads + writes + flushes;
+        assert!(ops <= 10, "{ops} operations from 10 IOPS of credit");
+        assert!(
+            writes >= 1,
+            "writes share the IOPS bucket, not the read bytes one"
+        );
+        // What was carved and not used goes back to the bucket it came from.
+        c.fold();
+        assert_eq!(c.tokens[0][IOPS], (10 - ops) as f64);
+        assert_eq!(c.tokens[0][READ_BPS], 0.0);
+        assert!(c.tokens[0][WRITE_BPS].is_infinite() && c.tokens[1][IOPS].is_infinite());
+        // Carving again after the fold admits the rest, and then nothing.
+        let more = (0..20).filter(|_| c.try_take(Dir::Write, 4096)).count();
+        assert_eq!(ops + more, 10);
+        assert!(!c.try_take(Dir::Other, 0));
     }
 
     #[test]
