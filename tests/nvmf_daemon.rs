@@ -217,3 +217,65 @@ fn reconnecting_hosts_leak_no_descriptors_or_threads() {
     let after = n.settled_footprint(|| true);
     after.assert_no_more_than(before, ROUNDS as usize, "host sessions");
 }
+
+/// NVMe/RDMA listeners on a machine where they cannot work (this one has no RDMA device; on a
+/// machine with one, 127.0.0.1 belongs to none): one clear, one-line error naming the address,
+/// nothing persisted, and the subsystem keeps serving NVMe/TCP. A transport nacre does not
+/// serve is an invalid parameter. Also: the subsystem's TCP controller does not claim keyed SGL
+/// support, which only the RDMA transport has.
+#[test]
+fn rdma_listener_without_a_device_is_one_clear_error() {
+    let n = Nacred::start();
+    let addr = setup(&n);
+    n.ok(
+        "nvmf_subsystem_add_host",
+        json!({"nqn": NQN, "host": HostOptions::default().hostnqn}),
+    );
+    let (code, m) = n.err(
+        "nvmf_subsystem_add_listener",
+        json!({"nqn": NQN, "address": "127.0.0.1", "port": 4420, "transport": "rdma"}),
+    );
+    assert_eq!(code, -32004, "{m}");
+    assert!(
+        m.starts_with("cannot listen for NVMe/RDMA on 127.0.0.1:4420: "),
+        "{m}"
+    );
+    assert!(!m.contains('\n'), "{m}");
+    let (code, m) = n.err(
+        "nvmf_subsystem_add_listener",
+        json!({"nqn": NQN, "address": "127.0.0.1", "transport": "fc"}),
+    );
+    assert_eq!(code, -32602, "{m}");
+    assert!(m.contains("\"fc\""), "{m}");
+    let (_, m) = n.err(
+        "nvmf_subsystem_remove_listener",
+        json!({"nqn": NQN, "address": "127.0.0.1", "port": 4420, "transport": "rdma"}),
+    );
+    assert!(
+        m.contains("does not exist") || m.contains("not found"),
+        "{m}"
+    );
+    let subs = n.ok("nvmf_get_subsystems", json!({}));
+    let sub = subs
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["nqn"] == NQN)
+        .expect("subsystem listed");
+    let listeners: Vec<&str> = sub["listeners"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|l| l.as_str())
+        .collect();
+    assert_eq!(listeners, [addr.to_string()], "{sub}");
+    // NVMe/TCP still serves the subsystem.
+    let mut h = NvmfHost::connect(addr, NQN, HostOptions::default()).expect("connect over TCP");
+    let id = h.identify_controller().expect("identify");
+    assert_eq!(id.serial, "NACRE-D1");
+    assert_eq!(
+        id.sgls & nacre_shared::nvme::identify::SGLS_KEYED,
+        0,
+        "a TCP controller must not claim keyed SGLs"
+    );
+}
