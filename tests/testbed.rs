@@ -135,7 +135,7 @@ fn rdma_selftest() {
 /// nacre's model and serial; a 32 MiB O_DIRECT write/read/compare passes over two I/O queues;
 /// 4 KiB writes (in the capsule), Write Zeroes (read back as zeroes) and Dataset Management
 /// work; data survives a disconnect and reconnect; every queue gave back its thread and
-/// descriptors, and nacred is still alive at the end.
+/// descriptors, and nacred is still alive; restarted, it listens again from its saved state.
 #[test]
 fn nvme_rdma_against_nacred() {
     let Some(_bed) = prepare("nvme_rdma_against_nacred") else {
@@ -177,6 +177,7 @@ fn nvme_rdma_against_nacred() {
     assert_eq!(out.fact("reverified"), "4MiB");
     assert_eq!(out.fact("leaked"), "none");
     assert_eq!(out.fact("nacred_alive"), "yes");
+    assert_eq!(out.fact("replayed"), "yes");
 }
 
 /// A guest's virtio-blk driver against nacred's vhost-user-blk devices: a device made with the

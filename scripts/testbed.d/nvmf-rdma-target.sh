@@ -5,10 +5,11 @@
 # RDMA lists the subsystem with trtype rdma; bad RDMA CM private data gets RDMA_CM_REJECT with its
 # status, a bad SGL its NVMe status, an unusable rkey closes only that queue; then the kernel host
 # connects, `nvme list` shows nacre, 32 MiB O_DIRECT write/read/compare, 4 KiB writes (in-capsule),
-# Write Zeroes, DSM, disconnect, reconnect and read again; no thread or descriptor is left behind.
+# Write Zeroes, DSM, disconnect, reconnect and read again; no thread or descriptor is left behind;
+# after a restart of nacred the listener is back from its state and serves again.
 # Facts: bad_listener, probe_recfmt, probe_qid, probe_hsqsize, probe_bad_sgl, probe_bad_key,
 # discovered_trtype, model, serial, transport, io_queues, ns1_bytes, verified, small_writes, zeroed,
-# discarded, reverified, leaked, nacred_alive.
+# discarded, reverified, leaked, nacred_alive, replayed.
 NQN=nqn.2014-08.io.nacre.testbed:rdma-target
 MIB=$(param mib 32)
 for b in nacred nacre rdma-cm-probe; do
@@ -121,4 +122,19 @@ wait_until 20 sh -c "[ \"\$(ls /proc/$NACRED/task | wc -l)/\$(ls /proc/$NACRED/f
     fail "nacred threads/fds $(counts), $BASE before any host"
 fact leaked none
 kill -0 $NACRED && fact nacred_alive yes
+
+step "restart nacred: the RDMA listener is replayed from its state"
+kill $NACRED
+wait $NACRED || true
+nacred --state-dir /tmp/nacre-state --run-dir /run/nacre --no-default --log info > /tmp/nacred.log 2>&1 &
+NACRED=$!
+wait_until 60 test -S /run/nacre/nacred.sock || fail "nacred did not restart"
+grep -q "NVMe/RDMA subsystem $NQN (1 namespace(s)) listens on 192.0.2.1:4420" /tmp/nacred.log ||
+    fail "no RDMA listener line at start-up"
+run nvme connect -t rdma -a 192.0.2.1 -s 4420 -n $NQN || fail "nvme connect after restart"
+wait_until 30 nvme_ns_dev $NQN 1 || fail "namespace 1 did not appear after restart"
+NS1=$(nvme_ns_dev $NQN 1)
+verify_rw /dev/$NS1 4 8
+fact replayed yes
+run nvme disconnect -n $NQN
 kill $NACRED

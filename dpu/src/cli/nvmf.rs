@@ -64,10 +64,11 @@ pub enum NvmfCmd {
         /// IPv4 or IPv6 address to listen on (0.0.0.0: every interface).
         #[arg(long)]
         address: String,
-        /// TCP (or RDMA CM) port (4420 is NVMe-oF's IANA port; 0 picks a free one).
+        /// TCP port, or the RDMA CM port with --transport rdma (4420 is NVMe-oF's IANA port; 0
+        /// picks a free one).
         #[arg(long, default_value_t = 4420)]
         port: u16,
-        /// tcp or rdma.
+        /// NVMe-oF transport: tcp or rdma (RDMA needs an RDMA device with the address).
         #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
         transport: String,
     },
