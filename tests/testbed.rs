@@ -131,7 +131,8 @@ fn rdma_selftest() {
 /// address no RDMA device has is refused with one error line; a misbehaving host
 /// (`rdma-cm-probe`) gets RDMA_CM_REJECT with the right status for bad private data, SGL
 /// Descriptor Type Invalid for a Segment SGL, and a closed queue (nothing else) for an rkey it
-/// never issued; discovery over RDMA lists the subsystem with trtype rdma; `nvme list` shows
+/// never issued, and a queue that never sends Connect is closed after the 30 s setup timeout;
+/// discovery over RDMA lists the subsystem with trtype rdma; `nvme list` shows
 /// nacre's model and serial; a 32 MiB O_DIRECT write/read/compare passes over two I/O queues;
 /// 4 KiB writes (in the capsule), Write Zeroes (read back as zeroes) and Dataset Management
 /// work; data survives a disconnect and reconnect; every queue gave back its thread and
@@ -164,6 +165,14 @@ fn nvme_rdma_against_nacred() {
         )
     );
     assert_eq!(out.fact("probe_bad_key"), "closed");
+    // A queue that never sends Connect is closed after the setup timeout (30 s), not before.
+    assert_eq!(out.fact("probe_idle"), "closed");
+    let after: u64 = out
+        .fact("idle_closed_after_s")
+        .trim_end_matches('s')
+        .parse()
+        .expect("seconds");
+    assert!((29..=45).contains(&after), "closed after {after} s");
     assert_eq!(out.fact("discovered_trtype"), "rdma");
     assert_eq!(out.fact("transport"), "rdma");
     assert_eq!(out.fact("model"), "nacre");

@@ -8,6 +8,7 @@
 # Write Zeroes, DSM, disconnect, reconnect and read again; no thread or descriptor is left behind;
 # after a restart of nacred the listener is back from its state and serves again.
 # Facts: bad_listener, probe_recfmt, probe_qid, probe_hsqsize, probe_bad_sgl, probe_bad_key,
+# probe_idle, idle_closed_after_s,
 # discovered_trtype, model, serial, transport, io_queues, ns1_bytes, verified, small_writes, zeroed,
 # discarded, reverified, leaked, nacred_alive, replayed.
 NQN=nqn.2014-08.io.nacre.testbed:rdma-target
@@ -51,6 +52,11 @@ nacre nvmf list
 counts() { echo "$(ls /proc/$NACRED/task | wc -l)/$(ls /proc/$NACRED/fd | wc -l)"; }
 BASE=$(counts)
 echo "nacred threads/fds before any host: $BASE"
+
+# a host that connects its admin queue and never sends Connect: closed after the setup timeout
+# (30 s; runs while the rest goes on)
+rdma-cm-probe 192.0.2.1 4420 idle > /tmp/idle.out 2>&1 &
+IDLE=$!
 
 step "misbehaving hosts: bad private data, a bad SGL, an rkey never issued"
 for c in recfmt qid hsqsize bad-sgl bad-key; do
@@ -117,6 +123,14 @@ dd if=/dev/$NS1 of=/tmp/back2 bs=1M skip=3 count=4 iflag=direct 2>/dev/null || f
 cmp /tmp/pat2 /tmp/back2 || fail "data after reconnect differs"
 fact reverified 4MiB
 run nvme disconnect -n $NQN
+step "the silent host's queue is closed after the setup timeout"
+wait $IDLE || fail "rdma-cm-probe idle failed: $(cat /tmp/idle.out)"
+cat /tmp/idle.out
+r=$(sed 's/^PROBE case=[^ ]* result=//' /tmp/idle.out)
+case $r in "closed after="*) ;; *) fail "silent host not closed: $r" ;; esac
+fact probe_idle closed
+fact idle_closed_after_s "${r#closed after=}"
+
 step "every queue gave its thread and descriptors back"
 wait_until 20 sh -c "[ \"\$(ls /proc/$NACRED/task | wc -l)/\$(ls /proc/$NACRED/fd | wc -l)\" = $BASE ]" ||
     fail "nacred threads/fds $(counts), $BASE before any host"

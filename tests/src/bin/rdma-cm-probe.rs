@@ -12,6 +12,8 @@
 //!   bad-key    a good admin queue, then a Connect whose keyed SGL names an rkey the host
 //!              never registered                               -> the target's RDMA READ fails
 //!                                                                and it closes the queue
+//!   idle       a good admin queue and then silence            -> closed after the target's
+//!                                                                setup timeout (30 s)
 //! ```
 //!
 //! Prints one line `PROBE case=CASE result=...` (`rejected status=N`, `response cid=N sct=N
@@ -108,7 +110,7 @@ fn main() -> Result<()> {
         "recfmt" => put(0, 1),
         "qid" => put(2, 5000),
         "hsqsize" => put(6, 0),
-        "bad-sgl" | "bad-key" => {}
+        "bad-sgl" | "bad-key" | "idle" => {}
         _ => bail!("unknown case {case}"),
     }
     // SAFETY: every verbs call below gets valid objects made just before it; the program is
@@ -207,6 +209,18 @@ fn main() -> Result<()> {
                     format!("none ({} bytes of private data)", p.len())
                 };
                 format!("rejected status={sts}")
+            }
+            Some((k, _, _))
+                if k == rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED && case == "idle" =>
+            {
+                let t0 = Instant::now();
+                match next_event(&cm, Duration::from_secs(90))? {
+                    Some((k, _, _)) if k == rdma_cm_event_type::RDMA_CM_EVENT_DISCONNECTED => {
+                        format!("closed after={}s", t0.elapsed().as_secs())
+                    }
+                    Some((k, s, _)) => format!("event {k} status {s}"),
+                    None => "timeout".into(),
+                }
             }
             Some((k, _, _)) if k == rdma_cm_event_type::RDMA_CM_EVENT_ESTABLISHED => {
                 if case == "bad-sgl" || case == "bad-key" {

@@ -51,6 +51,14 @@ pub enum RdmaError {
     NoSuchListener(SocketAddr),
 }
 
+/// Largest I/O queue (HSQSIZE + 1) a host may ask for over RDMA. Every entry pins an MDTS
+/// data buffer (128 KiB) for the queue's life, so this bounds what one connection can make
+/// nacred pin (32 MiB). Linux asks for at most 128 (NVME_RDMA_MAX_QUEUE_SIZE), SPDK for 128
+/// by default.
+pub const MAX_IO_QUEUE_ENTRIES: u32 = 256;
+/// Largest admin queue over RDMA (Linux and SPDK use 32).
+pub const MAX_ADMIN_QUEUE_ENTRIES: u32 = 128;
+
 /// Backlog of connect requests a listening id queues (RDMA CM `rdma_listen`).
 const LISTEN_BACKLOG: i32 = 128;
 /// How often a listener thread looks at its stop flag while no CM event arrives.
@@ -295,8 +303,8 @@ fn listen_loop(l: ListenId, bound: SocketAddr, stop: Arc<AtomicBool>, t: Weak<Ta
         };
         let req = match cm::CmRequest::parse(
             &ev.private_data,
-            limits::MAX_ADMIN_QUEUE_ENTRIES,
-            limits::MAX_QUEUE_ENTRIES,
+            MAX_ADMIN_QUEUE_ENTRIES,
+            MAX_IO_QUEUE_ENTRIES,
             limits::MAX_IO_QUEUES,
         ) {
             Ok(r) => r,

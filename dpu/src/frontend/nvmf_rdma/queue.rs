@@ -723,6 +723,10 @@ impl Conn {
     }
 
     fn run(&mut self) -> Result<(), End> {
+        // A queue must connect (Fabrics Connect) within the target's setup timeout, as on
+        // TCP: until then no keep-alive covers it, and it pins its buffers and a thread.
+        let setup_deadline = Instant::now()
+            + Duration::from_millis(self.target.setup_timeout_ms.load(Ordering::Relaxed));
         // SAFETY: ibv_wc is plain data; zeroed entries are overwritten by ibv_poll_cq.
         let mut wcs: Vec<ibv_wc> = (0..POLL_BATCH)
             .map(|_| unsafe { std::mem::zeroed() })
@@ -734,6 +738,14 @@ impl Conn {
         };
         loop {
             if self.dead() {
+                return Err(End::Closed);
+            }
+            if self.ctrl.is_none() && Instant::now() > setup_deadline {
+                warn!(
+                    listener = %self.listener,
+                    qid = self.req.qid,
+                    "NVMe/RDMA queue not connected within the setup timeout: closing it"
+                );
                 return Err(End::Closed);
             }
             let n = self.poll(&mut wcs)?;
