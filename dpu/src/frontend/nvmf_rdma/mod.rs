@@ -19,6 +19,13 @@
 //!
 //! Where the machine has no RDMA device (or no rdma_cm), adding an RDMA listener fails with
 //! one error saying so; nothing else changes and TCP keeps working.
+//!
+//! What a peer can make the target hold: a queue pins HSQSIZE + 1 MDTS buffers
+//! ([`MAX_IO_QUEUE_ENTRIES`] bounds it) and a thread until it is connected, which must
+//! happen within the target's setup timeout; connected queues count against the per-host
+//! queue cap ([`crate::frontend::nvmf_tcp::ConnLimits::per_host`]) and keep-alive. Not yet:
+//! the per-listener connection caps the TCP listeners have, and a retry of RDMA listeners
+//! that could not start (an RDMA device appearing later needs the listener re-added).
 
 pub mod cm;
 mod queue;
