@@ -177,7 +177,13 @@ fn nvmf_namespace_and_listener_help_describe_every_argument_with_examples() {
         ("add-ns", vec!["Subsystem NQN", "The volume to export"]),
         (
             "add-listener",
-            vec!["Subsystem NQN", "IPv4 or IPv6 address", "TCP port"],
+            vec![
+                "Subsystem NQN",
+                "IPv4 or IPv6 address",
+                "TCP port",
+                "tcp or rdma",
+                "--transport rdma",
+            ],
         ),
     ] {
         let s = text(&nacre(&["nvmf", cmd, "--help"]).stdout);

@@ -217,3 +217,127 @@ fn reconnecting_hosts_leak_no_descriptors_or_threads() {
     let after = n.settled_footprint(|| true);
     after.assert_no_more_than(before, ROUNDS as usize, "host sessions");
 }
+
+/// NVMe/RDMA listeners on a machine where they cannot work (this one has no RDMA device; on a
+/// machine with one, 127.0.0.1 belongs to none): one clear, one-line error naming the address,
+/// nothing persisted, and the subsystem keeps serving NVMe/TCP. A transport nacre does not
+/// serve is an invalid parameter. Also: the subsystem's TCP controller does not claim keyed SGL
+/// support, which only the RDMA transport has.
+#[test]
+fn rdma_listener_without_a_device_is_one_clear_error() {
+    let n = Nacred::start();
+    let addr = setup(&n);
+    n.ok(
+        "nvmf_subsystem_add_host",
+        json!({"nqn": NQN, "host": HostOptions::default().hostnqn}),
+    );
+    let (code, m) = n.err(
+        "nvmf_subsystem_add_listener",
+        json!({"nqn": NQN, "address": "127.0.0.1", "port": 4420, "transport": "rdma"}),
+    );
+    assert_eq!(code, -32004, "{m}");
+    assert!(
+        m.starts_with("cannot listen for NVMe/RDMA on 127.0.0.1:4420: "),
+        "{m}"
+    );
+    assert!(!m.contains('\n'), "{m}");
+    let (code, m) = n.err(
+        "nvmf_subsystem_add_listener",
+        json!({"nqn": NQN, "address": "127.0.0.1", "transport": "fc"}),
+    );
+    assert_eq!(code, -32602, "{m}");
+    assert!(m.contains("\"fc\""), "{m}");
+    let (_, m) = n.err(
+        "nvmf_subsystem_remove_listener",
+        json!({"nqn": NQN, "address": "127.0.0.1", "port": 4420, "transport": "rdma"}),
+    );
+    assert!(
+        m.contains("does not exist") || m.contains("not found"),
+        "{m}"
+    );
+    let subs = n.ok("nvmf_get_subsystems", json!({}));
+    let sub = subs
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["nqn"] == NQN)
+        .expect("subsystem listed");
+    let listeners: Vec<&str> = sub["listeners"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|l| l.as_str())
+        .collect();
+    assert_eq!(listeners, [addr.to_string()], "{sub}");
+    // NVMe/TCP still serves the subsystem.
+    let mut h = NvmfHost::connect(addr, NQN, HostOptions::default()).expect("connect over TCP");
+    let id = h.identify_controller().expect("identify");
+    assert_eq!(id.serial, "NACRE-D1");
+    assert_eq!(
+        id.sgls & nacre_shared::nvme::identify::SGLS_KEYED,
+        0,
+        "a TCP controller must not claim keyed SGLs"
+    );
+}
+
+/// A persisted NVMe/RDMA listener that cannot listen at start (no RDMA device here; or none with
+/// 127.0.0.1) is one `NOT listening` line at start-up and `failed` with its reason in
+/// `nvmf_get_subsystems`; the subsystem's NVMe/TCP listener and everything else come up.
+#[test]
+fn persisted_rdma_listener_without_a_device_fails_alone_at_start() {
+    let mut n = Nacred::start();
+    let addr = setup(&n);
+    n.ok(
+        "nvmf_subsystem_add_host",
+        json!({"nqn": NQN, "host": HostOptions::default().hostnqn}),
+    );
+    assert!(n.stop(), "nacred did not stop:\n{}", n.log_text());
+    let path = n.state_dir.join("state.json");
+    let mut state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    state["nvmf"]["subsystems"][NQN]["rdma_listeners"] = json!(["127.0.0.1:4420"]);
+    std::fs::write(&path, serde_json::to_vec_pretty(&state).unwrap()).unwrap();
+    n.spawn_again();
+    let subs = n.ok("nvmf_get_subsystems", json!({}));
+    let sub = subs
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["nqn"] == NQN)
+        .expect("subsystem replayed")
+        .clone();
+    let states = sub["listener_states"].as_array().unwrap();
+    let rdma = states
+        .iter()
+        .find(|l| l["address"] == "rdma:127.0.0.1:4420")
+        .unwrap_or_else(|| panic!("no RDMA listener state: {sub}"));
+    assert_eq!(rdma["state"], "failed", "{sub}");
+    assert!(
+        rdma["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("cannot listen for NVMe/RDMA on 127.0.0.1:4420: "),
+        "{sub}"
+    );
+    let tcp = states
+        .iter()
+        .find(|l| l["address"] == addr.to_string())
+        .unwrap_or_else(|| panic!("no TCP listener state: {sub}"));
+    assert_eq!(tcp["state"], "listening", "{sub}");
+    let log = n.log_text();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("NVMe/RDMA subsystem") && l.contains("NOT listening"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{log}");
+    let mut h = NvmfHost::connect(addr, NQN, HostOptions::default()).expect("TCP after replay");
+    assert_eq!(h.identify_controller().unwrap().serial, "NACRE-D1");
+    // Removing the failed listener works and is persisted.
+    n.ok(
+        "nvmf_subsystem_remove_listener",
+        json!({"nqn": NQN, "address": "127.0.0.1", "port": 4420, "transport": "rdma"}),
+    );
+    n.restart();
+    let subs = n.ok("nvmf_get_subsystems", json!({}));
+    assert!(!subs.to_string().contains("rdma:"), "{subs}");
+}

@@ -87,6 +87,7 @@ pub struct Boot {
     name: String,
     params: Vec<(String, String)>,
     files: Vec<(String, PathBuf)>,
+    packs: Vec<PathBuf>,
     qemu: Vec<String>,
     ctl: bool,
     timeout: Duration,
@@ -100,6 +101,7 @@ impl Boot {
             name: scenario.to_string(),
             params: Vec::new(),
             files: Vec::new(),
+            packs: Vec::new(),
             qemu: Vec::new(),
             ctl: false,
             timeout: Duration::from_secs(240),
@@ -121,6 +123,13 @@ impl Boot {
     /// A host file the guest reads at `$(tb_file NAME)` (fw_cfg).
     pub fn file(mut self, name: &str, path: impl Into<PathBuf>) -> Self {
         self.files.push((name.to_string(), path.into()));
+        self
+    }
+
+    /// A host executable to run inside the guest (`scripts/testbed run --pack`): it and the
+    /// libraries it links are packed into the initramfs, as /usr/bin/NAME.
+    pub fn pack(mut self, exe: impl Into<PathBuf>) -> Self {
+        self.packs.push(exe.into());
         self
     }
 
@@ -162,6 +171,9 @@ impl Boot {
         }
         for (n, p) in &self.files {
             cmd.arg("--file").arg(format!("{n}={}", p.display()));
+        }
+        for p in &self.packs {
+            cmd.arg("--pack").arg(p);
         }
         if let Some(c) = &ctl_path {
             cmd.arg("--ctl").arg(c);

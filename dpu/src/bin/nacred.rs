@@ -372,6 +372,25 @@ fn print_attach_hints(d: &Daemon) {
                 sub.nqn
             );
         }
+        for l in &sub.rdma_listeners {
+            if let Some(reason) = inner.live.rdma_listeners_failed.get(&(sub.nqn.clone(), *l)) {
+                // One line: a machine without RDMA still serves everything else.
+                eprintln!(
+                    "nacred: NVMe/RDMA subsystem {} is NOT listening: {reason}",
+                    sub.nqn
+                );
+                continue;
+            }
+            eprintln!(
+                "nacred: NVMe/RDMA subsystem {} ({} namespace(s)) listens on {l}; from a host with nvme-rdma:\n  \
+                 nvme connect -t rdma -a {} -s {} -n {}",
+                sub.nqn,
+                sub.namespaces.len(),
+                l.ip(),
+                l.port(),
+                sub.nqn
+            );
+        }
     }
 }
 

@@ -54,9 +54,9 @@ pub enum NvmfCmd {
         /// Namespace ID.
         nsid: u32,
     },
-    /// Listen for NVMe/TCP connections to the subsystem.
+    /// Listen for NVMe/TCP (or NVMe/RDMA) connections to the subsystem.
     #[command(
-        after_help = "Examples:\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address 127.0.0.1 --port 4420\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address ::1 --port 4421"
+        after_help = "Examples:\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address 127.0.0.1 --port 4420\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address ::1 --port 4421\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --transport rdma --address 192.0.2.1\n\nRDMA needs an RDMA device with that address (RoCE NIC, or soft-RoCE:\n  rdma link add rxe0 type rxe netdev eth0)"
     )]
     AddListener {
         /// Subsystem NQN.
@@ -64,9 +64,13 @@ pub enum NvmfCmd {
         /// IPv4 or IPv6 address to listen on (0.0.0.0: every interface).
         #[arg(long)]
         address: String,
-        /// TCP port (4420 is NVMe-oF's IANA port; 0 picks a free one).
+        /// TCP port, or the RDMA CM port with --transport rdma (4420 is NVMe-oF's IANA port; 0
+        /// picks a free one).
         #[arg(long, default_value_t = 4420)]
         port: u16,
+        /// NVMe-oF transport: tcp or rdma (RDMA needs an RDMA device with the address).
+        #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
+        transport: String,
     },
     /// Stop offering the subsystem on an address.
     #[command(
@@ -81,6 +85,9 @@ pub enum NvmfCmd {
         /// The listener's port.
         #[arg(long, default_value_t = 4420)]
         port: u16,
+        /// tcp or rdma.
+        #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
+        transport: String,
     },
     /// Allow a host NQN to connect.
     #[command(
@@ -157,22 +164,33 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
             )?;
             ack(ctx, &v, format!("removed namespace {nsid} from {nqn}"));
         }
-        NvmfCmd::AddListener { nqn, address, port } => {
+        NvmfCmd::AddListener {
+            nqn,
+            address,
+            port,
+            transport,
+        } => {
             let v = ctx.call(
                 "nvmf_subsystem_add_listener",
-                json!({"nqn": nqn, "address": address, "port": port}),
+                json!({"nqn": nqn, "address": address, "port": port, "transport": transport}),
             )?;
             let msg = format!(
-                "{nqn} listens on {}:{}",
+                "{nqn} listens for NVMe/{} on {}:{}",
+                transport.to_uppercase(),
                 v["address"].as_str().unwrap_or(""),
                 v["port"]
             );
             ack(ctx, &v, msg);
         }
-        NvmfCmd::RemoveListener { nqn, address, port } => {
+        NvmfCmd::RemoveListener {
+            nqn,
+            address,
+            port,
+            transport,
+        } => {
             let v = ctx.call(
                 "nvmf_subsystem_remove_listener",
-                json!({"nqn": nqn, "address": address, "port": port}),
+                json!({"nqn": nqn, "address": address, "port": port, "transport": transport}),
             )?;
             ack(
                 ctx,

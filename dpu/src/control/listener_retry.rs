@@ -104,6 +104,25 @@ pub fn with_listener_states(
                         .collect()
                 })
                 .unwrap_or_default();
+            let mut listener_states: Vec<NvmfListenerState> = listener_states;
+            if let Some(r) = inner.state.nvmf.subsystems.get(&info.nqn) {
+                listener_states.extend(r.rdma_listeners.iter().map(|l| {
+                    let reason = inner
+                        .live
+                        .rdma_listeners_failed
+                        .get(&(info.nqn.clone(), *l));
+                    NvmfListenerState {
+                        address: format!("rdma:{l}"),
+                        state: if reason.is_some() {
+                            "failed"
+                        } else {
+                            "listening"
+                        }
+                        .into(),
+                        reason: reason.cloned(),
+                    }
+                }));
+            }
             NvmfSubsystemStatus {
                 info,
                 listener_states,

@@ -160,6 +160,11 @@ pub struct Live {
     pub volumes: HashMap<String, Arc<dyn BlockDevice>>,
     pub vhost_blk: HashMap<String, VhostBlkServer>,
     pub nvmf: Option<Arc<crate::frontend::nvmf_tcp::NvmfTarget>>,
+    /// The target's NVMe/RDMA listeners (created with the first one).
+    pub nvmf_rdma: Option<Arc<crate::frontend::nvmf_rdma::RdmaPorts>>,
+    /// NVMe/RDMA listeners in the state that could not be started at replay ((nqn, address)
+    /// → reason): no RDMA device, or none with that address. Not retried.
+    pub rdma_listeners_failed: std::collections::BTreeMap<(String, std::net::SocketAddr), String>,
     /// Volumes that could not be opened at replay, with the reason (`volume_list` shows it).
     pub failed: HashMap<String, String>,
     /// NVMe/TCP listeners in the state that could not be bound at replay ((nqn, address) →
@@ -316,6 +321,7 @@ impl Daemon {
         }
         // Stops the listener retry too (it ends when nothing is left to retry).
         inner.live.listeners_failed.clear();
+        inner.live.nvmf_rdma = None;
         inner.live.nvmf = None;
         inner.live.volumes.clear();
         self.remotes.close_all();

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use nacre_shared::api::nvmf::{
     NvmfAllowAnyHost, NvmfHost, NvmfListener, NvmfSubsystemAddNs, NvmfSubsystemCreate,
-    NvmfSubsystemInfo, NvmfSubsystemName, NvmfSubsystemRemoveNs,
+    NvmfSubsystemInfo, NvmfSubsystemName, NvmfSubsystemRemoveNs, TRANSPORT_RDMA, TRANSPORT_TCP,
 };
 use nacre_shared::api::Ack;
 use nacre_shared::nvme::validate_nqn;
@@ -21,6 +21,7 @@ use serde_json::Value;
 use tracing::{info, warn};
 
 use super::{parse_params, to_value, Daemon, Inner, Method, RpcError};
+use crate::frontend::nvmf_rdma::{RdmaError, RdmaPorts};
 use crate::frontend::nvmf_tcp::{NvmfError, NvmfTarget, DEFAULT_MODEL};
 
 pub const METHODS: &[Method] = &[
@@ -47,12 +48,12 @@ pub const METHODS: &[Method] = &[
     Method {
         name: "nvmf_subsystem_add_listener",
         handler: nvmf_subsystem_add_listener,
-        help: "Listen for NVMe/TCP on an address: nqn, address, port (default 4420).",
+        help: "Listen for NVMe/TCP or NVMe/RDMA on an address: nqn, address, port (default 4420), transport (tcp or rdma; default tcp).",
     },
     Method {
         name: "nvmf_subsystem_remove_listener",
         handler: nvmf_subsystem_remove_listener,
-        help: "Stop offering a subsystem on an address: nqn, address, port.",
+        help: "Stop offering a subsystem on an address: nqn, address, port, transport.",
     },
     Method {
         name: "nvmf_subsystem_add_host",
@@ -98,11 +99,43 @@ pub struct NvmfSubsystemRecord {
     /// Bound addresses (the port actually bound when 0 was asked for).
     #[serde(default)]
     pub listeners: BTreeSet<SocketAddr>,
+    /// NVMe/RDMA listeners (RDMA CM addresses), likewise.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub rdma_listeners: BTreeSet<SocketAddr>,
 }
 
 /// The daemon's target, created on first use.
 pub fn target(inner: &mut Inner) -> Arc<NvmfTarget> {
     inner.live.nvmf.get_or_insert_with(NvmfTarget::new).clone()
+}
+
+/// The target's RDMA listeners, created on first use.
+fn rdma_ports(inner: &mut Inner) -> Arc<RdmaPorts> {
+    let t = target(inner);
+    inner
+        .live
+        .nvmf_rdma
+        .get_or_insert_with(|| RdmaPorts::new(&t))
+        .clone()
+}
+
+fn rdma_err(e: RdmaError) -> RpcError {
+    match e {
+        RdmaError::Nvmf(e) => rpc_err(e),
+        RdmaError::NoSuchListener(a) => RpcError::not_found("listener", &format!("rdma:{a}")),
+        RdmaError::Listen { .. } => RpcError::failed(e.to_string()),
+    }
+}
+
+/// Whether a listener request is for NVMe/RDMA (`transport` absent or `tcp`: NVMe/TCP).
+fn is_rdma(p: &NvmfListener) -> Result<bool, RpcError> {
+    match p.transport.as_deref() {
+        None | Some(TRANSPORT_TCP) => Ok(false),
+        Some(TRANSPORT_RDMA) => Ok(true),
+        Some(t) => Err(RpcError::invalid_params(format!(
+            "transport {t:?} is not one nacre serves: use \"tcp\" or \"rdma\""
+        ))),
+    }
 }
 
 pub(super) fn rpc_err(e: NvmfError) -> RpcError {
@@ -174,6 +207,18 @@ fn start_subsystem(
         };
         if let Err(e) = r {
             warn!(nqn = %rec.nqn, nsid, error = %e, "nvmf namespace not restored");
+        }
+    }
+    for l in &rec.rdma_listeners {
+        let ports = rdma_ports(inner);
+        if let Err(e) = ports.add_listener(&rec.nqn, *l) {
+            // Not retried (RDMA devices come with drivers, not with time): reported by
+            // nvmf_get_subsystems until nacred restarts or the listener is re-added.
+            warn!(nqn = %rec.nqn, listener = %l, "nvmf RDMA listener not restored: {e}");
+            inner
+                .live
+                .rdma_listeners_failed
+                .insert((rec.nqn.clone(), *l), e.to_string());
         }
     }
     for l in &rec.listeners {
@@ -255,6 +300,7 @@ fn nvmf_subsystem_create(d: &Daemon, params: Value) -> Result<Value, RpcError> {
             hosts: BTreeSet::new(),
             namespaces: BTreeMap::new(),
             listeners: BTreeSet::new(),
+            rdma_listeners: BTreeSet::new(),
         };
         commit(
             d,
@@ -287,6 +333,13 @@ fn nvmf_subsystem_delete(d: &Daemon, params: Value) -> Result<Value, RpcError> {
             },
             || {},
         )?;
+        if let Some(ports) = inner.live.nvmf_rdma.clone() {
+            ports.forget_subsystem(&p.nqn);
+        }
+        inner
+            .live
+            .rdma_listeners_failed
+            .retain(|(nqn, _), _| *nqn != p.nqn);
         let t = target(inner);
         if let Err(e) = t.delete_subsystem(&p.nqn) {
             warn!(nqn = %p.nqn, error = %e, "nvmf subsystem was not live");
@@ -378,6 +431,35 @@ fn listener_addr(p: &NvmfListener) -> Result<SocketAddr, RpcError> {
 fn nvmf_subsystem_add_listener(d: &Daemon, params: Value) -> Result<Value, RpcError> {
     let p: NvmfListener = parse_params(params)?;
     let addr = listener_addr(&p)?;
+    if is_rdma(&p)? {
+        return d.with_inner(|inner| {
+            if record(inner, &p.nqn)?.rdma_listeners.contains(&addr) {
+                return Err(RpcError::exists("listener", &format!("rdma:{addr}")));
+            }
+            let ports = rdma_ports(inner);
+            let bound = ports.add_listener(&p.nqn, addr).map_err(rdma_err)?;
+            inner
+                .live
+                .rdma_listeners_failed
+                .remove(&(p.nqn.clone(), bound));
+            commit(
+                d,
+                inner,
+                |s| {
+                    if let Some(r) = s.subsystems.get_mut(&p.nqn) {
+                        r.rdma_listeners.insert(bound);
+                    }
+                },
+                || {
+                    let _ = ports.remove_listener(&p.nqn, bound);
+                },
+            )?;
+            to_value(serde_json::json!({
+                "nqn": p.nqn, "address": bound.ip().to_string(), "port": bound.port(),
+                "transport": TRANSPORT_RDMA
+            }))
+        });
+    }
     d.with_inner(|inner| {
         if record(inner, &p.nqn)?.listeners.contains(&addr) {
             return Err(RpcError::exists("listener", &addr.to_string()));
@@ -406,6 +488,29 @@ fn nvmf_subsystem_add_listener(d: &Daemon, params: Value) -> Result<Value, RpcEr
 fn nvmf_subsystem_remove_listener(d: &Daemon, params: Value) -> Result<Value, RpcError> {
     let p: NvmfListener = parse_params(params)?;
     let addr = listener_addr(&p)?;
+    if is_rdma(&p)? {
+        return d.with_inner(|inner| {
+            if !record(inner, &p.nqn)?.rdma_listeners.contains(&addr) {
+                return Err(RpcError::not_found("listener", &format!("rdma:{addr}")));
+            }
+            commit(
+                d,
+                inner,
+                |s| {
+                    if let Some(r) = s.subsystems.get_mut(&p.nqn) {
+                        r.rdma_listeners.remove(&addr);
+                    }
+                },
+                || {},
+            )?;
+            let _ = rdma_ports(inner).remove_listener(&p.nqn, addr);
+            inner
+                .live
+                .rdma_listeners_failed
+                .remove(&(p.nqn.clone(), addr));
+            to_value(Ack { ok: true })
+        });
+    }
     d.with_inner(|inner| {
         if !record(inner, &p.nqn)?.listeners.contains(&addr) {
             return Err(RpcError::not_found("listener", &addr.to_string()));

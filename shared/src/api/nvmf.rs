@@ -53,10 +53,18 @@ pub struct NvmfListener {
     pub nqn: String,
     /// IPv4 or IPv6 address to listen on.
     pub address: String,
-    /// TCP port (4420 is the IANA NVMe-oF port; 8009 the discovery port).
+    /// TCP port (4420 is the IANA NVMe-oF port; 8009 the discovery port); for RDMA the
+    /// RDMA CM port (RoCEv2 uses UDP 4791 underneath whatever this is).
     #[serde(default = "default_port")]
     pub port: u16,
+    /// `tcp` (the default) or `rdma` (NVMe/RDMA: RoCEv2, InfiniBand, iWARP).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transport: Option<String>,
 }
+
+/// Transports `nvmf_subsystem_add_listener` takes.
+pub const TRANSPORT_TCP: &str = "tcp";
+pub const TRANSPORT_RDMA: &str = "rdma";
 
 pub fn default_port() -> u16 {
     4420
@@ -100,7 +108,7 @@ pub struct NvmfSubsystemInfo {
     pub model: String,
     pub allow_any_host: bool,
     pub hosts: Vec<String>,
-    /// `address:port` strings.
+    /// `address:port` strings; NVMe/RDMA listeners as `rdma:address:port`.
     pub listeners: Vec<String>,
     pub namespaces: Vec<NvmfNamespaceInfo>,
     /// Controllers currently connected.

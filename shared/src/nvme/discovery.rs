@@ -8,6 +8,12 @@ pub const ENTRY_LEN: usize = 1024;
 
 /// TRTYPE (byte 0).
 pub const TRTYPE_TCP: u8 = 3;
+/// RDMA transport (NVMe RDMA Transport 1.0 §3.1.1).
+pub const TRTYPE_RDMA: u8 = 1;
+/// TSAS of an RDMA entry (NVMe RDMA Transport 1.0 Figure 3): RDMA_QPTYPE reliable connected,
+/// RDMA_PRTYPE no provider specified, RDMA_CMS RDMA_IP_CM (sockets addressing, which is
+/// what librdmacm and the Linux host use).
+pub const RDMA_TSAS: [u8; 3] = [1, 1, 1];
 /// ADRFAM (byte 1).
 pub const ADRFAM_IPV4: u8 = 1;
 pub const ADRFAM_IPV6: u8 = 2;
@@ -35,7 +41,8 @@ pub struct DiscoveryEntry {
     pub subnqn: String,
     /// Bytes 512-767: transport address (ASCII, space padded).
     pub traddr: String,
-    /// Bytes 768-1023: transport specific (TCP: SECTYPE byte 0, 0 = none).
+    /// Bytes 768-1023: transport specific (TCP: SECTYPE byte 0, 0 = none). RDMA entries
+    /// carry [`RDMA_TSAS`] there instead (this field is ignored for them).
     pub sectype: u8,
 }
 
@@ -52,7 +59,11 @@ impl DiscoveryEntry {
         put_ascii_padded(&mut b[32..64], &self.trsvcid);
         put_str_nul(&mut b[256..512], &self.subnqn);
         put_ascii_padded(&mut b[512..768], &self.traddr);
-        b[768] = self.sectype;
+        if self.trtype == TRTYPE_RDMA {
+            b[768..771].copy_from_slice(&RDMA_TSAS);
+        } else {
+            b[768] = self.sectype;
+        }
     }
     pub fn decode(b: &[u8]) -> Self {
         DiscoveryEntry {
@@ -126,5 +137,29 @@ mod test {
         assert_eq!(&en[256..260], b"nqn.");
         assert_eq!(&en[512..522], b"127.0.0.1 ");
         assert_eq!(decode_log(&b), (5, vec![e]));
+    }
+
+    /// An RDMA entry carries the RDMA TSAS (Figure 3 of the RDMA transport spec) in bytes
+    /// 768-770: reliable connected, no provider specified, RDMA_IP_CM; the rest stays zero.
+    #[test]
+    fn rdma_entry_carries_its_tsas() {
+        let e = DiscoveryEntry {
+            trtype: TRTYPE_RDMA,
+            adrfam: ADRFAM_IPV4,
+            subtype: SUBTYPE_NVME,
+            treq: TREQ_SECURE_CHANNEL_NOT_REQUIRED,
+            portid: 2,
+            cntlid: 0xFFFF,
+            asqsz: 32,
+            trsvcid: "4420".into(),
+            subnqn: "nqn.2024-01.io.nacre:v".into(),
+            traddr: "192.0.2.1".into(),
+            sectype: 7,
+        };
+        let mut b = vec![0u8; ENTRY_LEN];
+        e.encode(&mut b);
+        assert_eq!(b[0], 1);
+        assert_eq!(&b[768..772], &[1, 1, 1, 0]);
+        assert!(b[772..].iter().all(|&x| x == 0));
     }
 }

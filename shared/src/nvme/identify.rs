@@ -37,6 +37,9 @@ pub const OAES_NS_ATTR: u32 = 1 << 8;
 /// the Offset subtype of SGL Data Block descriptors (in-capsule data).
 pub const SGLS_SUPPORTED: u32 = 1 << 0;
 pub const SGLS_OFFSET: u32 = 1 << 20;
+/// SGLS bit 2: Keyed SGL Data Block descriptors supported (what RDMA transports move data
+/// with; the Linux nvme-rdma host refuses a controller without it).
+pub const SGLS_KEYED: u32 = 1 << 2;
 
 /// LPA bit 2: extended data for Get Log Page (NUMDU and the log page offset).
 pub const LPA_EXTENDED_DATA: u8 = 1 << 2;

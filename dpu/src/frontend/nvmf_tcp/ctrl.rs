@@ -17,9 +17,42 @@ use nacre_shared::nvme::registers::{self, cc, csts};
 use nacre_shared::nvme::{admin_opcode, Command, Status};
 use tracing::debug;
 
-use super::conn::Queue;
 use super::subsystem::{discovery_log, Subsystem};
 use super::{limits, lock, Clock, TargetInner, FIRMWARE_REVISION};
+
+/// What a controller needs of one of its queues, whatever transport carries it (NVMe/TCP:
+/// `conn::Queue`; NVMe/RDMA: `nvmf_rdma`'s queue): keep-alive accounting, the SMART log's
+/// counters, teardown, and completing a parked Asynchronous Event Request.
+pub(crate) trait CtrlQueue: Send + Sync {
+    /// When the host last sent anything on this queue (target clock, ms).
+    fn last_rx_ms(&self) -> u64;
+    /// Host read commands, write commands, bytes read, bytes written.
+    fn stats(&self) -> (u64, u64, u64, u64);
+    /// Close the queue: its serving thread notices and ends it.
+    fn shutdown(&self);
+    /// Complete command `cid` from outside the queue's thread (asynchronous events).
+    fn complete_async(&self, cid: u16, status: Status, dw0: u32);
+    /// Whether the transport moves data with keyed SGL data blocks (RDMA): Identify
+    /// Controller's SGLS says so, as the admin queue's transport decides.
+    fn keyed_sgls(&self) -> bool {
+        false
+    }
+}
+
+impl CtrlQueue for super::conn::Queue {
+    fn last_rx_ms(&self) -> u64 {
+        super::conn::Queue::last_rx_ms(self)
+    }
+    fn stats(&self) -> (u64, u64, u64, u64) {
+        super::conn::Queue::stats(self)
+    }
+    fn shutdown(&self) {
+        super::conn::Queue::shutdown(self)
+    }
+    fn complete_async(&self, cid: u16, status: Status, dw0: u32) {
+        super::conn::Queue::complete_async(self, cid, status, dw0)
+    }
+}
 
 /// What an admin command produced.
 pub(crate) enum AdminReply {
@@ -63,7 +96,7 @@ pub(crate) struct Controller {
     local_ip: IpAddr,
     state: Mutex<CtrlState>,
     /// qid → queue; qid 0 is the admin queue.
-    queues: Mutex<BTreeMap<u16, Weak<Queue>>>,
+    queues: Mutex<BTreeMap<u16, Weak<dyn CtrlQueue>>>,
     /// Keep Alive Timeout in ms (0: disabled).
     kato_ms: AtomicU32,
     dead: AtomicBool,
@@ -71,14 +104,16 @@ pub(crate) struct Controller {
 }
 
 impl Controller {
-    pub(crate) fn new(
+    pub(crate) fn new<Q: CtrlQueue + 'static>(
         target: &Arc<TargetInner>,
         subsys: Arc<Subsystem>,
         hostnqn: String,
         kato_ms: u32,
         local_ip: IpAddr,
-        admin: &Arc<Queue>,
+        admin: &Arc<Q>,
     ) -> Arc<Self> {
+        let admin: Weak<Q> = Arc::downgrade(admin);
+        let admin: Weak<dyn CtrlQueue> = admin;
         let c = Arc::new(Controller {
             cntlid: target.alloc_cntlid(),
             subsys,
@@ -98,7 +133,7 @@ impl Controller {
                 ns_notice_masked: false,
                 temp_threshold: 343,
             }),
-            queues: Mutex::new(BTreeMap::from([(0, Arc::downgrade(admin))])),
+            queues: Mutex::new(BTreeMap::from([(0, admin)])),
             kato_ms: AtomicU32::new(round_kato(kato_ms)),
             dead: AtomicBool::new(false),
             created_ms: target.clock.now_ms(),
@@ -116,7 +151,7 @@ impl Controller {
     }
 
     /// Register I/O queue `qid`; fails if it exceeds the granted count or is taken.
-    pub(crate) fn attach_io_queue(&self, qid: u16, q: &Arc<Queue>) -> bool {
+    pub(crate) fn attach_io_queue<Q: CtrlQueue + 'static>(&self, qid: u16, q: &Arc<Q>) -> bool {
         if qid == 0 || qid > lock(&self.state).io_queues {
             return false;
         }
@@ -124,7 +159,9 @@ impl Controller {
         if qs.get(&qid).is_some_and(|w| w.strong_count() > 0) {
             return false;
         }
-        qs.insert(qid, Arc::downgrade(q));
+        let w: Weak<Q> = Arc::downgrade(q);
+        let w: Weak<dyn CtrlQueue> = w;
+        qs.insert(qid, w);
         true
     }
 
@@ -132,11 +169,18 @@ impl Controller {
         lock(&self.queues).remove(&qid);
     }
 
-    fn live_queues(&self) -> Vec<Arc<Queue>> {
+    fn live_queues(&self) -> Vec<Arc<dyn CtrlQueue>> {
         lock(&self.queues)
             .values()
             .filter_map(|w| w.upgrade())
             .collect()
+    }
+
+    fn admin_keyed_sgls(&self) -> bool {
+        lock(&self.queues)
+            .get(&0)
+            .and_then(Weak::upgrade)
+            .is_some_and(|q| q.keyed_sgls())
     }
 
     pub(crate) fn keep_alive_expired(&self, now_ms: u64) -> bool {
@@ -338,7 +382,13 @@ impl Controller {
                 oncs::DATASET_MANAGEMENT | oncs::WRITE_ZEROES
             },
             vwc: if disc { 0 } else { 1 },
-            sgls: identify::SGLS_SUPPORTED | identify::SGLS_OFFSET,
+            sgls: identify::SGLS_SUPPORTED
+                | identify::SGLS_OFFSET
+                | if self.admin_keyed_sgls() {
+                    identify::SGLS_KEYED
+                } else {
+                    0
+                },
             subnqn: self.subsys.nqn().to_string(),
             ioccsz: ((64 + limits::IO_INLINE_DATA) / 16) as u32,
             iorcsz: 1,

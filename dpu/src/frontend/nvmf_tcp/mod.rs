@@ -36,8 +36,8 @@
 //! controllers. Dropping the target closes every listener and connection.
 
 mod conn;
-mod ctrl;
-mod subsystem;
+pub(crate) mod ctrl;
+pub(crate) mod subsystem;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -215,7 +215,7 @@ pub const PDU_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A completion the event thread sends for the control plane (asynchronous events).
 pub(crate) struct AsyncReply {
-    pub(crate) queue: Weak<conn::Queue>,
+    pub(crate) queue: Weak<dyn ctrl::CtrlQueue>,
     pub(crate) cid: u16,
     pub(crate) dw0: u32,
 }
@@ -266,6 +266,11 @@ pub const FIRMWARE_REVISION: &str = env!("CARGO_PKG_VERSION");
 pub const DEFAULT_MODEL: &str = "nacre";
 
 impl NvmfTarget {
+    /// The shared state other transports' queues serve (`frontend::nvmf_rdma`).
+    pub(crate) fn inner(&self) -> &Arc<TargetInner> {
+        &self.inner
+    }
+
     pub fn new() -> Arc<NvmfTarget> {
         let inner = Arc::new(TargetInner {
             clock: Clock(Instant::now()),

@@ -38,6 +38,8 @@ pub(crate) struct SubState {
     pub(crate) allow_any_host: bool,
     pub(crate) hosts: BTreeSet<String>,
     pub(crate) listeners: BTreeSet<SocketAddr>,
+    /// NVMe/RDMA listeners (RDMA CM port space: the same address may also be a TCP one).
+    pub(crate) rdma_listeners: BTreeSet<SocketAddr>,
 }
 
 /// An NVM subsystem (or the discovery subsystem).
@@ -68,6 +70,7 @@ impl Subsystem {
                 allow_any_host,
                 hosts: BTreeSet::new(),
                 listeners: BTreeSet::new(),
+                rdma_listeners: BTreeSet::new(),
             }),
             namespaces: RwLock::new(BTreeMap::new()),
             ns_gen: AtomicU64::new(1),
@@ -92,6 +95,11 @@ impl Subsystem {
 
     pub(crate) fn reachable_on(&self, listener: &SocketAddr) -> bool {
         self.discovery || lock(&self.state).listeners.contains(listener)
+    }
+
+    /// Whether a host that reached the RDMA listener `listener` may connect here.
+    pub(crate) fn reachable_on_rdma(&self, listener: &SocketAddr) -> bool {
+        self.discovery || lock(&self.state).rdma_listeners.contains(listener)
     }
 
     pub(crate) fn namespace_table(&self) -> BTreeMap<u32, Arc<Namespace>> {
@@ -210,7 +218,12 @@ impl Subsystem {
             model: self.model.clone(),
             allow_any_host: st.allow_any_host,
             hosts: st.hosts.iter().cloned().collect(),
-            listeners: st.listeners.iter().map(|a| a.to_string()).collect(),
+            listeners: st
+                .listeners
+                .iter()
+                .map(|a| a.to_string())
+                .chain(st.rdma_listeners.iter().map(|a| format!("rdma:{a}")))
+                .collect(),
             namespaces: self
                 .namespace_table()
                 .values()
@@ -239,15 +252,23 @@ pub(crate) fn discovery_log(t: &TargetInner, hostnqn: &str, local: IpAddr) -> Ve
         if !s.host_allowed(hostnqn) {
             continue;
         }
-        let listeners: Vec<SocketAddr> = lock(&s.state).listeners.iter().copied().collect();
-        for l in listeners {
+        let listeners: Vec<(u8, SocketAddr)> = {
+            let st = lock(&s.state);
+            let tcp = st.listeners.iter().map(|a| (discovery::TRTYPE_TCP, *a));
+            let rdma = st
+                .rdma_listeners
+                .iter()
+                .map(|a| (discovery::TRTYPE_RDMA, *a));
+            tcp.chain(rdma).collect()
+        };
+        for (trtype, l) in listeners {
             let ip = if l.ip().is_unspecified() {
                 local
             } else {
                 l.ip()
             };
             entries.push(DiscoveryEntry {
-                trtype: discovery::TRTYPE_TCP,
+                trtype,
                 adrfam: if ip.is_ipv4() {
                     discovery::ADRFAM_IPV4
                 } else {
@@ -255,7 +276,12 @@ pub(crate) fn discovery_log(t: &TargetInner, hostnqn: &str, local: IpAddr) -> Ve
                 },
                 subtype: discovery::SUBTYPE_NVME,
                 treq: discovery::TREQ_SECURE_CHANNEL_NOT_REQUIRED,
-                portid: t.portid(&l),
+                // RDMA ports are numbered apart from TCP ones (their port space is apart).
+                portid: if trtype == discovery::TRTYPE_RDMA {
+                    0x8000 | l.port() & 0x7FFF
+                } else {
+                    t.portid(&l)
+                },
                 cntlid: nacre_shared::nvme::fabrics::CNTLID_DYNAMIC,
                 asqsz: 32,
                 trsvcid: l.port().to_string(),

@@ -1,0 +1,227 @@
+//! The few librdmacm/libibverbs calls the NVMe/RDMA target makes, behind owners that free
+//! what they hold: an RDMA CM event channel, CM events copied out of librdmacm's memory,
+//! registered buffers, and socket address conversion. Everything `unsafe` about verbs that
+//! is not tied to one queue's life lives here; the queue's own resources are in `queue.rs`.
+
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::RawFd;
+use std::ptr::NonNull;
+
+use rdma_sys::*;
+
+/// The last OS error as an `io::Error` (librdmacm and libibverbs report through errno).
+pub(super) fn errno() -> io::Error {
+    io::Error::last_os_error()
+}
+
+/// A C status return (`0` or `-1`/`-errno`) as a Result.
+pub(super) fn check(rc: i32) -> io::Result<()> {
+    match rc {
+        0 => Ok(()),
+        rc if rc > 0 => Err(io::Error::from_raw_os_error(rc)),
+        _ => Err(errno()),
+    }
+}
+
+/// How many RDMA devices libibverbs sees (0 where the machine has none, or no rdma modules
+/// are loaded).
+pub fn device_count() -> usize {
+    let mut n = 0i32;
+    // SAFETY: ibv_get_device_list writes the count to `n` and returns an array we free at
+    // once with ibv_free_device_list; we read nothing from it.
+    unsafe {
+        let list = ibv_get_device_list(&mut n);
+        if list.is_null() {
+            return 0;
+        }
+        ibv_free_device_list(list);
+    }
+    n.max(0) as usize
+}
+
+/// An RDMA CM event channel: the file descriptor CM events for its ids arrive on.
+pub(super) struct EventChannel(NonNull<rdma_event_channel>);
+
+// SAFETY: the channel is a file descriptor wrapper; librdmacm's calls on it are thread-safe,
+// and only its owner gets events from it.
+unsafe impl Send for EventChannel {}
+// SAFETY: as above; shared references only read the fd.
+unsafe impl Sync for EventChannel {}
+
+/// A CM event, copied out so the event can be acknowledged at once (librdmacm frees its
+/// private data on acknowledgement, and `rdma_migrate_id`/`rdma_destroy_id` wait for it).
+pub(super) struct CmEvent {
+    pub kind: u32,
+    pub id: *mut rdma_cm_id,
+    pub status: i32,
+    pub private_data: Vec<u8>,
+    /// The peer's RDMA Read resources: how many Reads it accepts from us (its IRD).
+    pub responder_resources: u8,
+    /// How many Reads the peer wants to issue to us (its ORD).
+    pub initiator_depth: u8,
+    pub rnr_retry_count: u8,
+}
+
+impl EventChannel {
+    pub(super) fn new() -> io::Result<Self> {
+        // SAFETY: plain constructor; a null return sets errno.
+        let ch = unsafe { rdma_create_event_channel() };
+        let ch = NonNull::new(ch).ok_or_else(errno)?;
+        let ch = EventChannel(ch);
+        // Non-blocking, so `get` can wait with a timeout and the owner can notice a stop.
+        let fd = ch.fd();
+        // SAFETY: fcntl on a descriptor we own.
+        unsafe {
+            let fl = libc::fcntl(fd, libc::F_GETFL);
+            libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
+        }
+        Ok(ch)
+    }
+
+    pub(super) fn raw(&self) -> *mut rdma_event_channel {
+        self.0.as_ptr()
+    }
+
+    pub(super) fn fd(&self) -> RawFd {
+        // SAFETY: the channel is valid for self's life; `fd` is a plain field.
+        unsafe { (*self.0.as_ptr()).fd }
+    }
+
+    /// The next event, waiting at most `timeout_ms` (0: do not wait).
+    pub(super) fn get(&self, timeout_ms: i32) -> io::Result<Option<CmEvent>> {
+        if timeout_ms > 0 && !wait_readable(&[self.fd()], timeout_ms)? {
+            return Ok(None);
+        }
+        let mut ev: *mut rdma_cm_event = std::ptr::null_mut();
+        // SAFETY: the channel is valid; on success `ev` points to an event librdmacm owns
+        // until rdma_ack_cm_event, which we call after copying what we need.
+        unsafe {
+            if rdma_get_cm_event(self.raw(), &mut ev) != 0 {
+                let e = errno();
+                if e.kind() == io::ErrorKind::WouldBlock {
+                    return Ok(None);
+                }
+                return Err(e);
+            }
+            let e = &*ev;
+            let conn = &e.param.conn;
+            let private_data = if conn.private_data.is_null() {
+                Vec::new()
+            } else {
+                std::slice::from_raw_parts(
+                    conn.private_data as *const u8,
+                    conn.private_data_len as usize,
+                )
+                .to_vec()
+            };
+            let out = CmEvent {
+                kind: e.event,
+                id: e.id,
+                status: e.status,
+                private_data,
+                responder_resources: conn.responder_resources,
+                initiator_depth: conn.initiator_depth,
+                rnr_retry_count: conn.rnr_retry_count,
+            };
+            rdma_ack_cm_event(ev);
+            Ok(Some(out))
+        }
+    }
+}
+
+impl Drop for EventChannel {
+    fn drop(&mut self) {
+        // SAFETY: every id on this channel was destroyed or migrated by its owner first
+        // (owners are declared so that they drop before their channel).
+        unsafe { rdma_destroy_event_channel(self.0.as_ptr()) }
+    }
+}
+
+/// Wait until one of `fds` is readable or `timeout_ms` passes; true if one is readable.
+pub(super) fn wait_readable(fds: &[RawFd], timeout_ms: i32) -> io::Result<bool> {
+    let mut p: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    // SAFETY: `p` is a valid array of p.len() pollfds for the duration of the call.
+    let n = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, timeout_ms) };
+    if n < 0 {
+        let e = errno();
+        if e.kind() == io::ErrorKind::Interrupted {
+            return Ok(false);
+        }
+        return Err(e);
+    }
+    Ok(n > 0)
+}
+
+/// A socket address in the C layout librdmacm takes.
+pub(super) struct RawAddr(libc::sockaddr_storage);
+
+impl RawAddr {
+    pub(super) fn new(a: SocketAddr) -> Self {
+        // SAFETY: sockaddr_storage is plain data; all-zero is a valid (unspecified) value.
+        let mut s: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        match a {
+            SocketAddr::V4(v4) => {
+                let sin = libc::sockaddr_in {
+                    sin_family: libc::AF_INET as libc::sa_family_t,
+                    sin_port: v4.port().to_be(),
+                    sin_addr: libc::in_addr {
+                        s_addr: u32::from_ne_bytes(v4.ip().octets()),
+                    },
+                    sin_zero: [0; 8],
+                };
+                // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
+                unsafe { std::ptr::write(&mut s as *mut _ as *mut libc::sockaddr_in, sin) };
+            }
+            SocketAddr::V6(v6) => {
+                let sin6 = libc::sockaddr_in6 {
+                    sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                    sin6_port: v6.port().to_be(),
+                    sin6_flowinfo: v6.flowinfo(),
+                    sin6_addr: libc::in6_addr {
+                        s6_addr: v6.ip().octets(),
+                    },
+                    sin6_scope_id: v6.scope_id(),
+                };
+                // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in6.
+                unsafe { std::ptr::write(&mut s as *mut _ as *mut libc::sockaddr_in6, sin6) };
+            }
+        }
+        RawAddr(s)
+    }
+
+    pub(super) fn as_mut_ptr(&mut self) -> *mut libc::sockaddr {
+        &mut self.0 as *mut _ as *mut libc::sockaddr
+    }
+}
+
+/// The IP address in a C socket address (None for other families).
+///
+/// # Safety
+/// `sa` must be null or point to a valid socket address.
+pub(super) unsafe fn ip_of(sa: *const libc::sockaddr) -> Option<std::net::IpAddr> {
+    if sa.is_null() {
+        return None;
+    }
+    // SAFETY: the caller passes a valid sockaddr; the family says which layout it has.
+    unsafe {
+        match (*sa).sa_family as i32 {
+            libc::AF_INET => {
+                let sin = &*(sa as *const libc::sockaddr_in);
+                Some(std::net::Ipv4Addr::from(sin.sin_addr.s_addr.to_ne_bytes()).into())
+            }
+            libc::AF_INET6 => {
+                let sin6 = &*(sa as *const libc::sockaddr_in6);
+                Some(std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr).into())
+            }
+            _ => None,
+        }
+    }
+}
