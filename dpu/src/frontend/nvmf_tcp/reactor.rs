@@ -390,6 +390,10 @@ impl Reactor {
         for (_, mut c) in self.conns.drain() {
             c.abandon();
         }
+        // Connections handed over but never taken are closed here; what else was posted no
+        // longer has a connection to go to. (Mail left in the box would also keep the
+        // target alive: a new connection holds it.)
+        drop(std::mem::take(&mut *lock(&self.shared.mail)));
         if left > 0 {
             tracing::debug!(left, "nvmf reactor stopped: connections closed");
         }

@@ -328,3 +328,74 @@ impl Conn {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+    use std::os::fd::{FromRawFd, IntoRawFd};
+    use std::os::unix::net::UnixStream;
+
+    use super::*;
+
+    /// Replies interleaved with held read buffers leave in order, whole, however the
+    /// socket splits them: a small send buffer forces partial gather writes at every
+    /// boundary while the peer reads slowly.
+    #[test]
+    fn partial_gather_writes_keep_the_byte_order() {
+        let (tx, mut rx) = UnixStream::pair().unwrap();
+        tx.set_nonblocking(true).unwrap();
+        // SAFETY: `into_raw_fd` hands over sole ownership of a valid socket descriptor; the
+        // send queue only writes to it.
+        let tx = unsafe { TcpStream::from_raw_fd(tx.into_raw_fd()) };
+        let mut out = Out::default();
+        let mut pool = BufPool::default();
+        let mut want = Vec::new();
+        for i in 0..40u32 {
+            let head: Vec<u8> = (0..(i as usize * 7 % 50 + 1))
+                .map(|j| (i + j as u32) as u8)
+                .collect();
+            out.buf().extend_from_slice(&head);
+            want.extend_from_slice(&head);
+            if i % 3 != 2 {
+                let data: Vec<u8> = (0..GATHER_MIN + i as usize * 1000)
+                    .map(|j| (j as u32 * 13 + i) as u8)
+                    .collect();
+                want.extend_from_slice(&data);
+                out.held_bytes += data.len();
+                let at = out.buf.len();
+                out.held.push((at, data));
+            }
+        }
+        let tail = b"tail".to_vec();
+        out.buf().extend_from_slice(&tail);
+        want.extend_from_slice(&tail);
+        let total = want.len();
+        let reader = std::thread::spawn(move || {
+            let mut got = Vec::new();
+            let mut b = vec![0u8; 7000];
+            while got.len() < total {
+                let n = rx.read(&mut b).unwrap();
+                assert!(n > 0, "sender closed early");
+                got.extend_from_slice(&b[..n]);
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            got
+        });
+        let mut partial = 0;
+        while out.pending() > 0 {
+            out.send(&tx, &mut pool).unwrap();
+            if out.pending() > 0 {
+                partial += 1;
+                assert!(out.blocked());
+                std::thread::sleep(Duration::from_micros(500));
+            }
+        }
+        let got = reader.join().unwrap();
+        assert!(
+            partial > 0,
+            "the socket took everything at once: nothing was tested"
+        );
+        assert!(got == want, "the byte stream differs from what was queued");
+        assert_eq!((out.held.len(), out.sent, out.blocked()), (0, 0, false));
+    }
+}
