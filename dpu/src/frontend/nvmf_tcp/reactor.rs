@@ -11,7 +11,8 @@
 //! receive buffer; every complete PDU in it is handled), collect the completions the
 //! volumes produced on this thread, then flush each connection that has replies with one
 //! gather write. After work it busy-polls (`epoll_wait` with no timeout) for a window that
-//! adapts as the vhost-user-blk worker's does, then sleeps in `epoll_wait`.
+//! adapts as the vhost-user-blk worker's does, then sleeps in `epoll_wait`. Setting
+//! `NACRE_NVMF_NO_POLL` in the environment turns the busy-poll off.
 //!
 //! Completions from other threads (remote and crypto volumes) and asynchronous events go
 //! into the reactor's mailbox; the eventfd is written only while the reactor sleeps, so a
@@ -323,12 +324,14 @@ struct Reactor {
     /// Connections with replies to flush at the end of this pass.
     dirty: Vec<u64>,
     poll_ns: u64,
-    slept_at: Option<Instant>,
+    /// Busy-polling allowed at all (`NACRE_NVMF_NO_POLL` unset).
+    poll: bool,
     last_scan: Instant,
 }
 
 impl Reactor {
     fn new(shared: Arc<Shared>) -> Reactor {
+        let poll = std::env::var_os("NACRE_NVMF_NO_POLL").is_none();
         Reactor {
             shared,
             conns: ConnMap::default(),
@@ -337,8 +340,8 @@ impl Reactor {
             mail: Vec::new(),
             local: Vec::new(),
             dirty: Vec::new(),
-            poll_ns: MAX_POLL_NS,
-            slept_at: None,
+            poll_ns: if poll { MAX_POLL_NS } else { 0 },
+            poll,
             last_scan: Instant::now(),
         }
     }
@@ -444,7 +447,9 @@ impl Reactor {
         // than the window means polling longer would have caught the work; a long one means
         // polling burns a core for nothing.
         let blocked = t0.elapsed().as_nanos() as u64;
-        if n > 0 && blocked <= MAX_POLL_NS {
+        if !self.poll {
+            self.poll_ns = 0;
+        } else if n > 0 && blocked <= MAX_POLL_NS {
             self.poll_ns = (self.poll_ns * 2).clamp(MIN_POLL_NS, MAX_POLL_NS);
         } else if n > 0 || blocked > MAX_POLL_NS {
             self.poll_ns /= 2;
@@ -452,7 +457,6 @@ impl Reactor {
                 self.poll_ns = 0;
             }
         }
-        self.slept_at = Some(t0);
         n
     }
 
