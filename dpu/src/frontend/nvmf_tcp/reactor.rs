@@ -351,17 +351,18 @@ impl Reactor {
     fn run(mut self, until_empty: bool) {
         CURRENT.with(|c| c.set(Arc::as_ptr(&self.shared) as usize));
         let mut idle_since = Instant::now();
-        let mut served_one = false;
+        // One clock read per pass, at its end.
+        let mut now = idle_since;
         loop {
             if self.shared.stop.load(Ordering::SeqCst) {
                 break;
             }
             let mut work = self.take_mail();
-            served_one |= !self.conns.is_empty();
-            if until_empty && served_one && self.conns.is_empty() {
+            // Tokens count connections handed over, taken or refused.
+            if until_empty && self.next_token > 1 && self.conns.is_empty() {
                 break;
             }
-            let polling = idle_since.elapsed().as_nanos() as u64 <= self.poll_ns;
+            let polling = now.duration_since(idle_since).as_nanos() as u64 <= self.poll_ns;
             let n = if work || polling {
                 self.wait(0)
             } else {
@@ -380,13 +381,13 @@ impl Reactor {
             }
             self.flush_dirty();
             work |= !self.dirty.is_empty();
-            let now = Instant::now();
+            now = Instant::now();
             if now.duration_since(self.last_scan) >= SCAN_EVERY {
                 self.last_scan = now;
                 self.scan(now);
             }
             if work {
-                idle_since = Instant::now();
+                idle_since = now;
             }
         }
         let left = self.conns.len();
