@@ -32,10 +32,11 @@ pub(super) const RBUF_LEN: usize = limits::MAX_TRANSFER + 64 * 1024;
 const SETUP_RBUF_LEN: usize = 2 * limits::ADMIN_INLINE_DATA;
 /// Replies waiting to be sent beyond which the connection stops reading (and so stops
 /// taking commands) until the host has read some: a host that does not read cannot make
-/// the target buffer without bound.
-const OUT_HIGH: usize = 4 << 20;
+/// the target buffer without bound (per queue: this, plus the data of commands already at
+/// the volumes, which their slots hold anyway).
+const OUT_HIGH: usize = 1 << 20;
 /// ... and below which it reads again.
-const OUT_LOW: usize = 1 << 20;
+const OUT_LOW: usize = 256 << 10;
 /// How long replies may wait on a host that reads nothing before the connection is
 /// dropped.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
