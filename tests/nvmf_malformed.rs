@@ -18,8 +18,10 @@ use nacre_tests::nvmf_host::{raw_pdu, HostOptions, NvmfHost, Queue};
 
 const NQN: &str = "nqn.2024-01.io.nacre:malformed";
 
+/// A target with one reactor thread: every connection of a test shares it, so a misbehaving
+/// peer is always next to the well-behaved ones it must not disturb.
 fn target() -> (Arc<NvmfTarget>, SocketAddr) {
-    let t = NvmfTarget::new();
+    let t = NvmfTarget::with_reactors(1);
     t.create_subsystem(NQN, "S", "M", true).unwrap();
     t.add_namespace(
         NQN,
@@ -474,11 +476,15 @@ fn a_host_stalling_mid_pdu_is_disconnected() {
     let mut pdu = Vec::new();
     tcp::encode_capsule_cmd(&mut pdu, &cmd, &[0xEE; 4096], Digests::NONE, 0);
     let mut s = h.io[0].socket().try_clone().unwrap();
+    // Another host, served by the same reactor all along.
+    let mut other = NvmfHost::connect(addr, NQN, HostOptions::default()).unwrap();
     s.write_all(&pdu[..40]).unwrap();
     // Trickle for up to 3 s: ten times the timeout. A per-read timeout would never fire.
     let mut refused = false;
     for i in 0..30 {
         std::thread::sleep(Duration::from_millis(100));
+        other.write(0, 1, 20, &[i as u8; 512], 512).unwrap();
+        assert_eq!(other.read(0, 1, 20, 1, 512).unwrap(), vec![i as u8; 512]);
         if s.write_all(&pdu[40 + i..41 + i]).is_err() {
             refused = true;
             break;
@@ -489,7 +495,6 @@ fn a_host_stalling_mid_pdu_is_disconnected() {
         "the target kept a connection whose PDU never completed"
     );
     // Nothing of the half-sent write reached the volume, and others are still served.
-    let mut other = NvmfHost::connect(addr, NQN, HostOptions::default()).unwrap();
     assert_ne!(other.read(0, 1, 7, 1, 512).unwrap(), vec![0xEE; 512]);
     still_serves(addr);
 }

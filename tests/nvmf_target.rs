@@ -22,7 +22,10 @@ const NQN: &str = "nqn.2024-01.io.nacre:test";
 const NGUID: [u8; 16] = *b"0123456789abcdef";
 
 fn target_with(vol: Arc<dyn BlockDevice>) -> (Arc<NvmfTarget>, SocketAddr) {
-    let t = NvmfTarget::new();
+    export(NvmfTarget::new(), vol)
+}
+
+fn export(t: Arc<NvmfTarget>, vol: Arc<dyn BlockDevice>) -> (Arc<NvmfTarget>, SocketAddr) {
     t.create_subsystem(NQN, "NACRE0001", "nacre test model", true)
         .unwrap();
     let nsid = t
@@ -636,6 +639,50 @@ fn pipelined_reads_of_every_size_arrive_intact() {
                 r.data == data[off..off + len],
                 "case {i}: read of {len} bytes at {off} differs"
             );
+        }
+    }
+}
+
+/// One reactor thread serves many connections at once: 16 hosts, each with an admin and two
+/// I/O queues (48 connections), write and read back blocks of their own concurrently, on a
+/// volume that completes inline and on one that completes on another thread (which must
+/// wake the reactor: with no deadline pending it sleeps until woken).
+#[test]
+fn many_connections_share_one_reactor() {
+    const HOSTS: usize = 16;
+    for deferred in [false, true] {
+        let vol = ram(16 << 20, 512);
+        let vol: Arc<dyn BlockDevice> = if deferred {
+            DeferredVolume::new(vol)
+        } else {
+            vol
+        };
+        let (_t, addr) = export(NvmfTarget::with_reactors(1), vol);
+        let hosts: Vec<_> = (0..HOSTS)
+            .map(|i| {
+                std::thread::spawn(move || {
+                    let opts = HostOptions {
+                        io_queues: 2,
+                        ..Default::default()
+                    };
+                    let mut h = NvmfHost::connect(addr, NQN, opts).unwrap();
+                    for q in &h.io {
+                        q.socket()
+                            .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+                            .unwrap();
+                    }
+                    for round in 0..8 {
+                        let lba = (i * 64 + round * 8) as u64;
+                        let d = pattern(4096, (i * 8 + round) as u8);
+                        h.write(round % 2, 1, lba, &d, 512).unwrap();
+                        let back = h.read((round + 1) % 2, 1, lba, 8, 512);
+                        assert_eq!(back.unwrap(), d, "host {i} round {round}");
+                    }
+                })
+            })
+            .collect();
+        for h in hosts {
+            h.join().unwrap();
         }
     }
 }

@@ -97,6 +97,11 @@ struct Args {
     #[arg(long, env = "NACRE_NVMF_MAX_CONNECTIONS_PER_HOST", default_value_t = ConnLimits::DEFAULT.per_host)]
     nvmf_max_connections_per_host: usize,
 
+    /// NVMe/TCP: threads serving the target's connections, each many of them through epoll
+    /// (busy-polling briefly after work, then sleeping). 0: one per core, at most 4.
+    #[arg(long, env = "NACRE_NVMF_REACTORS", default_value_t = 0)]
+    nvmf_reactors: usize,
+
     /// Serve Prometheus metrics on http://ADDR/metrics (port 0: any free one; `nacre rpc
     /// metrics_endpoint` tells which), or `off`. Keep it on loopback. When the default port is
     /// taken (a second nacred on this machine) nacred warns and runs without the endpoint; an
@@ -178,6 +183,7 @@ fn run(args: Args) -> anyhow::Result<()> {
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &signals, std::ptr::null_mut()) };
 
     raise_fd_limit();
+    nvmf_tcp::set_default_reactors(args.nvmf_reactors);
     nvmf_tcp::set_default_conn_limits(ConnLimits {
         per_listener: args.nvmf_max_connections,
         setup_per_listener: args.nvmf_max_setup_connections,

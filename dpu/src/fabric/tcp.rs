@@ -9,8 +9,10 @@
 //! 2. Two threads per connection. The *writer* owns the socket's send side: submitters only
 //!    append encoded PDUs to a buffer and wake it, so a submitter never blocks on the network
 //!    and many PDUs leave in one `write`. The *reader* owns the receive side: it parses every
-//!    PDU, moves C2HData straight into the request's memory, answers R2Ts with H2CData,
-//!    and completes commands (CapsuleResp, or C2HData with SUCCESS, §3.6.2.8).
+//!    PDU, copies C2HData into the request's memory (from the read buffer, or from a small
+//!    private chunk the socket is read into: the memory may be a guest's, which no Rust
+//!    reference may cover), answers R2Ts with H2CData, and completes commands (CapsuleResp,
+//!    or C2HData with SUCCESS, §3.6.2.8).
 //! 3. Commands in flight live in a slot table of `depth` entries. The CID is the slot index
 //!    plus a 6-bit generation that changes each time the slot is reused, so a completion for
 //!    a command that is not (or no longer) outstanding is recognised as such, and a slot is
@@ -23,7 +25,7 @@
 //!    can touch a command's memory after that, so the owner may safely resubmit it elsewhere.
 
 use std::collections::VecDeque;
-use std::io::{BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
@@ -689,8 +691,8 @@ impl QueueConn {
         Ok(())
     }
 
-    /// C2HData (§3.6.2.8): data goes straight into the command's memory; with SUCCESS (only
-    /// valid with LAST_PDU) the command completes without a CapsuleResp.
+    /// C2HData (§3.6.2.8): data is copied into the command's memory as it is read; with
+    /// SUCCESS (only valid with LAST_PDU) the command completes without a CapsuleResp.
     fn on_c2h_data(
         &self,
         rd: &mut BufReader<TcpStream>,
@@ -816,7 +818,7 @@ enum Dest {
 
 impl Dest {
     /// Read `n` bytes into the destination; returns their CRC32C (for the data digest).
-    fn read(&self, rd: &mut impl Read, n: usize) -> std::io::Result<u32> {
+    fn read<R: Read>(&self, rd: &mut BufReader<R>, n: usize) -> std::io::Result<u32> {
         let mut crc = 0u32;
         match self {
             Dest::Segs(parent, off) => {
@@ -831,21 +833,36 @@ impl Dest {
                         continue;
                     }
                     let k = (s.len() - skip).min(left);
-                    // Through a private chunk, not a slice over the segment: the segment may
-                    // be guest memory the guest can write at any time, which no Rust
-                    // reference may cover.
+                    // Through the reader's buffer or a private chunk, not a slice over the
+                    // segment: the segment may be guest memory the guest can write at any
+                    // time, which no Rust reference may cover. What the reader has buffered
+                    // is copied from its buffer; the rest is read from the socket straight
+                    // into the chunk (not through the reader's buffer: one copy less).
                     let mut chunk = [0u8; 16 << 10];
                     let mut done = 0;
                     while done < k {
-                        let m = (k - done).min(chunk.len());
-                        rd.read_exact(&mut chunk[..m])?;
-                        crc = crc32c::crc32c_append(crc, &chunk[..m]);
+                        let buffered = rd.buffer();
+                        let (src, from_buffer) = if buffered.is_empty() {
+                            let m = (k - done).min(chunk.len());
+                            let got = match rd.get_mut().read(&mut chunk[..m]) {
+                                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                                Ok(got) => got,
+                                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                                Err(e) => return Err(e),
+                            };
+                            (&chunk[..got], false)
+                        } else {
+                            (&buffered[..(k - done).min(buffered.len())], true)
+                        };
+                        let m = src.len();
+                        crc = crc32c::crc32c_append(crc, src);
                         // SAFETY: the command is outstanding, so the request's segments are
                         // valid and exclusively ours until it completes, which only this
                         // thread does; skip + done + m <= s.len().
-                        unsafe {
-                            copy_to_segments(std::slice::from_ref(s), skip + done, &chunk[..m])
-                        };
+                        unsafe { copy_to_segments(std::slice::from_ref(s), skip + done, src) };
+                        if from_buffer {
+                            rd.consume(m);
+                        }
                         done += m;
                     }
                     left -= k;

@@ -577,7 +577,7 @@ impl Controller {
         );
         match st.aers.pop() {
             Some(cid) => {
-                // The event thread sends it: whoever raised the event (the control plane,
+                // The queue's reactor sends it: whoever raised the event (the control plane,
                 // holding its lock) must not wait on this host's socket.
                 let admin = lock(&self.queues).get(&0).cloned();
                 let posted = match (admin, self.target.upgrade()) {

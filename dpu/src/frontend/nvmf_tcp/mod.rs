@@ -5,9 +5,8 @@
 //!              ├─ subsystems: NQN → Subsystem { namespaces, allowed hosts, controllers }
 //!              │     (plus the discovery subsystem, reachable on every listener)
 //!              ├─ keep-alive reaper thread: tears down controllers whose KATO expired
-//!              └─ event thread: sends asynchronous event completions, so the control plane
-//!                 never waits on a host's socket
-//!  connection thread per TCP connection = one NVMe queue (admin qid 0 or an I/O queue)
+//!              └─ reactors (`--nvmf-reactors`): threads that each serve many connections
+//!                 through epoll; a TCP connection = one NVMe queue (admin qid 0 or I/O)
 //! ```
 //!
 //! What a peer can make the target hold is bounded ([`ConnLimits`], [`limits::R2T_BUDGET`]):
@@ -15,18 +14,24 @@
 //! closed when a new one would exceed the cap), queues per host NQN, a setup timeout and a
 //! per-PDU deadline, and per queue the bytes of host data it waits for after R2T.
 //!
-//! * [`conn`] — one queue: ICReq/ICResp, PDU framing and validation (fatal errors end the
-//!   connection with a C2HTermReq), in-capsule data and R2T/H2CData, C2HData/CapsuleResp,
-//!   the I/O command set mapped onto [`crate::volume::BlockDevice`].
+//! * [`reactor`] — the reactor threads: epoll, busy-poll then sleep, the mailbox other
+//!   threads complete requests and raise events through (eventfd).
+//! * [`conn`] — one queue as a reactor serves it: receiving, deadlines, closing.
+//! * [`pdu`] — ICReq/ICResp, PDU framing and validation (fatal errors end the connection
+//!   with a C2HTermReq), digests.
+//! * [`transfer`] — R2T/H2CData, C2HData/CapsuleResp, the send queue (gather writes).
+//! * [`command`] — capsules: Fabrics commands, admin commands (to [`ctrl`]) and the I/O
+//!   command set mapped onto [`crate::volume::BlockDevice`].
 //! * [`ctrl`] — a controller (dynamic controller model): properties, admin commands,
 //!   features, log pages, asynchronous events, keep-alive.
 //! * [`subsystem`] — subsystems, namespaces and the discovery log page.
 //!
-//! Threads, not an async runtime: a thread per queue with blocking sockets costs no hop when
-//! the volume completes inline (RAM, file and null always do). Completions from other
-//! threads are supported: the response is encoded under the queue's writer mutex and sent
-//! at once, while responses produced on the queue's own thread are batched and flushed when
-//! the receive buffer runs dry, so a QD32 burst costs one `write` call, not 32.
+//! Reactors, not a thread per queue and not an async runtime: a connection belongs to one
+//! reactor thread, which reads it without blocking, handles every complete PDU a read
+//! brought, and flushes the replies of the whole pass with one gather write, so a QD32
+//! burst costs one `read` and one `writev`. A volume that completes inline (RAM, file and
+//! null always do) costs no hop and no lock; completions from other threads (remote and
+//! crypto volumes) go through the reactor's mailbox and wake it by eventfd if it sleeps.
 //!
 //! Management API (wired to the `nvmf_*` RPC methods by `control::nvmf`):
 //! [`NvmfTarget::new`], `create_subsystem`, `delete_subsystem`, `add_namespace` (returns the
@@ -35,9 +40,13 @@
 //! `subsystems`. Namespace changes raise Namespace Attribute Changed events on connected
 //! controllers. Dropping the target closes every listener and connection.
 
+mod command;
 mod conn;
 pub(crate) mod ctrl;
+mod pdu;
+mod reactor;
 pub(crate) mod subsystem;
+mod transfer;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -53,6 +62,7 @@ use tracing::{debug, info, warn};
 
 use crate::volume::BlockDevice;
 
+pub use reactor::{set_default_reactors, MAX_DEFAULT_REACTORS};
 pub use subsystem::{Namespace, Subsystem};
 
 /// Limits nacre advertises (and enforces).
@@ -179,7 +189,6 @@ impl Clock {
 pub struct NvmfTarget {
     inner: Arc<TargetInner>,
     reaper: Mutex<Option<JoinHandle<()>>>,
-    events: Mutex<Option<JoinHandle<()>>>,
 }
 
 pub(crate) struct TargetInner {
@@ -187,13 +196,11 @@ pub(crate) struct TargetInner {
     subsystems: Mutex<BTreeMap<String, Arc<Subsystem>>>,
     pub(crate) discovery: Arc<Subsystem>,
     listeners: Mutex<HashMap<SocketAddr, Listener>>,
-    /// Open connections, so shutdown can close them.
-    conns: Mutex<HashMap<u64, TcpStream>>,
+    /// The threads serving connections; stopping them closes every connection.
+    reactors: reactor::Reactors,
     limits: Mutex<ConnLimits>,
     /// Connected queues per host NQN (for [`ConnLimits::per_host`]).
     host_queues: Mutex<HashMap<String, usize>>,
-    /// Asynchronous completions for the event thread; `None` once the target stops.
-    events: Mutex<Option<std::sync::mpsc::Sender<AsyncReply>>>,
     next_conn: AtomicU64,
     next_cntlid: AtomicU16,
     /// Discovery log generation counter (GENCTR).
@@ -213,7 +220,8 @@ pub const SETUP_TIMEOUT: Duration = Duration::from_secs(30);
 /// headers) moves in well under a second even on a slow link.
 pub const PDU_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// A completion the event thread sends for the control plane (asynchronous events).
+/// A completion raised by the control plane (asynchronous events); the queue's reactor
+/// sends it.
 pub(crate) struct AsyncReply {
     pub(crate) queue: Weak<dyn ctrl::CtrlQueue>,
     pub(crate) cid: u16,
@@ -271,16 +279,21 @@ impl NvmfTarget {
         &self.inner
     }
 
+    /// A target with the default number of reactor threads ([`set_default_reactors`]).
     pub fn new() -> Arc<NvmfTarget> {
+        NvmfTarget::with_reactors(reactor::default_reactors())
+    }
+
+    /// A target whose connections are served by `reactors` threads (at least one).
+    pub fn with_reactors(reactors: usize) -> Arc<NvmfTarget> {
         let inner = Arc::new(TargetInner {
             clock: Clock(Instant::now()),
             subsystems: Mutex::new(BTreeMap::new()),
             discovery: Subsystem::new_discovery(),
             listeners: Mutex::new(HashMap::new()),
-            conns: Mutex::new(HashMap::new()),
+            reactors: reactor::Reactors::start(reactors),
             limits: Mutex::new(*lock(&DEFAULT_LIMITS)),
             host_queues: Mutex::new(HashMap::new()),
-            events: Mutex::new(None),
             next_conn: AtomicU64::new(1),
             next_cntlid: AtomicU16::new(1),
             genctr: AtomicU64::new(1),
@@ -293,26 +306,9 @@ impl NvmfTarget {
             .name("nvmf-keepalive".into())
             .spawn(move || keep_alive_reaper(weak))
             .ok();
-        let (tx, rx) = std::sync::mpsc::channel::<AsyncReply>();
-        let events = std::thread::Builder::new()
-            .name("nvmf-events".into())
-            .spawn(move || {
-                // May block on one slow host (up to the write timeout), delaying other hosts'
-                // events, never the control plane that raised them.
-                for r in rx {
-                    if let Some(q) = r.queue.upgrade() {
-                        q.complete_async(r.cid, nacre_shared::nvme::Status::SUCCESS, r.dw0);
-                    }
-                }
-            })
-            .ok();
-        if events.is_some() {
-            *lock(&inner.events) = Some(tx);
-        }
         Arc::new(NvmfTarget {
             inner,
             reaper: Mutex::new(reaper),
-            events: Mutex::new(events),
         })
     }
 
@@ -328,8 +324,9 @@ impl NvmfTarget {
     /// How long the rest of a PDU may take once part of it has arrived on a connected queue
     /// before the connection is closed (default [`PDU_TIMEOUT`]). Keep-alive cannot catch a
     /// host that stalls mid-PDU: it may still be trickling bytes, or have keep-alive off.
-    /// Only time spent waiting for the host's bytes counts, not time the target spends
-    /// sending to a host that reads slowly (the write timeout covers that).
+    /// Only time spent waiting for the host's bytes counts, not time the connection stops
+    /// reading because its replies wait for a host that reads slowly (a host that reads
+    /// nothing for 30 s is disconnected).
     pub fn set_pdu_timeout(&self, d: Duration) {
         let ms = d.as_millis().clamp(1, u64::MAX as u128) as u64;
         self.inner.pdu_timeout_ms.store(ms, Ordering::Relaxed);
@@ -338,7 +335,7 @@ impl NvmfTarget {
     /// How long a new connection may take to send its ICReq and then its Fabrics Connect
     /// before it is closed (default [`SETUP_TIMEOUT`]). Until a queue is connected no
     /// keep-alive covers it, so without this a peer could hold connections (and their
-    /// threads) open forever without ever authenticating as a host.
+    /// buffers) open forever without ever authenticating as a host.
     pub fn set_setup_timeout(&self, d: Duration) {
         let ms = d.as_millis().clamp(1, u64::MAX as u128) as u64;
         self.inner.setup_timeout_ms.store(ms, Ordering::Relaxed);
@@ -501,14 +498,8 @@ impl Drop for NvmfTarget {
             s.teardown_all();
         }
         self.inner.discovery.teardown_all();
-        for (_, c) in lock(&self.inner.conns).drain() {
-            let _ = c.shutdown(std::net::Shutdown::Both);
-        }
-        // Closing the channel ends the event thread (its sockets are shut down already).
-        drop(lock(&self.inner.events).take());
-        if let Some(h) = lock(&self.events).take() {
-            let _ = h.join();
-        }
+        // Each reactor closes its connections as it stops.
+        self.inner.reactors.stop();
         if let Some(h) = lock(&self.reaper).take() {
             h.thread().unpark();
             let _ = h.join();
@@ -622,17 +613,6 @@ impl TargetInner {
         }
     }
 
-    fn register_conn(&self, s: &TcpStream) -> Option<u64> {
-        let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
-        let c = s.try_clone().ok()?;
-        lock(&self.conns).insert(id, c);
-        Some(id)
-    }
-
-    fn unregister_conn(&self, id: u64) {
-        lock(&self.conns).remove(&id);
-    }
-
     /// Count a connected queue against its host NQN's cap; false if the host is at it.
     pub(crate) fn acquire_host_queue(&self, hostnqn: &str) -> bool {
         let cap = lock(&self.limits).per_host;
@@ -655,12 +635,17 @@ impl TargetInner {
         }
     }
 
-    /// Hand an asynchronous event completion to the event thread; false if there is none
-    /// (it could not be started, or the target is stopping).
+    /// Hand an asynchronous event completion to the queue's reactor (it never blocks on
+    /// the host's socket); false if the queue is gone or the target is stopping.
     pub(crate) fn post_async(&self, r: AsyncReply) -> bool {
-        lock(&self.events)
-            .as_ref()
-            .is_some_and(|tx| tx.send(r).is_ok())
+        if self.stop.load(Ordering::SeqCst) {
+            return false;
+        }
+        let Some(q) = r.queue.upgrade() else {
+            return false;
+        };
+        q.complete_async(r.cid, nacre_shared::nvme::Status::SUCCESS, r.dw0);
+        true
     }
 }
 
@@ -691,9 +676,7 @@ fn accept_loop(
             continue;
         }
         let _ = stream.set_nodelay(true);
-        let Some(id) = target.register_conn(&stream) else {
-            continue;
-        };
+        let id = target.next_conn.fetch_add(1, Ordering::Relaxed);
         counts.live.fetch_add(1, Ordering::SeqCst);
         let slot = ConnSlot {
             conns: counts.clone(),
@@ -704,25 +687,18 @@ fn accept_loop(
             setup.push_back((id, c));
             while setup.len() > limits.setup_per_listener.max(1) {
                 if let Some((_, oldest)) = setup.pop_front() {
-                    // Its thread sees the connection end and exits.
+                    // Its reactor sees the connection end and closes it.
                     debug!(%bound, "nvmf listener at its setup cap: closing the oldest connection still setting up");
                     let _ = oldest.shutdown(std::net::Shutdown::Both);
                 }
             }
         }
-        let spawned = std::thread::Builder::new()
-            .name("nvmf-queue".into())
-            .spawn(move || {
-                let peer = stream.peer_addr().ok();
-                debug!(?peer, "nvmf connection opened");
-                conn::serve(&target, stream, bound, &slot);
-                drop(slot);
-                target.unregister_conn(id);
-                debug!(?peer, "nvmf connection closed");
-            });
-        if let Err(e) = spawned {
-            warn!("cannot start an nvmf queue thread: {e}");
-        }
+        target.reactors.assign(reactor::NewConn {
+            target: target.clone(),
+            sock: stream,
+            listener: bound,
+            slot,
+        });
     }
 }
 
@@ -756,8 +732,9 @@ fn keep_alive_reaper(t: Weak<TargetInner>) {
 }
 
 impl NvmfTarget {
-    /// Serve one already-connected stream on the calling thread, as if `listener` had
-    /// accepted it (the fuzz targets' way in: dpu/src/fuzzing.rs).
+    /// Serve one already-connected stream on the calling thread (a reactor of its own) until
+    /// it ends, as if `listener` had accepted it (the fuzz targets' way in:
+    /// dpu/src/fuzzing.rs).
     #[doc(hidden)]
     pub fn serve_stream(&self, sock: TcpStream, listener: SocketAddr) {
         // A listener of its own, holding just this connection: the caps do not apply.
@@ -768,6 +745,11 @@ impl NvmfTarget {
             }),
             id: 0,
         };
-        conn::serve(&self.inner, sock, listener, &slot)
+        reactor::serve_here(reactor::NewConn {
+            target: self.inner.clone(),
+            sock,
+            listener,
+            slot,
+        })
     }
 }

@@ -1,0 +1,624 @@
+//! Command capsules (NVMe/TCP 1.0 §3.3.2) and what they do: Fabrics commands (Connect,
+//! Property Get/Set; NVMe-oF 1.1 §3), admin commands (handed to the controller) and the
+//! NVM command set mapped onto [`crate::volume::BlockDevice`] (NVM Command Set 1.0 §3).
+//!
+//! Nothing here blocks the reactor: a command that needs several volume requests (a
+//! Force Unit Access write and its Flush, Dataset Management ranges, a Flush of every
+//! namespace) runs them one after the other from their completions.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use nacre_shared::nvme::command::sgl;
+use nacre_shared::nvme::fabrics::{
+    self, connect_data_offset, connect_invalid_param_dw0, connect_sqe_offset, fctype, Connect,
+    ConnectData, Property,
+};
+use nacre_shared::nvme::status::sct;
+use nacre_shared::nvme::{admin_opcode, get_u32, get_u64, io_opcode, Command, Status};
+use nacre_shared::nvme_tcp::{self as tcp, fes};
+use tracing::{debug, warn};
+
+use super::conn::Conn;
+use super::ctrl::{AdminReply, Controller};
+use super::limits;
+use super::pdu::{fatal, End};
+use super::subsystem::{Namespace, Subsystem};
+use super::transfer::GATHER_MIN;
+use crate::telemetry::{trace, Arrival, VolumeMetrics};
+use crate::volume::{BlockDevice, IoError, IoKind, IoRequest, IoResult, Segment};
+
+/// A command at the volumes; indexed by the request tag.
+#[derive(Default)]
+pub(super) struct Slot {
+    pub(super) busy: bool,
+    cid: u16,
+    /// Bytes to return in C2HData on success (reads), 0 otherwise.
+    read_len: usize,
+    pub(super) buf: Vec<u8>,
+    /// The namespace volume's statistics and this request's arrival in them.
+    stats: Option<(Arc<VolumeMetrics>, Arrival)>,
+    /// Requests still to run once the current one succeeds, the next one last.
+    then: Vec<(Arc<dyn BlockDevice>, IoRequest)>,
+}
+
+/// Host data of a command: in the capsule, or gathered by R2T/H2CData.
+pub(super) enum Payload<'a> {
+    None,
+    Borrowed(&'a [u8]),
+    Owned(Vec<u8>),
+}
+
+impl Payload<'_> {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Payload::None => &[],
+            Payload::Borrowed(b) => b,
+            Payload::Owned(v) => v,
+        }
+    }
+}
+
+/// Map a volume error to the NVMe status the host sees.
+fn io_status(e: &IoError, read: bool) -> Status {
+    match e {
+        IoError::OutOfRange { .. } => Status::LBA_OUT_OF_RANGE,
+        IoError::Invalid(_) => Status::INVALID_FIELD,
+        IoError::ReadOnly => Status::WRITE_TO_READ_ONLY,
+        IoError::Unsupported => Status::INVALID_OPCODE,
+        IoError::Media(_) | IoError::Crypto(_) if read => Status::UNRECOVERED_READ_ERROR,
+        IoError::Media(_) | IoError::Crypto(_) => Status::WRITE_FAULT,
+        // Internal Path Error: retryable on another path.
+        IoError::PathLost => Status::new(sct::PATH, 0x00, false),
+    }
+}
+
+impl Conn {
+    /// The span a command's submission runs in (see [`trace`]).
+    fn io_span(&self, cid: u16) -> tracing::span::EnteredSpan {
+        tracing::trace_span!(target: trace::TARGET, "nvmf", qid = self.qid, cid).entered()
+    }
+
+    /// Whether a command moves data from host to controller.
+    fn host_to_controller(&self, c: &Command) -> bool {
+        match c.opcode {
+            admin_opcode::FABRICS => c.fctype() == fctype::CONNECT,
+            io_opcode::WRITE | io_opcode::DATASET_MANAGEMENT => {
+                self.qid != 0 && self.ctrl.is_some()
+            }
+            _ => false,
+        }
+    }
+
+    /// A command capsule: its data in the capsule, asked for by R2T, or none.
+    pub(super) fn capsule(&mut self, cmd: Command, data: &[u8]) -> Result<(), End> {
+        if !self.host_to_controller(&cmd) {
+            // Data in a capsule of a command that takes none is ignored; data the host wants
+            // back must be described by a transport SGL.
+            return self.execute(cmd, Payload::None);
+        }
+        let sg = cmd.sgl;
+        if sg.len == 0 {
+            return self.execute(cmd, Payload::None);
+        }
+        if !data.is_empty() {
+            if sg.kind != sgl::DATA_BLOCK_OFFSET {
+                self.reply(cmd.cid, Status::SGL_DESCRIPTOR_TYPE_INVALID, 0, &[]);
+                return Ok(());
+            }
+            // ICDOFF is 0, so the SGL offset is relative to the start of the data.
+            let (off, len) = (sg.addr as usize, sg.len as usize);
+            if sg.addr > data.len() as u64 || off + len > data.len() {
+                self.reply(cmd.cid, Status::DATA_SGL_LENGTH_INVALID, 0, &[]);
+                return Ok(());
+            }
+            return self.execute(cmd, Payload::Borrowed(&data[off..off + len]));
+        }
+        if sg.kind >> 4 != sgl::TYPE_TRANSPORT_DATA_BLOCK {
+            self.reply(cmd.cid, Status::SGL_DESCRIPTOR_TYPE_INVALID, 0, &[]);
+            return Ok(());
+        }
+        let len = sg.len as usize;
+        if len > limits::MAX_TRANSFER {
+            self.reply(cmd.cid, Status::INVALID_FIELD, 0, &[]);
+            return Ok(());
+        }
+        if self.h2c.len() + self.r2t_waiting.len() >= (self.sqsize as usize).max(32) {
+            // More commands waiting for data than the queue has entries: the host is not
+            // respecting the queue size.
+            let mut hdr = [0u8; tcp::CAPSULE_CMD_HLEN];
+            cmd.encode(&mut hdr[tcp::CH_LEN..]);
+            return Err(fatal(fes::DATA_LIMIT_EXCEEDED, 0, &hdr));
+        }
+        // Buffers for data the host has yet to send are bounded per queue: past the budget
+        // the R2T waits (only the 64-byte command is kept) until earlier data arrived.
+        if !self.r2t_waiting.is_empty()
+            || (!self.h2c.is_empty() && self.r2t_bytes + len > limits::R2T_BUDGET)
+        {
+            self.r2t_waiting.push_back(cmd);
+            return Ok(());
+        }
+        self.send_r2t(cmd, len);
+        Ok(())
+    }
+
+    pub(super) fn execute(&mut self, cmd: Command, data: Payload<'_>) -> Result<(), End> {
+        if cmd.opcode == admin_opcode::FABRICS {
+            let (status, v) = self.fabrics(&cmd, data.as_slice());
+            let mut c = self.cqe(cmd.cid, status, v as u32);
+            c.dw1 = (v >> 32) as u32;
+            let digests = self.digests;
+            tcp::encode_capsule_resp(self.out.buf(), &c, digests);
+            return Ok(());
+        }
+        let Some(ctrl) = self.ctrl.clone() else {
+            // Nothing but Connect before Connect.
+            self.reply(cmd.cid, Status::COMMAND_SEQUENCE_ERROR, 0, &[]);
+            return Ok(());
+        };
+        if self.qid == 0 {
+            match ctrl.admin(&cmd, data.as_slice()) {
+                AdminReply::Done(status, dw0, out) => match clip_to_sgl(&cmd, &out) {
+                    Ok(d) => self.reply(cmd.cid, status, dw0, d),
+                    Err(s) => self.reply(cmd.cid, s, 0, &[]),
+                },
+                AdminReply::Parked => {}
+            }
+            return Ok(());
+        }
+        if let Some(status) = self.io(&cmd, data) {
+            self.reply(cmd.cid, status, 0, &[]);
+        }
+        Ok(())
+    }
+
+    // ---- Fabrics commands (NVMe-oF 1.1 §3) ----
+
+    fn fabrics(&mut self, cmd: &Command, data: &[u8]) -> (Status, u64) {
+        match cmd.fctype() {
+            fctype::CONNECT => self.connect(cmd, data),
+            fctype::PROPERTY_GET | fctype::PROPERTY_SET if self.ctrl.is_none() => {
+                (Status::COMMAND_SEQUENCE_ERROR, 0)
+            }
+            // Properties are reached only through the admin queue.
+            fctype::PROPERTY_GET | fctype::PROPERTY_SET if self.qid != 0 => {
+                (Status::INVALID_FIELD, 0)
+            }
+            fctype::PROPERTY_GET => {
+                if Property::size_field(cmd) > 1 {
+                    return (Status::INVALID_FIELD, 0);
+                }
+                let p = Property::from_command(cmd);
+                let ctrl = self.ctrl.as_ref().expect("checked above");
+                match ctrl.property_get(p.offset, p.eight_bytes) {
+                    // The value is returned in CQE Dwords 0-1 (NVMe-oF 1.1 Figure 26).
+                    Ok(v) => (Status::SUCCESS, v),
+                    Err(s) => (s, 0),
+                }
+            }
+            fctype::PROPERTY_SET => {
+                if Property::size_field(cmd) > 1 {
+                    return (Status::INVALID_FIELD, 0);
+                }
+                let p = Property::from_command(cmd);
+                let ctrl = self.ctrl.as_ref().expect("checked above");
+                (ctrl.property_set(p.offset, p.value), 0)
+            }
+            _ => (Status::INVALID_OPCODE, 0),
+        }
+    }
+
+    fn connect(&mut self, cmd: &Command, data: &[u8]) -> (Status, u64) {
+        let bad_data = |off| {
+            (
+                Status::CONNECT_INVALID_PARAMETERS,
+                connect_invalid_param_dw0(true, off) as u64,
+            )
+        };
+        if self.ctrl.is_some() {
+            return (Status::COMMAND_SEQUENCE_ERROR, 0);
+        }
+        let c = Connect::from_command(cmd);
+        if c.recfmt != 0 {
+            return (Status::CONNECT_INCOMPATIBLE_FORMAT, 0);
+        }
+        if data.len() < fabrics::CONNECT_DATA_LEN {
+            return (Status::DATA_SGL_LENGTH_INVALID, 0);
+        }
+        let d = ConnectData::decode(data);
+        let Some(subsys) = self
+            .target
+            .find_subsystem(&d.subnqn)
+            .filter(|s| s.reachable_on(&self.listener))
+        else {
+            return bad_data(connect_data_offset::SUBNQN);
+        };
+        if !subsys.host_allowed(&d.hostnqn) {
+            warn!(
+                subnqn = d.subnqn,
+                hostnqn = d.hostnqn,
+                "connect refused: host not allowed"
+            );
+            return (Status::CONNECT_INVALID_HOST, 0);
+        }
+        if !self.target.acquire_host_queue(&d.hostnqn) {
+            warn!(
+                subnqn = d.subnqn,
+                hostnqn = d.hostnqn,
+                "connect refused: the host holds as many queues as it may"
+            );
+            return (Status::CONNECT_CONTROLLER_BUSY, 0);
+        }
+        // Counted from here; released when the connection ends (or below on failure).
+        self.host_counted = Some(d.hostnqn.clone());
+        let r = self.connect_counted(&c, &d, subsys);
+        if r.0 != Status::SUCCESS {
+            if let Some(h) = self.host_counted.take() {
+                self.target.release_host_queue(&h);
+            }
+        }
+        r
+    }
+
+    fn connect_counted(
+        &mut self,
+        c: &Connect,
+        d: &ConnectData,
+        subsys: Arc<Subsystem>,
+    ) -> (Status, u64) {
+        let bad_data = |off| {
+            (
+                Status::CONNECT_INVALID_PARAMETERS,
+                connect_invalid_param_dw0(true, off) as u64,
+            )
+        };
+        let bad_sqe = |off| {
+            (
+                Status::CONNECT_INVALID_PARAMETERS,
+                connect_invalid_param_dw0(false, off) as u64,
+            )
+        };
+        let entries = c.sqsize as u32 + 1;
+        let max = if c.qid == 0 {
+            limits::MAX_ADMIN_QUEUE_ENTRIES
+        } else {
+            limits::MAX_QUEUE_ENTRIES
+        };
+        if c.sqsize == 0 || entries > max {
+            return bad_sqe(connect_sqe_offset::SQSIZE);
+        }
+        let ctrl = if c.qid == 0 {
+            if d.cntlid != fabrics::CNTLID_DYNAMIC {
+                return bad_data(connect_data_offset::CNTLID);
+            }
+            let ctrl = Controller::new(
+                &self.target,
+                subsys.clone(),
+                d.hostnqn.clone(),
+                c.kato,
+                self.local_ip,
+                &self.q,
+            );
+            subsys.insert_controller(ctrl.clone());
+            ctrl
+        } else {
+            if subsys.discovery {
+                return bad_sqe(connect_sqe_offset::QID);
+            }
+            let Some(ctrl) = subsys.controller(d.cntlid) else {
+                return bad_data(connect_data_offset::CNTLID);
+            };
+            if ctrl.hostnqn != d.hostnqn {
+                return bad_data(connect_data_offset::HOSTNQN);
+            }
+            if !ctrl.ready() {
+                return (Status::COMMAND_SEQUENCE_ERROR, 0);
+            }
+            if !ctrl.attach_io_queue(c.qid, &self.q) {
+                return bad_sqe(connect_sqe_offset::QID);
+            }
+            self.qid = c.qid;
+            self.slots = (0..entries).map(|_| Slot::default()).collect();
+            self.free = (0..entries as u16).rev().collect();
+            self.max_inline = limits::IO_INLINE_DATA;
+            ctrl
+        };
+        self.sq_flow_disabled = c.cattr & fabrics::CATTR_DISABLE_SQ_FLOW != 0;
+        self.sqsize = entries;
+        self.head = 1 % entries;
+        let cntlid = ctrl.cntlid;
+        debug!(cntlid, qid = c.qid, sqsize = c.sqsize, "queue connected");
+        self.connected();
+        self.ctrl = Some(ctrl);
+        self.subsys = Some(subsys);
+        (Status::SUCCESS, cntlid as u64)
+    }
+
+    // ---- NVM command set I/O (NVM Command Set 1.0 §3) ----
+
+    fn refresh_namespaces(&mut self) {
+        let Some(s) = &self.subsys else { return };
+        let g = s.ns_gen.load(Ordering::Acquire);
+        if g != self.ns_gen {
+            self.ns = s.namespace_table();
+            self.ns_gen = g;
+        }
+    }
+
+    /// Execute an I/O command; `None` when it went to the volume (the completion replies).
+    fn io(&mut self, cmd: &Command, data: Payload<'_>) -> Option<Status> {
+        if cmd.opcode == admin_opcode::FABRICS {
+            return Some(Status::INVALID_OPCODE);
+        }
+        if cmd.fuse() != 0 {
+            return Some(Status::INVALID_FIELD);
+        }
+        self.refresh_namespaces();
+        if cmd.opcode == io_opcode::FLUSH && cmd.nsid == 0xFFFF_FFFF {
+            // Flush every namespace (NVM Command Set 1.0 §3.2.2, broadcast NSID).
+            let flushes = self
+                .ns
+                .values()
+                .map(|ns| (ns.volume.clone(), IoRequest::new(IoKind::Flush, 0, 0, 0)))
+                .collect();
+            return self.chain(cmd.cid, flushes);
+        }
+        let Some(ns) = self.ns.get(&cmd.nsid).cloned() else {
+            return Some(Status::INVALID_NAMESPACE);
+        };
+        let bs = ns.block_size as u64;
+        match cmd.opcode {
+            io_opcode::READ | io_opcode::WRITE | io_opcode::WRITE_ZEROES => {
+                let len = cmd.nlb() as u64 * bs;
+                let Some(offset) = cmd.slba().checked_mul(bs) else {
+                    return Some(Status::LBA_OUT_OF_RANGE);
+                };
+                match cmd.opcode {
+                    io_opcode::READ => {
+                        if len as usize > limits::MAX_TRANSFER {
+                            return Some(Status::INVALID_FIELD);
+                        }
+                        if cmd.sgl.kind >> 4 != sgl::TYPE_TRANSPORT_DATA_BLOCK {
+                            return Some(Status::SGL_DESCRIPTOR_TYPE_INVALID);
+                        }
+                        if (cmd.sgl.len as u64) < len {
+                            return Some(Status::DATA_SGL_LENGTH_INVALID);
+                        }
+                        self.q.reads.fetch_add(1, Ordering::Relaxed);
+                        self.q.read_bytes.fetch_add(len, Ordering::Relaxed);
+                        self.submit(
+                            &ns,
+                            IoKind::Read,
+                            offset,
+                            len as usize,
+                            cmd.cid,
+                            data,
+                            false,
+                        )
+                    }
+                    io_opcode::WRITE => {
+                        if data.as_slice().len() as u64 != len {
+                            return Some(Status::DATA_SGL_LENGTH_INVALID);
+                        }
+                        self.q.writes.fetch_add(1, Ordering::Relaxed);
+                        self.q.write_bytes.fetch_add(len, Ordering::Relaxed);
+                        // FUA: the write must be durable before completion, so a Flush
+                        // follows it before the reply.
+                        let fua = cmd.cdw12 & (1 << 30) != 0;
+                        self.submit(&ns, IoKind::Write, offset, len as usize, cmd.cid, data, fua)
+                    }
+                    _ => {
+                        let len = cmd.nlb() as u64 * bs;
+                        self.submit_nodata(&ns, IoKind::WriteZeroes, offset, len, cmd.cid)
+                    }
+                }
+            }
+            io_opcode::FLUSH => self.submit_nodata(&ns, IoKind::Flush, 0, 0, cmd.cid),
+            io_opcode::DATASET_MANAGEMENT => self.dsm(&ns, cmd, data.as_slice()),
+            _ => Some(Status::INVALID_OPCODE),
+        }
+    }
+
+    /// Dataset Management (NVM Command Set 1.0 §3.2.3): only the Attribute – Deallocate
+    /// bit acts; the other attributes are hints nacre may ignore.
+    fn dsm(&mut self, ns: &Namespace, cmd: &Command, data: &[u8]) -> Option<Status> {
+        let nr = (cmd.cdw10 & 0xFF) as usize + 1;
+        if data.len() < nr * 16 {
+            return Some(Status::DATA_SGL_LENGTH_INVALID);
+        }
+        if cmd.cdw11 & (1 << 2) == 0 {
+            return Some(Status::SUCCESS);
+        }
+        let bs = ns.block_size as u64;
+        let mut discards = Vec::new();
+        for r in data[..nr * 16].chunks_exact(16) {
+            let nlb = get_u32(r, 4) as u64;
+            let slba = get_u64(r, 8);
+            if nlb == 0 {
+                continue;
+            }
+            let (Some(off), Some(len)) = (slba.checked_mul(bs), nlb.checked_mul(bs)) else {
+                return Some(Status::LBA_OUT_OF_RANGE);
+            };
+            discards.push((
+                ns.volume.clone(),
+                IoRequest::new(IoKind::Discard, off, len, 0),
+            ));
+        }
+        self.chain(cmd.cid, discards)
+    }
+
+    /// Take a free slot for a command.
+    fn alloc_slot(&mut self) -> Option<u16> {
+        let tag = self.free.pop()?;
+        self.slots[tag as usize].busy = true;
+        self.outstanding += 1;
+        Some(tag)
+    }
+
+    /// Run `reqs` one after the other, straight on their devices, and reply once all
+    /// succeeded or one failed.
+    fn chain(
+        &mut self,
+        cid: u16,
+        mut reqs: Vec<(Arc<dyn BlockDevice>, IoRequest)>,
+    ) -> Option<Status> {
+        if reqs.is_empty() {
+            return Some(Status::SUCCESS);
+        }
+        let Some(tag) = self.alloc_slot() else {
+            warn!("host exceeded its queue size");
+            return Some(Status::INTERNAL_ERROR);
+        };
+        for (_, r) in &mut reqs {
+            r.tag = tag as u64;
+        }
+        reqs.reverse();
+        let (dev, first) = reqs.pop().expect("not empty");
+        let s = &mut self.slots[tag as usize];
+        s.cid = cid;
+        s.read_len = 0;
+        s.stats = None;
+        s.then = reqs;
+        let _span = self.io_span(cid);
+        dev.submit(first, &self.done);
+        None
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn submit(
+        &mut self,
+        ns: &Namespace,
+        kind: IoKind,
+        offset: u64,
+        len: usize,
+        cid: u16,
+        data: Payload<'_>,
+        then_flush: bool,
+    ) -> Option<Status> {
+        let Some(tag) = self.alloc_slot() else {
+            warn!("host exceeded its queue size");
+            return Some(Status::INTERNAL_ERROR);
+        };
+        let buf = match (kind, data) {
+            (IoKind::Write, Payload::Owned(v)) => v,
+            (IoKind::Write, d) => {
+                let mut b = self.pool.take(0);
+                b.extend_from_slice(d.as_slice());
+                b
+            }
+            _ => self.pool.take(len),
+        };
+        let s = &mut self.slots[tag as usize];
+        s.cid = cid;
+        s.buf = buf;
+        s.read_len = if kind == IoKind::Read { len } else { 0 };
+        s.stats = ns
+            .path
+            .metrics()
+            .map(|m| (m.clone(), m.arrive(kind, len as u64)));
+        if then_flush {
+            s.then.push((
+                ns.volume.clone(),
+                IoRequest::new(IoKind::Flush, 0, 0, tag as u64),
+            ));
+        }
+        // SAFETY: the slot's buffer is not touched again until the volume completes this
+        // tag (the slot is busy until then, and a connection whose slots are busy is kept,
+        // or its busy buffers leaked, never freed), so the segment stays valid and
+        // exclusively the volume's while the request runs.
+        let seg = unsafe { Segment::new(s.buf.as_mut_ptr(), len) };
+        let req = IoRequest::new(kind, offset, len as u64, tag as u64).with_segments([seg]);
+        let _span = self.io_span(cid);
+        ns.path.submit(req, &self.done);
+        None
+    }
+
+    fn submit_nodata(
+        &mut self,
+        ns: &Namespace,
+        kind: IoKind,
+        offset: u64,
+        len: u64,
+        cid: u16,
+    ) -> Option<Status> {
+        let Some(tag) = self.alloc_slot() else {
+            warn!("host exceeded its queue size");
+            return Some(Status::INTERNAL_ERROR);
+        };
+        let s = &mut self.slots[tag as usize];
+        s.cid = cid;
+        s.read_len = 0;
+        s.stats = ns.path.metrics().map(|m| (m.clone(), m.arrive(kind, len)));
+        let req = IoRequest::new(kind, offset, len, tag as u64);
+        let _span = self.io_span(cid);
+        ns.path.submit(req, &self.done);
+        None
+    }
+
+    /// A volume completed request `tag`: run the next request of its chain, or reply.
+    pub(super) fn complete(&mut self, tag: u64, result: IoResult) {
+        let Some(s) = self.slots.get_mut(tag as usize).filter(|s| s.busy) else {
+            return;
+        };
+        if result.is_ok() && self.sock.is_some() {
+            if let Some((dev, req)) = s.then.pop() {
+                dev.submit(req, &self.done);
+                return;
+            }
+        }
+        s.then.clear();
+        let status = match &result {
+            Ok(()) => Status::SUCCESS,
+            Err(e) => io_status(e, s.read_len > 0),
+        };
+        let stats = s.stats.take();
+        if let Some((m, a)) = &stats {
+            m.complete(a, !status.is_success());
+        }
+        tracing::trace!(target: trace::TARGET, qid = self.qid, cid = s.cid, status = %status,
+            latency_us = stats.map(|(_, a)| a.elapsed_ns() as f64 / 1e3), "nvmf: done");
+        s.busy = false;
+        let (cid, read_len) = (s.cid, s.read_len);
+        let mut buf = std::mem::take(&mut s.buf);
+        self.free.push(tag as u16);
+        self.outstanding -= 1;
+        if self.sock.is_none() {
+            self.pool.give(buf);
+            return;
+        }
+        if status.is_success() && read_len >= GATHER_MIN {
+            // The data is sent from the slot's buffer itself.
+            buf.truncate(read_len);
+            self.read_reply(cid, buf);
+            return;
+        }
+        let data = if status.is_success() {
+            &buf[..read_len]
+        } else {
+            &[][..]
+        };
+        self.reply(cid, status, 0, data);
+        // The reply holds a copy of the data: the buffer goes back to the pool, so a queue
+        // keeps at most POOL_BYTES of idle buffers however deep it is.
+        self.pool.give(buf);
+    }
+
+    /// Complete a parked admin command (an Asynchronous Event Request).
+    pub(super) fn complete_async(&mut self, cid: u16, status: Status, dw0: u32) {
+        if self.sock.is_some() {
+            self.reply(cid, status, dw0, &[]);
+        }
+    }
+}
+
+/// Data for the host goes through a transport SGL; return at most its length.
+fn clip_to_sgl<'b>(cmd: &Command, data: &'b [u8]) -> Result<&'b [u8], Status> {
+    if data.is_empty() {
+        return Ok(data);
+    }
+    if cmd.sgl.kind >> 4 != sgl::TYPE_TRANSPORT_DATA_BLOCK {
+        return Err(Status::SGL_DESCRIPTOR_TYPE_INVALID);
+    }
+    Ok(&data[..data.len().min(cmd.sgl.len as usize)])
+}

@@ -1,0 +1,583 @@
+//! The target's reactors: a few threads, each owning many connections through one epoll
+//! instance, with non-blocking sockets.
+//!
+//! ```text
+//!  accept thread ──Mail::Conn──▶ reactor (epoll + eventfd) ─▶ Conn, Conn, Conn …
+//!  volume worker ──Mail::Done──▶        │ inline completions: a thread-local list, no lock
+//!  control plane ──Mail::Async/Close──▶ │
+//! ```
+//!
+//! A reactor loop: wait for readiness, read once per ready connection (one read fills the
+//! receive buffer; every complete PDU in it is handled), collect the completions the
+//! volumes produced on this thread, then flush each connection that has replies with one
+//! gather write. After work it busy-polls (`epoll_wait` with no timeout) for a window that
+//! adapts as the vhost-user-blk worker's does, then sleeps in `epoll_wait`. Setting
+//! `NACRE_NVMF_NO_POLL` in the environment turns the busy-poll off.
+//!
+//! Completions from other threads (remote and crypto volumes) and asynchronous events go
+//! into the reactor's mailbox; the eventfd is written only while the reactor sleeps, so a
+//! busy reactor takes them without a system call.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use nacre_shared::nvme::Status;
+use tracing::{error, warn};
+
+use super::conn::Conn;
+use super::{lock, ConnSlot, TargetInner};
+use crate::volume::IoResult;
+
+/// Token of the reactor's eventfd in the epoll set (connections count up from 1).
+const WAKE_TOKEN: u64 = u64::MAX;
+/// Readiness events taken per `epoll_wait`.
+const EVENTS: usize = 256;
+/// Longest busy-poll after work (the vhost-user-blk worker and QEMU's `poll-max-ns` use
+/// 32 µs; a TCP round trip on loopback takes a little longer).
+const MAX_POLL_NS: u64 = 50_000;
+const MIN_POLL_NS: u64 = 4_000;
+/// Longest sleep while a connection has a deadline (setup, per PDU, stalled send): it is
+/// checked at least this often.
+const MAX_SLEEP_MS: i32 = 50;
+/// How often the deadlines are checked while the reactor is busy.
+const SCAN_EVERY: Duration = Duration::from_millis(10);
+
+/// Default reactor count: one per core, at most this many (a DPU's Arm cores also run the
+/// vhost-user-blk workers, crypto and the fabric initiator).
+pub const MAX_DEFAULT_REACTORS: usize = 4;
+
+static DEFAULT_REACTORS: AtomicUsize = AtomicUsize::new(0);
+
+/// Set how many reactor threads targets created from now on start (nacred's
+/// `--nvmf-reactors`); 0 picks the default: one per core, at most
+/// [`MAX_DEFAULT_REACTORS`].
+pub fn set_default_reactors(n: usize) {
+    DEFAULT_REACTORS.store(n, Ordering::Relaxed);
+}
+
+pub(crate) fn default_reactors() -> usize {
+    match DEFAULT_REACTORS.load(Ordering::Relaxed) {
+        0 => std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .clamp(1, MAX_DEFAULT_REACTORS),
+        n => n,
+    }
+}
+
+/// What other threads hand a reactor.
+pub(crate) enum Mail {
+    /// A connection to serve.
+    Conn(Box<NewConn>),
+    /// A volume completed a request on another thread.
+    Done {
+        token: u64,
+        tag: u64,
+        result: IoResult,
+    },
+    /// Complete a parked admin command (an Asynchronous Event Request).
+    Async {
+        token: u64,
+        cid: u16,
+        status: Status,
+        dw0: u32,
+    },
+    /// Close a connection (controller teardown, keep-alive expiry).
+    Close(u64),
+}
+
+/// An accepted connection on its way to a reactor.
+pub(crate) struct NewConn {
+    pub(crate) target: Arc<TargetInner>,
+    pub(crate) sock: TcpStream,
+    pub(crate) listener: SocketAddr,
+    pub(crate) slot: ConnSlot,
+}
+
+/// The part of a reactor other threads reach.
+pub(crate) struct Shared {
+    epfd: OwnedFd,
+    evfd: OwnedFd,
+    mail: Mutex<Vec<Mail>>,
+    has_mail: AtomicBool,
+    /// Set while the reactor is (about to be) blocked in `epoll_wait`: posting mail then
+    /// writes the eventfd.
+    sleeping: AtomicBool,
+    stop: AtomicBool,
+    /// Connections this reactor owns (for spreading new ones).
+    load: AtomicUsize,
+}
+
+thread_local! {
+    /// The reactor running on this thread (address of its `Shared`), 0 on other threads.
+    static CURRENT: Cell<usize> = const { Cell::new(0) };
+    /// Completions that volumes produced inline on this reactor's thread, collected
+    /// without a lock and handled after the current event.
+    static LOCAL: RefCell<Vec<(u64, u64, IoResult)>> = const { RefCell::new(Vec::new()) };
+}
+
+impl Shared {
+    fn new() -> std::io::Result<Arc<Shared>> {
+        // SAFETY: epoll_create1 has no memory preconditions; the result is checked.
+        let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if ep < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `ep` is a fresh descriptor this function owns.
+        let epfd = unsafe { OwnedFd::from_raw_fd(ep) };
+        // SAFETY: eventfd has no memory preconditions; the result is checked.
+        let ev = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if ev < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `ev` is a fresh descriptor this function owns.
+        let evfd = unsafe { OwnedFd::from_raw_fd(ev) };
+        let s = Shared {
+            epfd,
+            evfd,
+            mail: Mutex::new(Vec::new()),
+            has_mail: AtomicBool::new(false),
+            sleeping: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            load: AtomicUsize::new(0),
+        };
+        s.ctl(
+            libc::EPOLL_CTL_ADD,
+            s.evfd.as_raw_fd(),
+            libc::EPOLLIN as u32,
+            WAKE_TOKEN,
+        )?;
+        Ok(Arc::new(s))
+    }
+
+    /// Add, change or remove a descriptor in the epoll set.
+    pub(crate) fn ctl(&self, op: i32, fd: RawFd, events: u32, token: u64) -> std::io::Result<()> {
+        let mut ev = libc::epoll_event { events, u64: token };
+        // SAFETY: `ev` is a valid epoll_event for the duration of the call; both
+        // descriptors are open (the caller owns `fd`).
+        let r = unsafe { libc::epoll_ctl(self.epfd.as_raw_fd(), op, fd, &mut ev) };
+        if r < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    pub(crate) fn post(&self, m: Mail) {
+        lock(&self.mail).push(m);
+        // Dekker-style with `sleep`: either the reactor sees `has_mail` after announcing
+        // that it sleeps, or we see `sleeping` and wake it.
+        self.has_mail.store(true, Ordering::SeqCst);
+        if self.sleeping.load(Ordering::SeqCst) {
+            self.wake();
+        }
+    }
+
+    fn wake(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from a live u64 to the eventfd this struct owns. A full
+        // counter (EAGAIN) means a wake-up is pending anyway.
+        unsafe {
+            libc::write(
+                self.evfd.as_raw_fd(),
+                (&one as *const u64).cast::<libc::c_void>(),
+                8,
+            )
+        };
+    }
+
+    fn drain_eventfd(&self) {
+        let mut v: u64 = 0;
+        // SAFETY: reads at most 8 bytes into a live u64; the eventfd is non-blocking.
+        unsafe {
+            libc::read(
+                self.evfd.as_raw_fd(),
+                (&mut v as *mut u64).cast::<libc::c_void>(),
+                8,
+            )
+        };
+    }
+
+    pub(crate) fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.wake();
+    }
+
+    /// Whether this thread is this reactor's.
+    fn is_current(self: &Arc<Self>) -> bool {
+        CURRENT.with(|c| c.get() == Arc::as_ptr(self) as usize)
+    }
+
+    /// A volume completed request `tag` of connection `token`: inline on the reactor's own
+    /// thread it is queued locally (no lock, no wake-up); from another thread it is posted.
+    pub(crate) fn complete(self: &Arc<Self>, token: u64, tag: u64, result: IoResult) {
+        if self.is_current() {
+            LOCAL.with(|l| l.borrow_mut().push((token, tag, result)));
+        } else {
+            self.post(Mail::Done { token, tag, result });
+        }
+    }
+}
+
+/// The reactor threads of one target.
+pub(crate) struct Reactors {
+    shared: Vec<Arc<Shared>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Reactors {
+    /// Start `n` reactor threads (at least one). One that cannot be started is left out
+    /// with a warning; with none at all, connections are closed as they arrive.
+    pub(crate) fn start(n: usize) -> Reactors {
+        let mut shared = Vec::new();
+        let mut threads = Vec::new();
+        for i in 0..n.max(1) {
+            let started = Shared::new().and_then(|s| {
+                let t = std::thread::Builder::new()
+                    .name(format!("nvmf-reactor-{i}"))
+                    .spawn({
+                        let s = s.clone();
+                        move || Reactor::new(s).run(false)
+                    })?;
+                Ok((s, t))
+            });
+            match started {
+                Ok((s, t)) => {
+                    shared.push(s);
+                    threads.push(t);
+                }
+                Err(e) => warn!("cannot start NVMe/TCP reactor {i}: {e}"),
+            }
+        }
+        Reactors {
+            shared,
+            threads: Mutex::new(threads),
+        }
+    }
+
+    /// Hand a connection to the reactor owning the fewest.
+    pub(crate) fn assign(&self, c: NewConn) {
+        let Some(r) = self
+            .shared
+            .iter()
+            .min_by_key(|s| s.load.load(Ordering::Relaxed))
+        else {
+            warn!("no NVMe/TCP reactor is running: closing a new connection");
+            return;
+        };
+        r.load.fetch_add(1, Ordering::Relaxed);
+        r.post(Mail::Conn(Box::new(c)));
+    }
+
+    /// Stop every reactor: each closes its connections and exits.
+    pub(crate) fn stop(&self) {
+        for s in &self.shared {
+            s.stop();
+        }
+        for t in lock(&self.threads).drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Serve one connection on the calling thread until it ends (a reactor of its own).
+pub(crate) fn serve_here(c: NewConn) {
+    match Shared::new() {
+        Ok(s) => {
+            s.post(Mail::Conn(Box::new(c)));
+            Reactor::new(s).run(true);
+        }
+        Err(e) => warn!("cannot set up an NVMe/TCP reactor: {e}"),
+    }
+}
+
+/// Tokens are handed out once; hashing them would only cost time.
+#[derive(Default)]
+struct TokenHasher(u64);
+
+impl Hasher for TokenHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, _: &[u8]) {
+        unreachable!("only u64 tokens are hashed")
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+type ConnMap = HashMap<u64, Conn, BuildHasherDefault<TokenHasher>>;
+
+struct Reactor {
+    shared: Arc<Shared>,
+    conns: ConnMap,
+    next_token: u64,
+    events: Vec<libc::epoll_event>,
+    mail: Vec<Mail>,
+    local: Vec<(u64, u64, IoResult)>,
+    /// Connections with replies to flush at the end of this pass.
+    dirty: Vec<u64>,
+    poll_ns: u64,
+    /// Busy-polling allowed at all (`NACRE_NVMF_NO_POLL` unset).
+    poll: bool,
+    last_scan: Instant,
+}
+
+impl Reactor {
+    fn new(shared: Arc<Shared>) -> Reactor {
+        let poll = std::env::var_os("NACRE_NVMF_NO_POLL").is_none();
+        Reactor {
+            shared,
+            conns: ConnMap::default(),
+            next_token: 1,
+            events: vec![libc::epoll_event { events: 0, u64: 0 }; EVENTS],
+            mail: Vec::new(),
+            local: Vec::new(),
+            dirty: Vec::new(),
+            poll_ns: if poll { MAX_POLL_NS } else { 0 },
+            poll,
+            last_scan: Instant::now(),
+        }
+    }
+
+    /// The loop; `until_empty` ends it once the last connection is gone (a reactor of one
+    /// connection, [`serve_here`]).
+    fn run(mut self, until_empty: bool) {
+        CURRENT.with(|c| c.set(Arc::as_ptr(&self.shared) as usize));
+        let mut idle_since = Instant::now();
+        // One clock read per pass, at its end.
+        let mut now = idle_since;
+        loop {
+            if self.shared.stop.load(Ordering::SeqCst) {
+                break;
+            }
+            let mut work = self.take_mail();
+            // Tokens count connections handed over, taken or refused.
+            if until_empty && self.next_token > 1 && self.conns.is_empty() {
+                break;
+            }
+            let polling = now.duration_since(idle_since).as_nanos() as u64 <= self.poll_ns;
+            let n = if work || polling {
+                self.wait(0)
+            } else {
+                self.sleep()
+            };
+            for i in 0..n {
+                let ev = self.events[i];
+                let (token, bits) = (ev.u64, ev.events);
+                if token == WAKE_TOKEN {
+                    self.shared.drain_eventfd();
+                    continue;
+                }
+                work = true;
+                self.with_conn(token, |c| c.on_ready(bits));
+                self.run_local();
+            }
+            self.flush_dirty();
+            work |= !self.dirty.is_empty();
+            now = Instant::now();
+            if now.duration_since(self.last_scan) >= SCAN_EVERY {
+                self.last_scan = now;
+                self.scan(now);
+            }
+            if work {
+                idle_since = now;
+            }
+        }
+        let left = self.conns.len();
+        for (_, mut c) in self.conns.drain() {
+            c.abandon();
+        }
+        // Connections handed over but never taken are closed here; what else was posted no
+        // longer has a connection to go to. (Mail left in the box would also keep the
+        // target alive: a new connection holds it.)
+        drop(std::mem::take(&mut *lock(&self.shared.mail)));
+        if left > 0 {
+            tracing::debug!(left, "nvmf reactor stopped: connections closed");
+        }
+        CURRENT.with(|c| c.set(0));
+    }
+
+    fn wait(&mut self, timeout_ms: i32) -> usize {
+        // SAFETY: `events` holds EVENTS initialised entries the kernel may overwrite.
+        let n = unsafe {
+            libc::epoll_wait(
+                self.shared.epfd.as_raw_fd(),
+                self.events.as_mut_ptr(),
+                EVENTS as i32,
+                timeout_ms,
+            )
+        };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                error!("nvmf reactor: epoll_wait failed: {e}");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            return 0;
+        }
+        n as usize
+    }
+
+    /// Block until readiness, mail, or the next deadline.
+    fn sleep(&mut self) -> usize {
+        let t0 = Instant::now();
+        self.shared.sleeping.store(true, Ordering::SeqCst);
+        if self.shared.has_mail.load(Ordering::SeqCst) {
+            self.shared.sleeping.store(false, Ordering::SeqCst);
+            return 0;
+        }
+        // Sleep until the next deadline, or until woken: an idle connected queue has none
+        // (keep-alive is the reaper thread's; it closes through the mailbox).
+        let timeout = match self.conns.values().filter_map(Conn::next_deadline).min() {
+            None => -1,
+            Some(d) => {
+                let ms = d.saturating_duration_since(t0).as_micros().div_ceil(1000);
+                ms.min(MAX_SLEEP_MS as u128) as i32
+            }
+        };
+        let n = self.wait(timeout);
+        self.shared.sleeping.store(false, Ordering::SeqCst);
+        // Adapt the busy-poll window as the vhost-user-blk worker does: a sleep shorter
+        // than the window means polling longer would have caught the work; a long one means
+        // polling burns a core for nothing.
+        let blocked = t0.elapsed().as_nanos() as u64;
+        if !self.poll {
+            self.poll_ns = 0;
+        } else if n > 0 && blocked <= MAX_POLL_NS {
+            self.poll_ns = (self.poll_ns * 2).clamp(MIN_POLL_NS, MAX_POLL_NS);
+        } else if n > 0 || blocked > MAX_POLL_NS {
+            self.poll_ns /= 2;
+            if self.poll_ns < MIN_POLL_NS {
+                self.poll_ns = 0;
+            }
+        }
+        n
+    }
+
+    /// Take what other threads posted; true if there was any.
+    fn take_mail(&mut self) -> bool {
+        if !self.shared.has_mail.load(Ordering::SeqCst) {
+            return false;
+        }
+        self.shared.has_mail.store(false, Ordering::SeqCst);
+        std::mem::swap(&mut self.mail, &mut *lock(&self.shared.mail));
+        let mut mail = std::mem::take(&mut self.mail);
+        let any = !mail.is_empty();
+        for m in mail.drain(..) {
+            match m {
+                Mail::Conn(nc) => self.add(*nc),
+                Mail::Done { token, tag, result } => {
+                    self.with_conn(token, |c| c.complete(tag, result))
+                }
+                Mail::Async {
+                    token,
+                    cid,
+                    status,
+                    dw0,
+                } => self.with_conn(token, |c| c.complete_async(cid, status, dw0)),
+                Mail::Close(token) => self.with_conn(token, |c| c.request_close()),
+            }
+            self.run_local();
+        }
+        self.mail = mail;
+        any
+    }
+
+    fn add(&mut self, nc: NewConn) {
+        let token = self.next_token;
+        self.next_token += 1;
+        match Conn::new(token, self.shared.clone(), nc) {
+            Ok(c) => {
+                self.conns.insert(token, c);
+            }
+            Err(e) => {
+                self.shared.load.fetch_sub(1, Ordering::Relaxed);
+                warn!("cannot serve an NVMe/TCP connection: {e}");
+            }
+        }
+    }
+
+    /// Run `f` on connection `token` (if it still exists); a panic costs the host that
+    /// connection, never the reactor's other connections. Queues the connection for a flush
+    /// and drops it once it is finished.
+    fn with_conn(&mut self, token: u64, f: impl FnOnce(&mut Conn)) {
+        let Some(c) = self.conns.get_mut(&token) else {
+            return;
+        };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(c)));
+        if r.is_err() {
+            error!(
+                peer = ?c.peer(),
+                "internal error serving an NVMe/TCP connection: closing it"
+            );
+            c.close_now();
+        }
+        if c.wants_flush() {
+            self.dirty.push(token);
+        }
+        if c.finished() {
+            self.remove(token);
+        }
+    }
+
+    fn remove(&mut self, token: u64) {
+        if self.conns.remove(&token).is_some() {
+            self.shared.load.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Completions the volumes produced on this thread, until none are left (handling one
+    /// may submit the next request of a chain, which may complete inline again).
+    fn run_local(&mut self) {
+        loop {
+            LOCAL.with(|l| std::mem::swap(&mut *l.borrow_mut(), &mut self.local));
+            if self.local.is_empty() {
+                return;
+            }
+            let mut local = std::mem::take(&mut self.local);
+            for (token, tag, result) in local.drain(..) {
+                self.with_conn(token, |c| c.complete(tag, result));
+            }
+            self.local = local;
+        }
+    }
+
+    /// Flush every connection with replies. Flushing may resume a connection that had
+    /// stopped reading (its output drained), and what it then parses has replies of its
+    /// own: a few rounds, the rest waits for the next pass.
+    fn flush_dirty(&mut self) {
+        for _ in 0..4 {
+            if self.dirty.is_empty() {
+                return;
+            }
+            let mut dirty = std::mem::take(&mut self.dirty);
+            for token in dirty.drain(..) {
+                self.with_conn(token, |c| c.flush());
+                self.run_local();
+            }
+            if self.dirty.is_empty() {
+                self.dirty = dirty;
+            }
+        }
+    }
+
+    /// Deadlines: setup, per PDU, stalled sends, lingering closes.
+    fn scan(&mut self, now: Instant) {
+        let tokens: Vec<u64> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| c.next_deadline().is_some_and(|d| now >= d))
+            .map(|(t, _)| *t)
+            .collect();
+        for t in tokens {
+            self.with_conn(t, |c| c.on_deadline(now));
+        }
+    }
+}
