@@ -8,6 +8,7 @@
 //! and writes, reads back and (after a reconnect) re-reads data on the DPU's volume.
 
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -138,6 +139,41 @@ fn diskless_host_reaches_nacred_on_the_emulated_bluefield() {
         "DPU image {bfb} built in {:.0} s",
         t.elapsed().as_secs_f64()
     );
+    // NVMe/RDMA on the DPU: nacred links libibverbs and librdmacm (it would not start in the
+    // guest without them), and libibverbs dlopens its provider, which no NEEDED entry names:
+    // the image must carry mlx5 (BlueField's ConnectX) and rxe, each with its .driver file,
+    // all from Debian's arm64 packages.
+    let manifest = std::fs::read_to_string(Path::new(&bfb).with_file_name("MANIFEST"))
+        .expect("the image's MANIFEST");
+    for (file, package) in [
+        (
+            "/usr/lib/aarch64-linux-gnu/libibverbs.so.1",
+            "debian:libibverbs1",
+        ),
+        (
+            "/usr/lib/aarch64-linux-gnu/librdmacm.so.1",
+            "debian:librdmacm1",
+        ),
+        (
+            "/usr/lib/aarch64-linux-gnu/libibverbs/libmlx5-rdmav34.so",
+            "debian:ibverbs-providers",
+        ),
+        (
+            "/usr/lib/aarch64-linux-gnu/libibverbs/librxe-rdmav34.so",
+            "debian:ibverbs-providers",
+        ),
+        ("/etc/libibverbs.d/mlx5.driver", "debian:ibverbs-providers"),
+        ("/etc/libibverbs.d/rxe.driver", "debian:ibverbs-providers"),
+    ] {
+        let line = manifest
+            .lines()
+            .find(|l| l.split(' ').next() == Some(file))
+            .unwrap_or_else(|| panic!("the DPU image lacks {file}:\n{manifest}"));
+        assert!(
+            line.ends_with(package),
+            "{file} is not from {package}: {line}"
+        );
+    }
 
     let port = free_port().unwrap();
     let mut dpu = Dpu::boot(&bfb, port);
