@@ -136,7 +136,9 @@ fn rdma_selftest() {
 /// nacre's model and serial; a 32 MiB O_DIRECT write/read/compare passes over two I/O queues;
 /// 4 KiB writes (in the capsule), Write Zeroes (read back as zeroes) and Dataset Management
 /// work; data survives a disconnect and reconnect; every queue gave back its thread and
-/// descriptors, and nacred is still alive; restarted, it listens again from its saved state.
+/// descriptors, and nacred is still alive; restarted, it listens again from its saved state;
+/// restarted with per-listener caps, a second silent queue evicts the first and a full
+/// listener rejects a third queue while its two serve.
 #[test]
 fn nvme_rdma_against_nacred() {
     let Some(_bed) = prepare("nvme_rdma_against_nacred") else {
@@ -187,6 +189,12 @@ fn nvme_rdma_against_nacred() {
     assert_eq!(out.fact("leaked"), "none");
     assert_eq!(out.fact("nacred_alive"), "yes");
     assert_eq!(out.fact("replayed"), "yes");
+    // Per-listener caps (nacred restarted with 2 queues per listener, 1 short of Connect):
+    // a second silent queue evicts the first at once, a full listener rejects with
+    // "no resources" (Figure 7: 6) while its two queues keep serving.
+    assert_eq!(out.fact("cap_evicted"), "closed");
+    assert_eq!(out.fact("cap_rejected"), "rejected,status=6");
+    assert_eq!(out.fact("cap_served"), "yes");
 }
 
 /// Real RoCEv2 between two machines: nacred's NVMe/RDMA target in one guest (rxe on its

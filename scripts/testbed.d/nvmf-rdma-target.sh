@@ -6,11 +6,12 @@
 # status, a bad SGL its NVMe status, an unusable rkey closes only that queue; then the kernel host
 # connects, `nvme list` shows nacre, 32 MiB O_DIRECT write/read/compare, 4 KiB writes (in-capsule),
 # Write Zeroes, DSM, disconnect, reconnect and read again; no thread or descriptor is left behind;
-# after a restart of nacred the listener is back from its state and serves again.
+# after a restart of nacred the listener is back from its state and serves again; restarted with
+# per-listener caps, a second silent queue evicts the first and a full listener rejects (status 6).
 # Facts: bad_listener, probe_recfmt, probe_qid, probe_hsqsize, probe_bad_sgl, probe_bad_key,
 # probe_idle, idle_closed_after_s,
 # discovered_trtype, model, serial, transport, io_queues, ns1_bytes, verified, small_writes, zeroed,
-# discarded, reverified, leaked, nacred_alive, replayed.
+# discarded, reverified, leaked, nacred_alive, replayed, cap_evicted, cap_rejected, cap_served.
 NQN=nqn.2014-08.io.nacre.testbed:rdma-target
 MIB=$(param mib 32)
 for b in nacred nacre rdma-cm-probe; do
@@ -150,5 +151,43 @@ wait_until 30 nvme_ns_dev $NQN 1 || fail "namespace 1 did not appear after resta
 NS1=$(nvme_ns_dev $NQN 1)
 verify_rw /dev/$NS1 4 8
 fact replayed yes
+run nvme disconnect -n $NQN
+
+step "per-listener caps hold for RDMA queues: 2 queues per listener, 1 of them short of Connect"
+kill $NACRED
+wait $NACRED || true
+NACRE_NVMF_MAX_CONNECTIONS=2 NACRE_NVMF_MAX_SETUP_CONNECTIONS=1 \
+    nacred --state-dir /tmp/nacre-state --run-dir /run/nacre --no-default --log info > /tmp/nacred.log 2>&1 &
+NACRED=$!
+wait_until 60 test -S /run/nacre/nacred.sock || fail "nacred did not restart with caps"
+wait_until 30 grep -q "listens on 192.0.2.1:4420" /tmp/nacred.log || fail "no RDMA listener after restart"
+threads() { ls /proc/$NACRED/task | wc -l; }
+T0=$(threads)
+# a silent queue, then a second: the second evicts the first (a queue thread each while they live)
+rdma-cm-probe 192.0.2.1 4420 idle > /tmp/evicted.out 2>&1 &
+P1=$!
+wait_until 20 sh -c "[ \$(ls /proc/$NACRED/task | wc -l) -gt $T0 ]" || fail "the first silent queue never came up"
+rdma-cm-probe 192.0.2.1 4420 idle > /tmp/survivor.out 2>&1 &
+P2=$!
+wait $P1 || fail "rdma-cm-probe (evicted) failed: $(cat /tmp/evicted.out)"
+cat /tmp/evicted.out
+r=$(sed 's/^PROBE case=[^ ]* result=//' /tmp/evicted.out)
+case $r in "closed after="*) ;; *) fail "the oldest silent queue was not evicted: $r" ;; esac
+secs=${r#closed after=}
+[ "${secs%s}" -lt 10 ] || fail "the oldest silent queue was closed by the setup timeout, not evicted: $r"
+fact cap_evicted closed
+kill $P2 2>/dev/null
+wait $P2 2>/dev/null || true
+# the killed host's queue ends (its CM id goes with the process) and gives its place back
+wait_until 30 sh -c "[ \$(ls /proc/$NACRED/task | wc -l) -le $T0 ]" || fail "the killed host's queue lingers"
+# admin + 1 I/O queue fill the listener: a third queue is rejected, the two keep working
+run nvme connect -t rdma -a 192.0.2.1 -s 4420 -n $NQN -i 1 || fail "nvme connect -i 1 under caps"
+wait_until 30 nvme_ns_dev $NQN 1 || fail "namespace 1 did not appear under caps"
+NS1=$(nvme_ns_dev $NQN 1)
+r=$(rdma-cm-probe 192.0.2.1 4420 idle) || fail "rdma-cm-probe on a full listener failed: $r"
+echo "$r"
+fact cap_rejected "$(echo "$r" | sed 's/^PROBE case=[^ ]* result=//' | tr ' ' ,)"
+verify_rw /dev/$NS1 2 16
+fact cap_served yes
 run nvme disconnect -n $NQN
 kill $NACRED

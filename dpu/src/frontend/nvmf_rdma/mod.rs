@@ -23,9 +23,12 @@
 //! What a peer can make the target hold: a queue pins HSQSIZE + 1 MDTS buffers
 //! ([`MAX_IO_QUEUE_ENTRIES`] bounds it) and a thread until it is connected, which must
 //! happen within the target's setup timeout; connected queues count against the per-host
-//! queue cap ([`crate::frontend::nvmf_tcp::ConnLimits::per_host`]) and keep-alive. Not yet:
-//! the per-listener connection caps the TCP listeners have, and a retry of RDMA listeners
-//! that could not start (an RDMA device appearing later needs the listener re-added).
+//! queue cap ([`crate::frontend::nvmf_tcp::ConnLimits::per_host`]) and keep-alive, and a
+//! listener's queues count against the same per-listener caps as a TCP listener's
+//! connections (`ConnLimits::per_listener`: a full listener rejects with "no resources";
+//! `ConnLimits::setup_per_listener`: the oldest queue still short of Fabrics Connect is
+//! closed). Not yet: a retry of RDMA listeners that could not start (an RDMA device
+//! appearing later needs the listener re-added).
 
 pub mod cm;
 mod queue;
@@ -41,7 +44,9 @@ use rdma_sys::*;
 use thiserror::Error;
 use tracing::{debug, info, warn};
 
-use crate::frontend::nvmf_tcp::{limits, lock, NvmfError, NvmfTarget, TargetInner};
+use crate::frontend::nvmf_tcp::{
+    limits, lock, Evict, ListenerConns, NvmfError, NvmfTarget, TargetInner,
+};
 use nacre_shared::nvme::DISCOVERY_NQN;
 
 pub use verbs::device_count;
@@ -275,7 +280,7 @@ fn start_listener(
     let weak = Arc::downgrade(t);
     let thread = std::thread::Builder::new()
         .name(format!("nvmf-rdma-listen-{port}"))
-        .spawn(move || listen_loop(l, bound, st, weak))
+        .spawn(move || listen_loop(l, bound, st, weak, Arc::default()))
         .map_err(|e| listen_error(addr, "thread", e))?;
     Ok((
         bound,
@@ -287,7 +292,13 @@ fn start_listener(
     ))
 }
 
-fn listen_loop(l: ListenId, bound: SocketAddr, stop: Arc<AtomicBool>, t: Weak<TargetInner>) {
+fn listen_loop(
+    l: ListenId,
+    bound: SocketAddr,
+    stop: Arc<AtomicBool>,
+    t: Weak<TargetInner>,
+    counts: Arc<ListenerConns>,
+) {
     debug!(%bound, "nvmf RDMA listener running");
     while !stop.load(Ordering::SeqCst) {
         let ev = match l.ch.get(LISTEN_POLL_MS) {
@@ -321,7 +332,27 @@ fn listen_loop(l: ListenId, bound: SocketAddr, stop: Arc<AtomicBool>, t: Weak<Ta
                 continue;
             }
         };
+        // The same per-listener caps as TCP (ConnLimits): a full listener rejects, and a
+        // queue still short of Fabrics Connect is the one a newer connection evicts.
+        let limits = *lock(&target.limits);
+        let queue_stop = Arc::new(AtomicBool::new(false));
+        let evict: Evict = {
+            let s = queue_stop.clone();
+            Box::new(move || {
+                // Its thread sees the flag within IDLE_WAKE_MS and disconnects.
+                debug!("nvmf RDMA listener at its setup cap: closing the oldest queue still setting up");
+                s.store(true, Ordering::SeqCst);
+            })
+        };
+        let id = target.next_conn.fetch_add(1, Ordering::Relaxed);
+        let Some(slot) = counts.admit(id, &limits, Some(evict)) else {
+            debug!(%bound, "nvmf RDMA listener at its connection cap: rejecting a queue");
+            queue::reject(ev.id, cm::reject::NO_RESOURCES);
+            continue;
+        };
         let conn = queue::Incoming {
+            slot: Some(slot),
+            stop: queue_stop,
             id: ev.id,
             req,
             responder_resources: ev.responder_resources,

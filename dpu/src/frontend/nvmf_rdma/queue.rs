@@ -41,7 +41,7 @@ use super::cm::{self, CmRequest};
 use super::verbs::{self, EventChannel};
 use crate::frontend::nvmf_tcp::ctrl::{AdminReply, Controller, CtrlQueue};
 use crate::frontend::nvmf_tcp::subsystem::{Namespace, Subsystem};
-use crate::frontend::nvmf_tcp::{limits, lock, TargetInner};
+use crate::frontend::nvmf_tcp::{limits, lock, ConnSlot, TargetInner};
 use crate::telemetry::{Arrival, VolumeMetrics};
 use crate::volume::{self, IoError, IoKind, IoRequest, IoResult, Segment};
 
@@ -71,6 +71,10 @@ const SGL_TYPE_KEYED_DATA_BLOCK: u8 = 0x4;
 /// A connect request the listener accepted the private data of; the queue thread owns the
 /// CM id from here (an `Incoming` dropped unserved rejects and destroys it).
 pub(super) struct Incoming {
+    /// The queue's place in its listener's counts (taken by the queue when it is served).
+    pub slot: Option<ConnSlot>,
+    /// Set by the listener to evict the queue while it is still setting up.
+    pub stop: Arc<AtomicBool>,
     pub id: *mut rdma_cm_id,
     pub req: CmRequest,
     pub responder_resources: u8,
@@ -212,7 +216,7 @@ pub(super) struct RdmaQueue {
     free: Mutex<Vec<u16>>,
     qid: AtomicU16,
     sqhd: AtomicU16,
-    stop: AtomicBool,
+    stop: Arc<AtomicBool>,
     last_rx_ms: AtomicU64,
     reads: AtomicU64,
     writes: AtomicU64,
@@ -513,7 +517,7 @@ fn setup(inc: &mut Incoming) -> Result<Arc<RdmaQueue>, (u16, String)> {
         free: Mutex::new((0..nslots as u16).rev().collect()),
         qid: AtomicU16::new(inc.req.qid),
         sqhd: AtomicU16::new(0),
-        stop: AtomicBool::new(false),
+        stop: inc.stop.clone(),
         last_rx_ms: AtomicU64::new(0),
         reads: AtomicU64::new(0),
         writes: AtomicU64::new(0),
@@ -654,6 +658,7 @@ pub(super) fn serve(target: Arc<TargetInner>, mut inc: Incoming) {
         ns: BTreeMap::new(),
         head: 0,
         backlog: VecDeque::new(),
+        slot: inc.slot.take(),
     };
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.run()));
     if r.is_err() {
@@ -689,6 +694,8 @@ struct Conn {
     backlog: VecDeque<(usize, usize)>,
     /// `q` as the completion handle requests carry.
     done: Arc<dyn volume::Completion>,
+    /// This queue's place in its listener's counts; given back when the queue ends.
+    slot: Option<ConnSlot>,
 }
 
 /// A work completion, copied out of the polled array.
@@ -700,6 +707,7 @@ struct Wc {
 
 impl Conn {
     fn close(&mut self) {
+        self.slot = None;
         if let Some(h) = self.host_counted.take() {
             self.target.release_host_queue(&h);
         }
@@ -1165,6 +1173,9 @@ impl Conn {
         );
         self.ctrl = Some(ctrl);
         self.subsys = Some(subsys);
+        if let Some(s) = &self.slot {
+            s.connected();
+        }
         (Status::SUCCESS, cntlid as u64)
     }
 

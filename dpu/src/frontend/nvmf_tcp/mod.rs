@@ -198,10 +198,10 @@ pub(crate) struct TargetInner {
     listeners: Mutex<HashMap<SocketAddr, Listener>>,
     /// The threads serving connections; stopping them closes every connection.
     reactors: reactor::Reactors,
-    limits: Mutex<ConnLimits>,
+    pub(crate) limits: Mutex<ConnLimits>,
     /// Connected queues per host NQN (for [`ConnLimits::per_host`]).
     host_queues: Mutex<HashMap<String, usize>>,
-    next_conn: AtomicU64,
+    pub(crate) next_conn: AtomicU64,
     next_cntlid: AtomicU16,
     /// Discovery log generation counter (GENCTR).
     pub(crate) genctr: AtomicU64,
@@ -236,12 +236,60 @@ struct Listener {
     thread: Option<JoinHandle<()>>,
 }
 
-/// What a listener's connections count against ([`ConnLimits`]).
+/// How a listener closes a connection that is still setting up when a newer one pushes it
+/// over [`ConnLimits::setup_per_listener`] (TCP: shut the socket down; RDMA: stop the
+/// queue's thread, which disconnects). Called without any lock held.
+pub(crate) type Evict = Box<dyn FnOnce() + Send>;
+
+/// What a listener's connections count against ([`ConnLimits`]). Transport-independent: the
+/// TCP and the RDMA listeners admit through [`ListenerConns::admit`].
 #[derive(Default)]
 pub(crate) struct ListenerConns {
     live: std::sync::atomic::AtomicUsize,
     /// Connections not yet past Fabrics Connect, oldest first.
-    setup: Mutex<std::collections::VecDeque<(u64, TcpStream)>>,
+    setup: Mutex<std::collections::VecDeque<(u64, Evict)>>,
+}
+
+impl ListenerConns {
+    /// Take a place for connection `id` under `limits`, or `None` when the listener already
+    /// serves [`ConnLimits::per_listener`] connections (the caller closes or rejects it).
+    /// The new connection counts as setting up; if that makes more than
+    /// [`ConnLimits::setup_per_listener`], the oldest ones still setting up are evicted —
+    /// a peer that opens connections and stays silent only evicts its own.
+    pub(crate) fn admit(
+        self: &Arc<Self>,
+        id: u64,
+        limits: &ConnLimits,
+        evict: Option<Evict>,
+    ) -> Option<ConnSlot> {
+        // Check and take in one step: two listeners' threads never race here today, but
+        // the count must not overshoot if one ever does.
+        let taken = self
+            .live
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < limits.per_listener).then_some(n + 1)
+            });
+        if taken.is_err() {
+            return None;
+        }
+        let slot = ConnSlot {
+            conns: self.clone(),
+            id,
+        };
+        let evicted: Vec<Evict> = match evict {
+            None => Vec::new(),
+            Some(e) => {
+                let mut setup = lock(&self.setup);
+                setup.push_back((id, e));
+                let over = setup.len().saturating_sub(limits.setup_per_listener.max(1));
+                setup.drain(..over).map(|(_, e)| e).collect()
+            }
+        };
+        for e in evicted {
+            e();
+        }
+        Some(slot)
+    }
 }
 
 /// One accepted connection's place in its listener's counts; given back on drop.
@@ -253,7 +301,15 @@ pub(crate) struct ConnSlot {
 impl ConnSlot {
     /// The connection completed a Fabrics Connect: it no longer counts as setting up.
     pub(crate) fn connected(&self) {
-        lock(&self.conns.setup).retain(|(id, _)| *id != self.id);
+        // The evict handle is dropped outside the lock (it may own a socket).
+        let gone = {
+            let mut setup = lock(&self.conns.setup);
+            setup
+                .iter()
+                .position(|(id, _)| *id == self.id)
+                .and_then(|i| setup.remove(i))
+        };
+        drop(gone);
     }
 }
 
@@ -670,29 +726,20 @@ fn accept_loop(
             }
         };
         let limits = *lock(&target.limits);
-        if counts.live.load(Ordering::SeqCst) >= limits.per_listener {
+        let id = target.next_conn.fetch_add(1, Ordering::Relaxed);
+        let evict = stream.try_clone().ok().map(|c| -> Evict {
+            Box::new(move || {
+                // Its reactor sees the connection end and closes it.
+                debug!("nvmf listener at its setup cap: closing the oldest connection still setting up");
+                let _ = c.shutdown(std::net::Shutdown::Both);
+            })
+        });
+        let Some(slot) = counts.admit(id, &limits, evict) else {
             // Dropping the stream closes it: the peer sees the connection end at once.
             debug!(%bound, "nvmf listener at its connection cap: closing a new connection");
             continue;
-        }
-        let _ = stream.set_nodelay(true);
-        let id = target.next_conn.fetch_add(1, Ordering::Relaxed);
-        counts.live.fetch_add(1, Ordering::SeqCst);
-        let slot = ConnSlot {
-            conns: counts.clone(),
-            id,
         };
-        if let Ok(c) = stream.try_clone() {
-            let mut setup = lock(&counts.setup);
-            setup.push_back((id, c));
-            while setup.len() > limits.setup_per_listener.max(1) {
-                if let Some((_, oldest)) = setup.pop_front() {
-                    // Its reactor sees the connection end and closes it.
-                    debug!(%bound, "nvmf listener at its setup cap: closing the oldest connection still setting up");
-                    let _ = oldest.shutdown(std::net::Shutdown::Both);
-                }
-            }
-        }
+        let _ = stream.set_nodelay(true);
         target.reactors.assign(reactor::NewConn {
             target: target.clone(),
             sock: stream,
@@ -738,12 +785,9 @@ impl NvmfTarget {
     #[doc(hidden)]
     pub fn serve_stream(&self, sock: TcpStream, listener: SocketAddr) {
         // A listener of its own, holding just this connection: the caps do not apply.
-        let slot = ConnSlot {
-            conns: Arc::new(ListenerConns {
-                live: std::sync::atomic::AtomicUsize::new(1),
-                setup: Mutex::new(std::collections::VecDeque::new()),
-            }),
-            id: 0,
+        let Some(slot) = Arc::new(ListenerConns::default()).admit(0, &ConnLimits::DEFAULT, None)
+        else {
+            return;
         };
         reactor::serve_here(reactor::NewConn {
             target: self.inner.clone(),
@@ -751,5 +795,76 @@ impl NvmfTarget {
             listener,
             slot,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    /// An evict handle that records in `log` which connection (by its id) was evicted.
+    fn evict(log: &Arc<Mutex<Vec<u64>>>, id: u64) -> Option<Evict> {
+        let log = log.clone();
+        Some(Box::new(move || lock(&log).push(id)))
+    }
+
+    #[test]
+    fn listener_caps_evict_the_oldest_setup_and_refuse_past_the_cap() {
+        let limits = ConnLimits {
+            per_listener: 3,
+            setup_per_listener: 2,
+            per_host: 256,
+        };
+        let conns = Arc::new(ListenerConns::default());
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let a = conns.admit(1, &limits, evict(&log, 1)).unwrap();
+        let b = conns.admit(2, &limits, evict(&log, 2)).unwrap();
+        assert!(lock(&log).is_empty());
+        // A third silent connection pushes the oldest one still setting up out.
+        let c = conns.admit(3, &limits, evict(&log, 3)).unwrap();
+        assert_eq!(*lock(&log), vec![1]);
+        // The listener is full whatever the phase of its connections.
+        assert_eq!(conns.live.load(Ordering::SeqCst), 3);
+        assert!(conns.admit(4, &limits, evict(&log, 4)).is_none());
+        assert_eq!(conns.live.load(Ordering::SeqCst), 3);
+        // A connection past Connect is never evicted.
+        b.connected();
+        drop(a);
+        let d = conns.admit(5, &limits, evict(&log, 5)).unwrap();
+        drop(c);
+        let e = conns.admit(6, &limits, evict(&log, 6)).unwrap();
+        assert_eq!(
+            *lock(&log),
+            vec![1],
+            "only setting-up connections are evicted"
+        );
+        let f = conns.admit(7, &limits, evict(&log, 7));
+        assert!(f.is_none(), "b, d and e fill the listener");
+        drop((b, d, e));
+        assert_eq!(conns.live.load(Ordering::SeqCst), 0);
+        assert!(lock(&conns.setup).is_empty());
+    }
+
+    #[test]
+    fn a_connected_slot_drops_its_evict_handle() {
+        let conns = Arc::new(ListenerConns::default());
+        let drops = Arc::new(AtomicUsize::new(0));
+        struct Guard(Arc<AtomicUsize>);
+        impl Drop for Guard {
+            fn drop(&mut self) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let g = Guard(drops.clone());
+        let s = conns
+            .admit(1, &ConnLimits::DEFAULT, Some(Box::new(move || drop(g))))
+            .unwrap();
+        s.connected();
+        // The handle (for TCP, a clone of the socket) is released at Connect, not kept for
+        // the connection's life.
+        assert_eq!(drops.load(Ordering::SeqCst), 1);
+        drop(s);
+        assert_eq!(conns.live.load(Ordering::SeqCst), 0);
     }
 }
