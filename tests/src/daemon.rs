@@ -191,9 +191,22 @@ impl Nacred {
                 .map(|d| d.count())
                 .unwrap_or(0)
         };
+        // io_uring's async workers (`iou-wrk-*`, io-wq) are the kernel's: it starts them when
+        // a file backend's request cannot complete inline (more often on a loaded machine)
+        // and ends them after seconds of idleness. They are not nacred's to leak.
+        let kernel_workers = std::fs::read_dir(format!("/proc/{}/task", self.pid()))
+            .map(|d| {
+                d.filter_map(Result::ok)
+                    .filter(|t| {
+                        std::fs::read_to_string(t.path().join("comm"))
+                            .is_ok_and(|c| c.starts_with("iou-wrk-"))
+                    })
+                    .count()
+            })
+            .unwrap_or(0);
         Footprint {
             fds: count("fd"),
-            threads: count("task"),
+            threads: count("task").saturating_sub(kernel_workers),
         }
     }
 
