@@ -28,10 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nacre_shared::nvme::command::{sgl, SQE_LEN};
-use nacre_shared::nvme::fabrics::{
-    self, connect_data_offset, connect_invalid_param_dw0, connect_sqe_offset, fctype, Connect,
-    ConnectData, Property,
-};
+use nacre_shared::nvme::fabrics::{connect_sqe_offset, fctype, Connect};
 use nacre_shared::nvme::status::sct;
 use nacre_shared::nvme::{admin_opcode, get_u32, get_u64, io_opcode, Command, Completion, Status};
 use rdma_sys::*;
@@ -40,6 +37,9 @@ use tracing::{debug, warn};
 use super::cm::{self, CmRequest};
 use super::verbs::{self, EventChannel};
 use crate::frontend::nvmf_tcp::ctrl::{AdminReply, Controller, CtrlQueue};
+use crate::frontend::nvmf_tcp::fabrics::{
+    self, fabrics_connect, invalid_param, HostQueue, QueueRules,
+};
 use crate::frontend::nvmf_tcp::subsystem::{Namespace, Subsystem};
 use crate::frontend::nvmf_tcp::{limits, lock, ConnSlot, TargetInner};
 use crate::telemetry::{Arrival, VolumeMetrics};
@@ -683,7 +683,7 @@ struct Conn {
     local_ip: IpAddr,
     ctrl: Option<Arc<Controller>>,
     subsys: Option<Arc<Subsystem>>,
-    host_counted: Option<String>,
+    host_counted: Option<HostQueue>,
     ns_gen: u64,
     ns: BTreeMap<u32, Arc<Namespace>>,
     /// SQ head: capsules received, modulo the queue size.
@@ -708,9 +708,7 @@ struct Wc {
 impl Conn {
     fn close(&mut self) {
         self.slot = None;
-        if let Some(h) = self.host_counted.take() {
-            self.target.release_host_queue(&h);
-        }
+        self.host_counted = None;
         if let Some(c) = self.ctrl.take() {
             let qid = self.q.qid.load(Ordering::Relaxed);
             if qid == 0 {
@@ -1044,33 +1042,9 @@ impl Conn {
     // ---- Fabrics commands (NVMe-oF 1.1 §3) ----
 
     fn fabrics(&mut self, cmd: &Command, data: &[u8]) -> (Status, u64) {
-        let qid = self.q.qid.load(Ordering::Relaxed);
         match cmd.fctype() {
             fctype::CONNECT => self.connect(cmd, data),
-            fctype::PROPERTY_GET | fctype::PROPERTY_SET if self.ctrl.is_none() => {
-                (Status::COMMAND_SEQUENCE_ERROR, 0)
-            }
-            fctype::PROPERTY_GET | fctype::PROPERTY_SET if qid != 0 => (Status::INVALID_FIELD, 0),
-            fctype::PROPERTY_GET => {
-                if Property::size_field(cmd) > 1 {
-                    return (Status::INVALID_FIELD, 0);
-                }
-                let p = Property::from_command(cmd);
-                let ctrl = self.ctrl.as_ref().expect("checked above");
-                match ctrl.property_get(p.offset, p.eight_bytes) {
-                    Ok(v) => (Status::SUCCESS, v),
-                    Err(s) => (s, 0),
-                }
-            }
-            fctype::PROPERTY_SET => {
-                if Property::size_field(cmd) > 1 {
-                    return (Status::INVALID_FIELD, 0);
-                }
-                let p = Property::from_command(cmd);
-                let ctrl = self.ctrl.as_ref().expect("checked above");
-                (ctrl.property_set(p.offset, p.value), 0)
-            }
-            _ => (Status::INVALID_OPCODE, 0),
+            _ => fabrics::property(self.ctrl.as_ref(), self.q.qid.load(Ordering::Relaxed), cmd),
         }
     }
 
@@ -1078,101 +1052,31 @@ impl Conn {
         if self.ctrl.is_some() {
             return (Status::COMMAND_SEQUENCE_ERROR, 0);
         }
-        let c = Connect::from_command(cmd);
-        if c.recfmt != 0 {
-            return (Status::CONNECT_INCOMPATIBLE_FORMAT, 0);
-        }
-        if data.len() < fabrics::CONNECT_DATA_LEN {
-            return (Status::DATA_SGL_LENGTH_INVALID, 0);
-        }
-        let d = ConnectData::decode(data);
-        let Some(subsys) = self
-            .target
-            .find_subsystem(&d.subnqn)
-            .filter(|s| s.reachable_on_rdma(&self.listener))
-        else {
-            return bad(true, connect_data_offset::SUBNQN);
+        let listener = self.listener;
+        let (cm_qid, entries) = (self.req.qid, self.q.entries);
+        let rules = QueueRules {
+            reachable: |s: &Subsystem| s.reachable_on_rdma(&listener),
+            // The queue was sized by the CM request (NVMe RDMA Transport 1.0 §3.1): the
+            // Connect must describe the same queue.
+            sqe: |c: &Connect| {
+                if c.qid != cm_qid {
+                    Some(invalid_param(false, connect_sqe_offset::QID))
+                } else if c.sqsize == 0 || c.sqsize as usize + 1 > entries {
+                    Some(invalid_param(false, connect_sqe_offset::SQSIZE))
+                } else {
+                    None
+                }
+            },
+            local_ip: self.local_ip,
         };
-        if !subsys.host_allowed(&d.hostnqn) {
-            warn!(
-                subnqn = d.subnqn,
-                hostnqn = d.hostnqn,
-                "connect refused: host not allowed"
-            );
-            return (Status::CONNECT_INVALID_HOST, 0);
-        }
-        if !self.target.acquire_host_queue(&d.hostnqn) {
-            warn!(
-                subnqn = d.subnqn,
-                hostnqn = d.hostnqn,
-                "connect refused: the host holds as many queues as it may"
-            );
-            return (Status::CONNECT_CONTROLLER_BUSY, 0);
-        }
-        self.host_counted = Some(d.hostnqn.clone());
-        let r = self.connect_counted(&c, &d, subsys);
-        if r.0 != Status::SUCCESS {
-            if let Some(h) = self.host_counted.take() {
-                self.target.release_host_queue(&h);
-            }
-        }
-        r
-    }
-
-    fn connect_counted(
-        &mut self,
-        c: &Connect,
-        d: &ConnectData,
-        subsys: Arc<Subsystem>,
-    ) -> (Status, u64) {
-        // The queue was sized by the CM request: the Connect must describe the same queue.
-        if c.qid != self.req.qid {
-            return bad(false, connect_sqe_offset::QID);
-        }
-        if c.sqsize == 0 || c.sqsize as usize + 1 > self.q.entries {
-            return bad(false, connect_sqe_offset::SQSIZE);
-        }
-        let ctrl = if c.qid == 0 {
-            if d.cntlid != fabrics::CNTLID_DYNAMIC {
-                return bad(true, connect_data_offset::CNTLID);
-            }
-            let ctrl = Controller::new(
-                &self.target,
-                subsys.clone(),
-                d.hostnqn.clone(),
-                c.kato,
-                self.local_ip,
-                &self.q,
-            );
-            subsys.insert_controller(ctrl.clone());
-            ctrl
-        } else {
-            if subsys.discovery {
-                return bad(false, connect_sqe_offset::QID);
-            }
-            let Some(ctrl) = subsys.controller(d.cntlid) else {
-                return bad(true, connect_data_offset::CNTLID);
-            };
-            if ctrl.hostnqn != d.hostnqn {
-                return bad(true, connect_data_offset::HOSTNQN);
-            }
-            if !ctrl.ready() {
-                return (Status::COMMAND_SEQUENCE_ERROR, 0);
-            }
-            if !ctrl.attach_io_queue(c.qid, &self.q) {
-                return bad(false, connect_sqe_offset::QID);
-            }
-            ctrl
+        let done = match fabrics_connect(&self.target, &self.q, cmd, data, rules) {
+            Ok(d) => d,
+            Err(r) => return r,
         };
-        let cntlid = ctrl.cntlid;
-        debug!(
-            cntlid,
-            qid = c.qid,
-            sqsize = c.sqsize,
-            "NVMe/RDMA queue connected"
-        );
-        self.ctrl = Some(ctrl);
-        self.subsys = Some(subsys);
+        let cntlid = done.ctrl.cntlid;
+        self.host_counted = Some(done.host);
+        self.ctrl = Some(done.ctrl);
+        self.subsys = Some(done.subsys);
         if let Some(s) = &self.slot {
             s.connected();
         }
@@ -1293,13 +1197,6 @@ impl Conn {
         ns.path.submit(req, &self.done);
         None
     }
-}
-
-fn bad(in_data: bool, off: u16) -> (Status, u64) {
-    (
-        Status::CONNECT_INVALID_PARAMETERS,
-        connect_invalid_param_dw0(in_data, off) as u64,
-    )
 }
 
 /// Dataset Management (NVM Command Set 1.0 §3.2.3): only Deallocate acts.

@@ -10,17 +10,15 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use nacre_shared::nvme::command::sgl;
-use nacre_shared::nvme::fabrics::{
-    self, connect_data_offset, connect_invalid_param_dw0, connect_sqe_offset, fctype, Connect,
-    ConnectData, Property,
-};
+use nacre_shared::nvme::fabrics::{connect_sqe_offset, fctype, Connect, CATTR_DISABLE_SQ_FLOW};
 use nacre_shared::nvme::status::sct;
 use nacre_shared::nvme::{admin_opcode, get_u32, get_u64, io_opcode, Command, Status};
 use nacre_shared::nvme_tcp::{self as tcp, fes};
-use tracing::{debug, warn};
+use tracing::warn;
 
 use super::conn::Conn;
-use super::ctrl::{AdminReply, Controller};
+use super::ctrl::AdminReply;
+use super::fabrics::{self, fabrics_connect, invalid_param, QueueRules};
 use super::limits;
 use super::pdu::{fatal, End};
 use super::subsystem::{Namespace, Subsystem};
@@ -177,160 +175,49 @@ impl Conn {
     fn fabrics(&mut self, cmd: &Command, data: &[u8]) -> (Status, u64) {
         match cmd.fctype() {
             fctype::CONNECT => self.connect(cmd, data),
-            fctype::PROPERTY_GET | fctype::PROPERTY_SET if self.ctrl.is_none() => {
-                (Status::COMMAND_SEQUENCE_ERROR, 0)
-            }
-            // Properties are reached only through the admin queue.
-            fctype::PROPERTY_GET | fctype::PROPERTY_SET if self.qid != 0 => {
-                (Status::INVALID_FIELD, 0)
-            }
-            fctype::PROPERTY_GET => {
-                if Property::size_field(cmd) > 1 {
-                    return (Status::INVALID_FIELD, 0);
-                }
-                let p = Property::from_command(cmd);
-                let ctrl = self.ctrl.as_ref().expect("checked above");
-                match ctrl.property_get(p.offset, p.eight_bytes) {
-                    // The value is returned in CQE Dwords 0-1 (NVMe-oF 1.1 Figure 26).
-                    Ok(v) => (Status::SUCCESS, v),
-                    Err(s) => (s, 0),
-                }
-            }
-            fctype::PROPERTY_SET => {
-                if Property::size_field(cmd) > 1 {
-                    return (Status::INVALID_FIELD, 0);
-                }
-                let p = Property::from_command(cmd);
-                let ctrl = self.ctrl.as_ref().expect("checked above");
-                (ctrl.property_set(p.offset, p.value), 0)
-            }
-            _ => (Status::INVALID_OPCODE, 0),
+            _ => fabrics::property(self.ctrl.as_ref(), self.qid, cmd),
         }
     }
 
     fn connect(&mut self, cmd: &Command, data: &[u8]) -> (Status, u64) {
-        let bad_data = |off| {
-            (
-                Status::CONNECT_INVALID_PARAMETERS,
-                connect_invalid_param_dw0(true, off) as u64,
-            )
-        };
         if self.ctrl.is_some() {
             return (Status::COMMAND_SEQUENCE_ERROR, 0);
         }
-        let c = Connect::from_command(cmd);
-        if c.recfmt != 0 {
-            return (Status::CONNECT_INCOMPATIBLE_FORMAT, 0);
-        }
-        if data.len() < fabrics::CONNECT_DATA_LEN {
-            return (Status::DATA_SGL_LENGTH_INVALID, 0);
-        }
-        let d = ConnectData::decode(data);
-        let Some(subsys) = self
-            .target
-            .find_subsystem(&d.subnqn)
-            .filter(|s| s.reachable_on(&self.listener))
-        else {
-            return bad_data(connect_data_offset::SUBNQN);
+        let listener = self.listener;
+        let rules = QueueRules {
+            reachable: |s: &Subsystem| s.reachable_on(&listener),
+            // NVMe/TCP sizes the queue from the Connect itself (NVMe/TCP 1.0 §3.3).
+            sqe: |c: &Connect| {
+                let max = if c.qid == 0 {
+                    limits::MAX_ADMIN_QUEUE_ENTRIES
+                } else {
+                    limits::MAX_QUEUE_ENTRIES
+                };
+                (c.sqsize == 0 || c.sqsize as u32 + 1 > max)
+                    .then(|| invalid_param(false, connect_sqe_offset::SQSIZE))
+            },
+            local_ip: self.local_ip,
         };
-        if !subsys.host_allowed(&d.hostnqn) {
-            warn!(
-                subnqn = d.subnqn,
-                hostnqn = d.hostnqn,
-                "connect refused: host not allowed"
-            );
-            return (Status::CONNECT_INVALID_HOST, 0);
-        }
-        if !self.target.acquire_host_queue(&d.hostnqn) {
-            warn!(
-                subnqn = d.subnqn,
-                hostnqn = d.hostnqn,
-                "connect refused: the host holds as many queues as it may"
-            );
-            return (Status::CONNECT_CONTROLLER_BUSY, 0);
-        }
-        // Counted from here; released when the connection ends (or below on failure).
-        self.host_counted = Some(d.hostnqn.clone());
-        let r = self.connect_counted(&c, &d, subsys);
-        if r.0 != Status::SUCCESS {
-            if let Some(h) = self.host_counted.take() {
-                self.target.release_host_queue(&h);
-            }
-        }
-        r
-    }
-
-    fn connect_counted(
-        &mut self,
-        c: &Connect,
-        d: &ConnectData,
-        subsys: Arc<Subsystem>,
-    ) -> (Status, u64) {
-        let bad_data = |off| {
-            (
-                Status::CONNECT_INVALID_PARAMETERS,
-                connect_invalid_param_dw0(true, off) as u64,
-            )
+        let done = match fabrics_connect(&self.target, &self.q, cmd, data, rules) {
+            Ok(d) => d,
+            Err(r) => return r,
         };
-        let bad_sqe = |off| {
-            (
-                Status::CONNECT_INVALID_PARAMETERS,
-                connect_invalid_param_dw0(false, off) as u64,
-            )
-        };
+        let c = done.connect;
         let entries = c.sqsize as u32 + 1;
-        let max = if c.qid == 0 {
-            limits::MAX_ADMIN_QUEUE_ENTRIES
-        } else {
-            limits::MAX_QUEUE_ENTRIES
-        };
-        if c.sqsize == 0 || entries > max {
-            return bad_sqe(connect_sqe_offset::SQSIZE);
-        }
-        let ctrl = if c.qid == 0 {
-            if d.cntlid != fabrics::CNTLID_DYNAMIC {
-                return bad_data(connect_data_offset::CNTLID);
-            }
-            let ctrl = Controller::new(
-                &self.target,
-                subsys.clone(),
-                d.hostnqn.clone(),
-                c.kato,
-                self.local_ip,
-                &self.q,
-            );
-            subsys.insert_controller(ctrl.clone());
-            ctrl
-        } else {
-            if subsys.discovery {
-                return bad_sqe(connect_sqe_offset::QID);
-            }
-            let Some(ctrl) = subsys.controller(d.cntlid) else {
-                return bad_data(connect_data_offset::CNTLID);
-            };
-            if ctrl.hostnqn != d.hostnqn {
-                return bad_data(connect_data_offset::HOSTNQN);
-            }
-            if !ctrl.ready() {
-                return (Status::COMMAND_SEQUENCE_ERROR, 0);
-            }
-            if !ctrl.attach_io_queue(c.qid, &self.q) {
-                return bad_sqe(connect_sqe_offset::QID);
-            }
+        if c.qid != 0 {
             self.qid = c.qid;
             self.slots = (0..entries).map(|_| Slot::default()).collect();
             self.free = (0..entries as u16).rev().collect();
             self.max_inline = limits::IO_INLINE_DATA;
-            ctrl
-        };
-        self.sq_flow_disabled = c.cattr & fabrics::CATTR_DISABLE_SQ_FLOW != 0;
+        }
+        self.sq_flow_disabled = c.cattr & CATTR_DISABLE_SQ_FLOW != 0;
         self.sqsize = entries;
         self.head = 1 % entries;
-        let cntlid = ctrl.cntlid;
-        debug!(cntlid, qid = c.qid, sqsize = c.sqsize, "queue connected");
+        let cntlid = done.ctrl.cntlid;
         self.connected();
-        self.ctrl = Some(ctrl);
-        self.subsys = Some(subsys);
+        self.host_counted = Some(done.host);
+        self.ctrl = Some(done.ctrl);
+        self.subsys = Some(done.subsys);
         (Status::SUCCESS, cntlid as u64)
     }
 

@@ -16,6 +16,7 @@ use tracing::{debug, warn};
 
 use super::command::Slot;
 use super::ctrl::Controller;
+use super::fabrics::HostQueue;
 use super::pdu::End;
 use super::reactor::{Mail, NewConn, Shared};
 use super::subsystem::{Namespace, Subsystem};
@@ -131,7 +132,7 @@ pub(crate) struct Conn {
     /// This connection's place in its listener's connection counts.
     conn_slot: Option<ConnSlot>,
     /// The host NQN this queue counts against ([`super::ConnLimits::per_host`]).
-    pub(super) host_counted: Option<String>,
+    pub(super) host_counted: Option<HostQueue>,
     pub(super) listener: SocketAddr,
     pub(super) local_ip: IpAddr,
     pub(super) digests: Digests,
@@ -464,9 +465,7 @@ impl Conn {
     }
 
     fn leave(&mut self) {
-        if let Some(h) = self.host_counted.take() {
-            self.target.release_host_queue(&h);
-        }
+        self.host_counted = None;
         if let Some(c) = self.ctrl.take() {
             if self.qid == 0 {
                 // The admin queue ends the association (NVMe-oF 1.1 §3.6).

@@ -43,6 +43,7 @@
 mod command;
 mod conn;
 pub(crate) mod ctrl;
+pub(crate) mod fabrics;
 mod pdu;
 mod reactor;
 pub(crate) mod subsystem;

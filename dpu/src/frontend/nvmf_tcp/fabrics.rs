@@ -1,0 +1,198 @@
+//! Fabrics commands (NVMe-oF 1.1 §3), the part no transport changes.
+//!
+//! * Connect (§3.3, §5.3): the SQE's record format, the Connect data, the subsystem and
+//!   whether the queue arrived where that subsystem listens, the host allow list and the
+//!   per-host queue count, and then either a new controller (an admin queue) or the I/O
+//!   queue joining the controller it names.
+//! * Property Get and Set (§3.4, §3.5): the controller's registers, through the admin queue.
+//!
+//! NVMe/TCP (`command.rs`) and NVMe/RDMA (`frontend::nvmf_rdma::queue`) each bring what only
+//! they know: where the queue arrived, and the limits the transport sets on the queue's
+//! QID and SQSIZE (an RDMA queue was sized by its CM request already). What they do once
+//! connected (slots, flow control) stays with them.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use nacre_shared::nvme::fabrics::{
+    self, connect_data_offset, connect_invalid_param_dw0, connect_sqe_offset, fctype, Connect,
+    ConnectData, Property,
+};
+use nacre_shared::nvme::{Command, Status};
+use tracing::{debug, warn};
+
+use super::ctrl::{Controller, CtrlQueue};
+use super::subsystem::Subsystem;
+use super::TargetInner;
+
+/// A refused Connect: its status and the completion's DW0 (which field was invalid).
+pub(crate) type Refusal = (Status, u64);
+
+/// Connect Invalid Parameters naming the byte `off` of the Connect data (`in_data`) or of
+/// the SQE (NVMe-oF 1.1 Figure 21).
+pub(crate) fn invalid_param(in_data: bool, off: u16) -> Refusal {
+    (
+        Status::CONNECT_INVALID_PARAMETERS,
+        connect_invalid_param_dw0(in_data, off) as u64,
+    )
+}
+
+/// One queue of a host counted against [`super::ConnLimits::per_host`]; given back on drop.
+pub(crate) struct HostQueue {
+    target: Arc<TargetInner>,
+    hostnqn: String,
+}
+
+impl HostQueue {
+    fn acquire(target: &Arc<TargetInner>, hostnqn: &str) -> Option<HostQueue> {
+        target.acquire_host_queue(hostnqn).then(|| HostQueue {
+            target: target.clone(),
+            hostnqn: hostnqn.to_string(),
+        })
+    }
+}
+
+impl Drop for HostQueue {
+    fn drop(&mut self) {
+        self.target.release_host_queue(&self.hostnqn);
+    }
+}
+
+/// A Connect the target accepted: the queue belongs to `ctrl` from here.
+pub(crate) struct Connected {
+    pub ctrl: Arc<Controller>,
+    pub subsys: Arc<Subsystem>,
+    pub connect: Connect,
+    /// Held for as long as the queue lives.
+    pub host: HostQueue,
+}
+
+/// What one transport adds to the checks of a Connect.
+pub(crate) struct QueueRules<R, S> {
+    /// Whether `subsystem` listens where this queue arrived.
+    pub reachable: R,
+    /// The transport's own limits on the SQE (QID, SQSIZE): `Some` refuses.
+    pub sqe: S,
+    /// The queue's local address (reported by the controller, e.g. in discovery).
+    pub local_ip: IpAddr,
+}
+
+/// Carry out the Connect in `cmd` with its Connect data `data` for queue `q`.
+pub(crate) fn fabrics_connect<Q, R, S>(
+    target: &Arc<TargetInner>,
+    q: &Arc<Q>,
+    cmd: &Command,
+    data: &[u8],
+    rules: QueueRules<R, S>,
+) -> Result<Connected, Refusal>
+where
+    Q: CtrlQueue + 'static,
+    R: Fn(&Subsystem) -> bool,
+    S: Fn(&Connect) -> Option<Refusal>,
+{
+    let c = Connect::from_command(cmd);
+    if c.recfmt != 0 {
+        return Err((Status::CONNECT_INCOMPATIBLE_FORMAT, 0));
+    }
+    if data.len() < fabrics::CONNECT_DATA_LEN {
+        return Err((Status::DATA_SGL_LENGTH_INVALID, 0));
+    }
+    let d = ConnectData::decode(data);
+    let Some(subsys) = target
+        .find_subsystem(&d.subnqn)
+        .filter(|s| (rules.reachable)(s))
+    else {
+        return Err(invalid_param(true, connect_data_offset::SUBNQN));
+    };
+    if !subsys.host_allowed(&d.hostnqn) {
+        warn!(
+            subnqn = d.subnqn,
+            hostnqn = d.hostnqn,
+            "connect refused: host not allowed"
+        );
+        return Err((Status::CONNECT_INVALID_HOST, 0));
+    }
+    // Counted from here; a refusal below drops the count again.
+    let Some(host) = HostQueue::acquire(target, &d.hostnqn) else {
+        warn!(
+            subnqn = d.subnqn,
+            hostnqn = d.hostnqn,
+            "connect refused: the host holds as many queues as it may"
+        );
+        return Err((Status::CONNECT_CONTROLLER_BUSY, 0));
+    };
+    if let Some(r) = (rules.sqe)(&c) {
+        return Err(r);
+    }
+    let ctrl = if c.qid == 0 {
+        if d.cntlid != fabrics::CNTLID_DYNAMIC {
+            return Err(invalid_param(true, connect_data_offset::CNTLID));
+        }
+        let ctrl = Controller::new(
+            target,
+            subsys.clone(),
+            d.hostnqn.clone(),
+            c.kato,
+            rules.local_ip,
+            q,
+        );
+        subsys.insert_controller(ctrl.clone());
+        ctrl
+    } else {
+        if subsys.discovery {
+            return Err(invalid_param(false, connect_sqe_offset::QID));
+        }
+        let Some(ctrl) = subsys.controller(d.cntlid) else {
+            return Err(invalid_param(true, connect_data_offset::CNTLID));
+        };
+        if ctrl.hostnqn != d.hostnqn {
+            return Err(invalid_param(true, connect_data_offset::HOSTNQN));
+        }
+        if !ctrl.ready() {
+            return Err((Status::COMMAND_SEQUENCE_ERROR, 0));
+        }
+        if !ctrl.attach_io_queue(c.qid, q) {
+            return Err(invalid_param(false, connect_sqe_offset::QID));
+        }
+        ctrl
+    };
+    debug!(
+        cntlid = ctrl.cntlid,
+        qid = c.qid,
+        sqsize = c.sqsize,
+        "queue connected"
+    );
+    Ok(Connected {
+        ctrl,
+        subsys,
+        connect: c,
+        host,
+    })
+}
+
+/// Property Get or Set on queue `qid` of controller `ctrl` (`None` before Connect); any
+/// other Fabrics command type is Invalid Opcode. The value read is returned in CQE Dwords
+/// 0-1 (NVMe-oF 1.1 Figure 26).
+pub(crate) fn property(ctrl: Option<&Arc<Controller>>, qid: u16, cmd: &Command) -> (Status, u64) {
+    let get = match cmd.fctype() {
+        fctype::PROPERTY_GET => true,
+        fctype::PROPERTY_SET => false,
+        _ => return (Status::INVALID_OPCODE, 0),
+    };
+    let Some(ctrl) = ctrl else {
+        return (Status::COMMAND_SEQUENCE_ERROR, 0);
+    };
+    // Properties are reached only through the admin queue, 4 or 8 bytes at a time.
+    if qid != 0 || Property::size_field(cmd) > 1 {
+        return (Status::INVALID_FIELD, 0);
+    }
+    let p = Property::from_command(cmd);
+    if get {
+        match ctrl.property_get(p.offset, p.eight_bytes) {
+            Ok(v) => (Status::SUCCESS, v),
+            Err(s) => (s, 0),
+        }
+    } else {
+        (ctrl.property_set(p.offset, p.value), 0)
+    }
+}
