@@ -26,6 +26,7 @@
 //!   concurrently (a misbehaving guest gets garbage, not undefined behaviour in nacred). A
 //!   device never uses a segment after it reported the request's completion.
 
+pub mod dma;
 pub mod file;
 pub mod null;
 pub mod qos;

@@ -6,6 +6,10 @@
 //! a snapshot of the (few) mapped regions as `(guest start, length, host address)` built once
 //! per memory table, and translates a guest range with one short scan. It holds the mapping
 //! (`Arc<Mem>`), so every pointer it returns stays valid while the map lives.
+//!
+//! While a map lives its regions are announced to [`crate::volume::dma`]: a transport below
+//! the volumes (NVMe/RDMA) may then register the guest's memory with its device once per
+//! memory table and move request data straight to and from the guest's buffers.
 
 use std::sync::Arc;
 
@@ -13,6 +17,7 @@ use smallvec::SmallVec;
 use vm_memory::{GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
 
 use super::request::Mem;
+use crate::volume::dma;
 
 #[derive(Debug, Clone, Copy)]
 struct Region {
@@ -23,12 +28,14 @@ struct Region {
 
 pub struct GuestMap {
     regions: SmallVec<[Region; 8]>,
+    /// Withdrawn before `mem` lets the mapping go (fields drop in order).
+    _announced: SmallVec<[dma::Registration; 8]>,
     mem: Arc<Mem>,
 }
 
 impl GuestMap {
     pub fn new(mem: Arc<Mem>) -> Self {
-        let regions = mem
+        let regions: SmallVec<[Region; 8]> = mem
             .iter()
             .filter_map(|r| {
                 let host = r.get_host_address(MemoryRegionAddress(0)).ok()?;
@@ -39,7 +46,15 @@ impl GuestMap {
                 })
             })
             .collect();
-        GuestMap { regions, mem }
+        let announced = regions
+            .iter()
+            .map(|r| dma::register(r.host, r.len as usize))
+            .collect();
+        GuestMap {
+            regions,
+            _announced: announced,
+            mem,
+        }
     }
 
     /// The memory table this map was built from.

@@ -700,6 +700,59 @@ fn memory_table_swapped_during_a_run_is_used_for_later_chains() {
     assert_eq!(back[512], S_OK);
 }
 
+/// A RAM volume that records, for each data segment it is handed, whether the segment lies
+/// in memory announced to `volume::dma`.
+struct DmaProbe {
+    inner: RamVolume,
+    seen: Mutex<Vec<bool>>,
+}
+
+impl BlockDevice for DmaProbe {
+    fn geometry(&self) -> crate::volume::Geometry {
+        self.inner.geometry()
+    }
+    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+        let mut seen = self.seen.lock().unwrap();
+        for s in req.segments.iter() {
+            seen.push(crate::volume::dma::lookup(s.as_ptr(), s.len()).is_some());
+        }
+        drop(seen);
+        self.inner.submit(req, done)
+    }
+}
+
+#[test]
+fn guest_memory_is_announced_for_direct_access_while_mapped() {
+    let probe = Arc::new(DmaProbe {
+        inner: RamVolume::new(VOL_SIZE, 512).unwrap(),
+        seen: Mutex::new(Vec::new()),
+    });
+    let mut h = Harness::with_volume(probe.clone(), false);
+    h.fill(DATA, 8192, 0x42);
+    h.header(spec::T_OUT, 0);
+    assert_eq!(
+        h.one(&[
+            r(HDR, 16),
+            r(DATA, 4096),
+            r(DATA + 4096, 4096),
+            w(STATUS, 1)
+        ]),
+        (S_OK, 1)
+    );
+    h.header(spec::T_IN, 0);
+    assert_eq!(
+        h.one(&[r(HDR, 16), w(DATA, 8192), w(STATUS, 1)]),
+        (S_OK, 8193)
+    );
+    assert_eq!(*probe.seen.lock().unwrap(), vec![true, true, true]);
+    // The whole table is one region; it is withdrawn with the worker's map.
+    let host = vm_memory::GuestMemoryBackend::get_host_address(&*h.mem, GuestAddress(0)).unwrap();
+    let region = crate::volume::dma::lookup(host, MEM_SIZE).expect("announced");
+    assert_eq!(region.len(), MEM_SIZE);
+    drop(h);
+    assert!(crate::volume::dma::lookup(host, MEM_SIZE).is_none());
+}
+
 /// Where the indirect tables of the test below live in guest memory.
 const TABLE: u64 = 0x30_0000;
 
