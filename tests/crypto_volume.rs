@@ -419,3 +419,48 @@ fn wrong_kek_or_tampered_key_opens_nothing_and_crypto_erase_is_final() {
     assert_eq!(std::fs::read(&s.file).unwrap(), before);
     assert!(before[..data.len()] != data[..]);
 }
+
+/// A device below that records, for every data segment it is handed, whether the segment
+/// lies in memory announced to `volume::dma` (what an RDMA transport may hand its device
+/// without a bounce copy).
+struct DmaProbe {
+    inner: Arc<dyn BlockDevice>,
+    seen: Mutex<Vec<bool>>,
+}
+
+impl BlockDevice for DmaProbe {
+    fn geometry(&self) -> Geometry {
+        self.inner.geometry()
+    }
+
+    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+        let mut seen = self.seen.lock().unwrap();
+        for s in req.segments.iter() {
+            seen.push(nacre_dpu::volume::dma::lookup(s.as_ptr(), s.len()).is_some());
+        }
+        drop(seen);
+        self.inner.submit(req, done)
+    }
+}
+
+/// The ciphertext an encrypted volume sends down and receives from below sits in its bounce
+/// buffers, which are announced for direct device access: over NVMe/RDMA the XTS copy is
+/// the only copy of an encrypted I/O. The plaintext the caller handed in (not announced
+/// here) never reaches the device below.
+#[test]
+fn ciphertext_buffers_are_announced_for_direct_device_access() {
+    let key = XtsKey::generate(64).unwrap();
+    let probe = Arc::new(DmaProbe {
+        inner: Arc::new(RamVolume::new(1 << 20, 4096).unwrap()),
+        seen: Mutex::new(Vec::new()),
+    });
+    let vol = EncryptedVolume::new(probe.clone(), &key, EncryptionPolicy::default()).unwrap();
+    let data = pattern(64 * 1024, 9);
+    write_split(&vol, 8192, &data, &[4096, 60 * 1024]).unwrap();
+    assert_eq!(read_split(&vol, 8192, data.len(), &[8192, 56 * 1024]), data);
+    let seen = probe.seen.lock().unwrap().clone();
+    assert!(!seen.is_empty(), "nothing reached the device below");
+    assert!(seen.iter().all(|&s| s), "segments below not announced: {seen:?}");
+    // The caller's own buffer is not announced: it is not what went down.
+    assert!(nacre_dpu::volume::dma::lookup(data.as_ptr(), data.len()).is_none());
+}

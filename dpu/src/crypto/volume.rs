@@ -34,7 +34,7 @@ use super::policy::EncryptionPolicy;
 use super::xts::{EngineKind, UnitLayout, XtsEngine};
 use super::CryptoError;
 use crate::volume::{
-    copy_from_segments, copy_to_segments, BlockDevice, Completion, Geometry, IoError, IoKind,
+    copy_from_segments, copy_to_segments, dma, BlockDevice, Completion, Geometry, IoError, IoKind,
     IoRequest, IoResult, Segment, Segments,
 };
 
@@ -47,10 +47,13 @@ const BOUNCE_ALIGN: usize = 4096;
 /// At most this many idle bounce buffers are kept for reuse.
 const POOL_MAX: usize = 64;
 
-/// A heap buffer aligned for O_DIRECT.
+/// A heap buffer aligned for O_DIRECT, announced to [`dma`] while it lives: the buffer
+/// that carries ciphertext to and from the device below is the one a transport may hand
+/// its device directly (NVMe/RDMA), so the XTS copy is the only copy of an encrypted I/O.
 struct Bounce {
     ptr: *mut u8,
     cap: usize,
+    announced: Option<dma::Registration>,
 }
 
 // SAFETY: Bounce exclusively owns its allocation; it is handed between threads whole.
@@ -65,7 +68,11 @@ impl Bounce {
         if ptr.is_null() {
             std::alloc::handle_alloc_error(layout);
         }
-        Bounce { ptr, cap }
+        Bounce {
+            ptr,
+            cap,
+            announced: Some(dma::register(ptr, cap)),
+        }
     }
 
     fn slice(&mut self, len: usize) -> &mut [u8] {
@@ -79,6 +86,8 @@ impl Bounce {
 
 impl Drop for Bounce {
     fn drop(&mut self) {
+        // Withdrawn before the memory goes back to the allocator.
+        drop(self.announced.take());
         let layout = std::alloc::Layout::from_size_align(self.cap, BOUNCE_ALIGN).expect("layout");
         // SAFETY: allocated in `new` with this layout.
         unsafe { std::alloc::dealloc(self.ptr, layout) };
