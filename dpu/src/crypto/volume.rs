@@ -34,7 +34,7 @@ use super::policy::EncryptionPolicy;
 use super::xts::{EngineKind, UnitLayout, XtsEngine};
 use super::CryptoError;
 use crate::volume::{
-    copy_from_segments, copy_to_segments, BlockDevice, Completion, Geometry, IoError, IoKind,
+    copy_from_segments, copy_to_segments, BlockDevice, Geometry, IoCompletion, IoError, IoKind,
     IoRequest, IoResult, Segment, Segments,
 };
 
@@ -195,7 +195,7 @@ impl EncryptedVolume {
         &self.inner
     }
 
-    fn submit_write(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit_write(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         let len = req.len as usize;
         let mut bounce = self.shared.take(len);
         let first = self.shared.unit_of(req.offset);
@@ -221,7 +221,7 @@ impl EncryptedVolume {
         len: usize,
         tag: u64,
         mut bounce: Bounce,
-        upstream: Arc<dyn Completion>,
+        upstream: Arc<dyn IoCompletion>,
     ) {
         // SAFETY: the bounce buffer moves into the completion below, which keeps it alive and
         // untouched until the device below completes this write.
@@ -229,7 +229,7 @@ impl EncryptedVolume {
         let down = IoRequest::new(IoKind::Write, offset, len as u64, tag).with_segments([seg]);
         // The bounce buffer moves into the completion, so it outlives the inner write even
         // when the device below completes on another thread much later.
-        let c: Arc<dyn Completion> = Arc::new(WriteDone {
+        let c: Arc<dyn IoCompletion> = Arc::new(WriteDone {
             shared: self.shared.clone(),
             bounce: Mutex::new(Some(bounce)),
             upstream,
@@ -237,14 +237,14 @@ impl EncryptedVolume {
         self.inner.submit(down, &c);
     }
 
-    fn submit_read(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit_read(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         let len = req.len as usize;
         let mut bounce = self.shared.take(len);
         // SAFETY: the bounce buffer moves into the completion below, which keeps it alive
         // and untouched until the device below completes this read.
         let seg = unsafe { Segment::from_slice(bounce.slice(len)) };
         let down = IoRequest::new(IoKind::Read, req.offset, req.len, req.tag).with_segments([seg]);
-        let c: Arc<dyn Completion> = Arc::new(ReadDone {
+        let c: Arc<dyn IoCompletion> = Arc::new(ReadDone {
             shared: self.shared.clone(),
             segments: req.segments,
             first: self.shared.unit_of(req.offset),
@@ -255,7 +255,7 @@ impl EncryptedVolume {
         self.inner.submit(down, &c);
     }
 
-    fn submit_write_zeroes(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit_write_zeroes(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         let job = Arc::new_cyclic(|me| ZeroJob {
             me: me.clone(),
             inner: self.inner.clone(),
@@ -291,7 +291,7 @@ struct ZeroJob {
     shared: Arc<Shared>,
     tag: u64,
     end: u64,
-    upstream: Arc<dyn Completion>,
+    upstream: Arc<dyn IoCompletion>,
     phase: AtomicU8,
     state: Mutex<ZeroState>,
 }
@@ -338,7 +338,7 @@ impl ZeroJob {
             st.next = off + n as u64;
             drop(st);
             self.phase.store(SUBMITTED, Ordering::SeqCst);
-            let me: Arc<dyn Completion> = self.clone();
+            let me: Arc<dyn IoCompletion> = self.clone();
             self.inner.submit(
                 IoRequest::new(IoKind::Write, off, n as u64, self.tag).with_segments([seg]),
                 &me,
@@ -356,7 +356,7 @@ impl ZeroJob {
     }
 }
 
-impl Completion for ZeroJob {
+impl IoCompletion for ZeroJob {
     fn complete(&self, _tag: u64, result: IoResult) {
         if let Err(e) = result {
             self.state.lock().unwrap_or_else(|p| p.into_inner()).result = Err(e);
@@ -385,10 +385,10 @@ impl Completion for ZeroJob {
 struct WriteDone {
     shared: Arc<Shared>,
     bounce: Mutex<Option<Bounce>>,
-    upstream: Arc<dyn Completion>,
+    upstream: Arc<dyn IoCompletion>,
 }
 
-impl Completion for WriteDone {
+impl IoCompletion for WriteDone {
     fn complete(&self, tag: u64, result: IoResult) {
         if let Some(b) = self.bounce.lock().unwrap_or_else(|p| p.into_inner()).take() {
             self.shared.give(b);
@@ -404,10 +404,10 @@ struct ReadDone {
     len: usize,
     /// The ciphertext lands here; decrypted here, then copied into `segments`.
     bounce: Mutex<Option<Bounce>>,
-    upstream: Arc<dyn Completion>,
+    upstream: Arc<dyn IoCompletion>,
 }
 
-impl Completion for ReadDone {
+impl IoCompletion for ReadDone {
     fn complete(&self, tag: u64, result: IoResult) {
         let Some(mut bounce) = self.bounce.lock().unwrap_or_else(|p| p.into_inner()).take() else {
             return;
@@ -436,7 +436,7 @@ impl BlockDevice for EncryptedVolume {
         self.inner.geometry()
     }
 
-    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         // Validate here too: the bounce buffer is sized from the request, so a request whose
         // segments do not add up must never reach the encryption loop.
         if let Err(e) = self.geometry().check(&req) {

@@ -91,7 +91,7 @@ impl Queue {
     }
 }
 
-impl volume::Completion for Queue {
+impl volume::IoCompletion for Queue {
     fn complete(&self, tag: u64, result: IoResult) {
         self.reactor.complete(self.token, tag, result);
     }
@@ -115,7 +115,7 @@ pub(crate) struct Conn {
     pub(super) target: Arc<TargetInner>,
     pub(super) q: Arc<Queue>,
     /// `q` as the completion handle requests carry (made once, not per request).
-    pub(super) done: Arc<dyn volume::Completion>,
+    pub(super) done: Arc<dyn volume::IoCompletion>,
     pub(super) sock: Option<TcpStream>,
     pub(super) phase: Phase,
     /// Events asked of epoll now.
