@@ -10,8 +10,10 @@ use nacre_shared::api::nvmf::{
 use nacre_shared::api::Ack;
 use serde_json::{json, Value};
 
+use super::daemon::Daemon;
+use super::error::RpcError;
+use super::method::{parse_params, to_value, Method, NoParams};
 use super::registry::Transport;
-use super::{parse_params, to_value, Daemon, Method, NoParams, RpcError};
 
 pub const METHODS: &[Method] = &[
     Method {

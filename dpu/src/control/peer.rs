@@ -14,7 +14,9 @@ use nacre_shared::api::Ack;
 use nacre_shared::channel::HostIdentity;
 use serde_json::Value;
 
-use super::{parse_params, to_value, Daemon, Method, NoParams, RpcError};
+use super::daemon::Daemon;
+use super::error::RpcError;
+use super::method::{parse_params, to_value, Method, NoParams};
 
 /// Who is calling a host-facing method.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -5,8 +5,10 @@ use nacre_shared::api::qos::{QosSet, QosTarget as QosTargetParams, StatsGet};
 use nacre_shared::api::Ack;
 use serde_json::Value;
 
+use super::daemon::Daemon;
+use super::error::RpcError;
+use super::method::{parse_params, to_value, Method, NoParams};
 use super::registry::QosTarget;
-use super::{parse_params, to_value, Daemon, Method, NoParams, RpcError};
 
 pub const METHODS: &[Method] = &[
     Method {

@@ -5,7 +5,9 @@ use nacre_shared::api::remote::{RemoteAttach, RemoteDiscover, RemoteList, Remote
 use nacre_shared::api::Ack;
 use serde_json::Value;
 
-use super::{parse_params, to_value, Daemon, Method, RpcError};
+use super::daemon::Daemon;
+use super::error::RpcError;
+use super::method::{parse_params, to_value, Method};
 
 pub const METHODS: &[Method] = &[
     Method {

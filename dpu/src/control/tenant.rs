@@ -10,7 +10,9 @@ use nacre_shared::api::tenant::{
 use nacre_shared::api::Ack;
 use serde_json::{json, Value};
 
-use super::{parse_params, to_value, Daemon, Method, RpcError};
+use super::daemon::Daemon;
+use super::error::RpcError;
+use super::method::{parse_params, to_value, Method};
 
 pub const METHODS: &[Method] = &[
     Method {

@@ -4,7 +4,9 @@ use nacre_shared::api::vhost::{VhostBlkCreate, VhostBlkName};
 use nacre_shared::api::Ack;
 use serde_json::Value;
 
-use super::{parse_params, to_value, Daemon, Method, NoParams, RpcError};
+use super::daemon::Daemon;
+use super::error::RpcError;
+use super::method::{parse_params, to_value, Method, NoParams};
 
 pub const METHODS: &[Method] = &[
     Method {

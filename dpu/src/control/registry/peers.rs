@@ -1,11 +1,5 @@
-//! GPU peer windows hosts register, and matching the disks a host sees to volumes.
-//!
-//! Windows are not persisted: one registered over the host channel lives as long as that
-//! connection (the GPU memory behind it is pinned by the host process at the other end).
-
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+//! GPU peer windows hosts register ([`super::windows`] holds them), and matching the disks a
+//! host sees to volumes.
 
 use nacre_shared::api::host::{normalize_id128, MatchedVolume, SeenDevice};
 use nacre_shared::api::peer::PeerWindowInfo;
@@ -13,31 +7,9 @@ use tracing::info;
 
 use super::exporters::{exporters, Exporter};
 use super::store::Registry;
+use super::windows::Window;
 use crate::control::error::RpcError;
 use crate::control::state::{State, VolumeRecord};
-
-/// Registered peer windows, by id.
-#[derive(Default)]
-pub(super) struct Windows {
-    next: AtomicU64,
-    windows: Mutex<BTreeMap<u64, Window>>,
-}
-
-struct Window {
-    info: PeerWindowInfo,
-    /// The host-channel connection that registered it (it goes when that connection does).
-    conn: Option<u64>,
-}
-
-impl Windows {
-    fn lock(&self) -> MutexGuard<'_, BTreeMap<u64, Window>> {
-        self.windows.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn next_id(&self) -> u64 {
-        self.next.fetch_add(1, Ordering::Relaxed) + 1
-    }
-}
 
 impl Registry {
     /// A fresh connection number for the host channel (from the sequence window ids come

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::controllers::Controllers;
-use super::peers::Windows;
+use super::windows::Windows;
 use crate::control::error::RpcError;
 use crate::control::state::{self, State, VolumeRecord};
 use crate::frontend::nvmf_rdma::RdmaPorts;
@@ -71,7 +71,7 @@ pub struct Registry {
     pub(super) controllers: Controllers,
     /// QoS limiter and the per-volume statistics it keeps.
     pub(super) qos: Arc<Qos>,
-    /// GPU peer windows hosts registered (not persisted; see [`super::peers`]).
+    /// GPU peer windows hosts registered (not persisted; see [`super::windows`]).
     pub(super) windows: Windows,
 }
 
