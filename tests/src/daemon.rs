@@ -185,16 +185,24 @@ impl Nacred {
     }
 
     /// nacred's open descriptors and threads now, from /proc.
+    ///
+    /// The kernel's io_uring workers (`iou-wrk-*`, serving a file volume's ring) are not
+    /// counted: the kernel starts them on demand and retires them when idle, whatever nacred
+    /// does, and a leaked ring would still show as a leaked fd.
     pub fn footprint(&self) -> Footprint {
-        let count = |what: &str| {
-            std::fs::read_dir(format!("/proc/{}/{what}", self.pid()))
-                .map(|d| d.count())
-                .unwrap_or(0)
-        };
-        Footprint {
-            fds: count("fd"),
-            threads: count("task"),
-        }
+        let dir = |what: &str| std::fs::read_dir(format!("/proc/{}/{what}", self.pid()));
+        let fds = dir("fd").map(|d| d.count()).unwrap_or(0);
+        let threads = dir("task")
+            .map(|d| {
+                d.flatten()
+                    .filter(|t| {
+                        std::fs::read_to_string(t.path().join("comm"))
+                            .map_or(true, |comm| !comm.starts_with("iou-wrk-"))
+                    })
+                    .count()
+            })
+            .unwrap_or(0);
+        Footprint { fds, threads }
     }
 
     /// The footprint once it has stopped changing for 200 ms and `idle()` holds (nacred tears a
