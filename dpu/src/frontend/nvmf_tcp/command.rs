@@ -20,7 +20,7 @@ use nacre_shared::nvme_tcp::{self as tcp, fes};
 use tracing::{debug, warn};
 
 use super::conn::Conn;
-use super::ctrl::{AdminReply, Controller};
+use super::ctrl::{AdminReply, TargetController};
 use super::limits;
 use super::pdu::{fatal, End};
 use super::subsystem::{Namespace, Subsystem};
@@ -291,7 +291,7 @@ impl Conn {
             if d.cntlid != fabrics::CNTLID_DYNAMIC {
                 return bad_data(connect_data_offset::CNTLID);
             }
-            let ctrl = Controller::new(
+            let ctrl = TargetController::new(
                 &self.target,
                 subsys.clone(),
                 d.hostnqn.clone(),

@@ -15,7 +15,7 @@ use nacre_shared::nvme_tcp::{self as tcp, Digests};
 use tracing::{debug, warn};
 
 use super::command::Slot;
-use super::ctrl::Controller;
+use super::ctrl::TargetController;
 use super::pdu::End;
 use super::reactor::{Mail, NewConn, Shared};
 use super::subsystem::{Namespace, Subsystem};
@@ -141,7 +141,7 @@ pub(crate) struct Conn {
     pub(super) rbuf: Vec<u8>,
     pub(super) rstart: usize,
     pub(super) rend: usize,
-    pub(super) ctrl: Option<Arc<Controller>>,
+    pub(super) ctrl: Option<Arc<TargetController>>,
     pub(super) subsys: Option<Arc<Subsystem>>,
     pub(super) ns_gen: u64,
     pub(super) ns: BTreeMap<u32, Arc<Namespace>>,
