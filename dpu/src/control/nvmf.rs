@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use super::daemon::Daemon;
 use super::error::RpcError;
 use super::method::{parse_params, to_value, Method, NoParams};
-use super::registry::Transport;
+use super::registry::ListenerTransport;
 
 pub const METHODS: &[Method] = &[
     Method {
@@ -92,7 +92,7 @@ fn nvmf_subsystem_remove_ns(d: &Daemon, params: Value) -> Result<Value, RpcError
 }
 
 /// A listener request's address and transport (`transport` absent: NVMe/TCP).
-fn listener(p: &NvmfListener) -> Result<(SocketAddr, Transport), RpcError> {
+fn listener(p: &NvmfListener) -> Result<(SocketAddr, ListenerTransport), RpcError> {
     let ip: IpAddr = p.address.parse().map_err(|_| {
         RpcError::invalid_params(format!(
             "address {:?} is not an IPv4 or IPv6 address",
@@ -100,8 +100,8 @@ fn listener(p: &NvmfListener) -> Result<(SocketAddr, Transport), RpcError> {
         ))
     })?;
     let transport = match p.transport.as_deref() {
-        None | Some(TRANSPORT_TCP) => Transport::Tcp,
-        Some(TRANSPORT_RDMA) => Transport::Rdma,
+        None | Some(TRANSPORT_TCP) => ListenerTransport::Tcp,
+        Some(TRANSPORT_RDMA) => ListenerTransport::Rdma,
         Some(t) => {
             return Err(RpcError::invalid_params(format!(
                 "transport {t:?} is not one nacre serves: use \"tcp\" or \"rdma\""
@@ -117,8 +117,8 @@ fn nvmf_subsystem_add_listener(d: &Daemon, params: Value) -> Result<Value, RpcEr
     let bound = d.registry.add_listener(&p.nqn, addr, transport)?;
     let (address, port) = (bound.ip().to_string(), bound.port());
     to_value(match transport {
-        Transport::Tcp => json!({"nqn": p.nqn, "address": address, "port": port}),
-        Transport::Rdma => json!({
+        ListenerTransport::Tcp => json!({"nqn": p.nqn, "address": address, "port": port}),
+        ListenerTransport::Rdma => json!({
             "nqn": p.nqn, "address": address, "port": port, "transport": TRANSPORT_RDMA
         }),
     })

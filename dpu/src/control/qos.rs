@@ -1,14 +1,14 @@
 //! `qos_*` and `stats_*` methods: QoS limits of volumes, tenants and the daemon, and the
 //! statistics the QoS layer keeps per open volume.
 
-use nacre_shared::api::qos::{QosSet, QosTarget as QosTargetParams, StatsGet};
+use nacre_shared::api::qos::{QosSet, QosTarget, StatsGet};
 use nacre_shared::api::Ack;
 use serde_json::Value;
 
 use super::daemon::Daemon;
 use super::error::RpcError;
 use super::method::{parse_params, to_value, Method, NoParams};
-use super::registry::QosTarget;
+use super::registry::QosScope;
 
 pub const METHODS: &[Method] = &[
     Method {
@@ -42,8 +42,8 @@ fn target<'a>(
     volume: &'a Option<String>,
     tenant: &'a Option<String>,
     global: bool,
-) -> QosTarget<'a> {
-    QosTarget {
+) -> QosScope<'a> {
+    QosScope {
         volume: volume.as_deref(),
         tenant: tenant.as_deref(),
         global,
@@ -57,14 +57,14 @@ fn qos_set(d: &Daemon, params: Value) -> Result<Value, RpcError> {
 }
 
 fn qos_clear(d: &Daemon, params: Value) -> Result<Value, RpcError> {
-    let p: QosTargetParams = parse_params(params)?;
+    let p: QosTarget = parse_params(params)?;
     d.registry
         .clear_qos(target(&p.volume, &p.tenant, p.global))?;
     to_value(Ack { ok: true })
 }
 
 fn qos_show(d: &Daemon, params: Value) -> Result<Value, RpcError> {
-    let p: QosTargetParams = parse_params(params)?;
+    let p: QosTarget = parse_params(params)?;
     to_value(
         d.registry
             .qos_limits(target(&p.volume, &p.tenant, p.global))?,

@@ -55,10 +55,9 @@ mod vhost;
 mod volumes;
 mod windows;
 
-pub use compose::{FailedVolume, QOS_DISABLED};
-pub use exporters::{exporters, Exporter};
-pub use nvmf::Transport;
-pub use qos::QosTarget;
+pub use compose::QOS_DISABLED;
+pub use nvmf::ListenerTransport;
+pub use qos::QosScope;
 pub use remotes::PathState;
 pub use store::{DaemonConfig, Registry};
 

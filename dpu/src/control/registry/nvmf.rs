@@ -22,42 +22,43 @@ use crate::control::state::{serial_from_uuid, NvmfState, NvmfSubsystemRecord};
 use crate::frontend::nvmf_rdma::RdmaPorts;
 use crate::frontend::nvmf_tcp::{NvmfTarget, DEFAULT_MODEL};
 
-/// The transport of a listener.
+/// The transport a target listener serves (an NVMe-oF subsystem listens on each address
+/// for one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Transport {
+pub enum ListenerTransport {
     Tcp,
     Rdma,
 }
 
-impl Transport {
+impl ListenerTransport {
     /// A subsystem's configured listeners of this transport.
     fn listeners(self, r: &NvmfSubsystemRecord) -> &BTreeSet<SocketAddr> {
         match self {
-            Transport::Tcp => &r.listeners,
-            Transport::Rdma => &r.rdma_listeners,
+            ListenerTransport::Tcp => &r.listeners,
+            ListenerTransport::Rdma => &r.rdma_listeners,
         }
     }
 
     fn listeners_mut(self, r: &mut NvmfSubsystemRecord) -> &mut BTreeSet<SocketAddr> {
         match self {
-            Transport::Tcp => &mut r.listeners,
-            Transport::Rdma => &mut r.rdma_listeners,
+            ListenerTransport::Tcp => &mut r.listeners,
+            ListenerTransport::Rdma => &mut r.rdma_listeners,
         }
     }
 
     /// The listeners of this transport that could not be started at replay.
     fn failed(self, inner: &mut Inner) -> &mut BTreeMap<(String, SocketAddr), String> {
         match self {
-            Transport::Tcp => &mut inner.live.listeners_failed,
-            Transport::Rdma => &mut inner.live.rdma_listeners_failed,
+            ListenerTransport::Tcp => &mut inner.live.listeners_failed,
+            ListenerTransport::Rdma => &mut inner.live.rdma_listeners_failed,
         }
     }
 
     /// How errors name a listener: its address, with `rdma:` before an RDMA one.
     fn name(self, addr: SocketAddr) -> String {
         match self {
-            Transport::Tcp => addr.to_string(),
-            Transport::Rdma => format!("rdma:{addr}"),
+            ListenerTransport::Tcp => addr.to_string(),
+            ListenerTransport::Rdma => format!("rdma:{addr}"),
         }
     }
 }
@@ -70,10 +71,10 @@ enum Port {
 
 impl Port {
     /// The live listener of `transport`, created on first use.
-    fn of(inner: &mut Inner, transport: Transport) -> Port {
+    fn of(inner: &mut Inner, transport: ListenerTransport) -> Port {
         match transport {
-            Transport::Tcp => Port::Tcp(target(inner)),
-            Transport::Rdma => Port::Rdma(rdma_ports(inner)),
+            ListenerTransport::Tcp => Port::Tcp(target(inner)),
+            ListenerTransport::Rdma => Port::Rdma(rdma_ports(inner)),
         }
     }
 
@@ -244,7 +245,7 @@ impl Registry {
         &self,
         nqn: &str,
         addr: SocketAddr,
-        transport: Transport,
+        transport: ListenerTransport,
     ) -> Result<SocketAddr, RpcError> {
         self.with(|inner| {
             if transport.listeners(record(inner, nqn)?).contains(&addr) {
@@ -271,7 +272,7 @@ impl Registry {
         &self,
         nqn: &str,
         addr: SocketAddr,
-        transport: Transport,
+        transport: ListenerTransport,
     ) -> Result<(), RpcError> {
         self.with(|inner| {
             if !transport.listeners(record(inner, nqn)?).contains(&addr) {

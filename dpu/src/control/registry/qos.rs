@@ -10,16 +10,16 @@ use super::store::Registry;
 use crate::control::error::RpcError;
 use crate::control::state::{QosState, State};
 
-/// What a QoS request names, as the request gives it: exactly one of a volume, a tenant or
-/// the daemon (global).
+/// What a QoS request applies to, as the request gives it: exactly one of a volume, a tenant
+/// or the daemon (global); none, for `qos_show`, means every limit set.
 #[derive(Debug, Clone, Copy)]
-pub struct QosTarget<'a> {
+pub struct QosScope<'a> {
     pub volume: Option<&'a str>,
     pub tenant: Option<&'a str>,
     pub global: bool,
 }
 
-impl QosTarget<'_> {
+impl QosScope<'_> {
     fn any(&self) -> bool {
         self.volume.is_some() || self.tenant.is_some() || self.global
     }
@@ -33,7 +33,7 @@ enum Target {
 }
 
 impl Target {
-    fn of(state: &State, t: QosTarget<'_>) -> Result<Target, RpcError> {
+    fn of(state: &State, t: QosScope<'_>) -> Result<Target, RpcError> {
         match (t.volume, t.tenant, t.global) {
             (Some(v), None, false) => {
                 validate_name("volume", v).map_err(RpcError::invalid_params)?;
@@ -120,7 +120,7 @@ impl Registry {
     }
 
     /// `qos_set`: the given limits replace the target's, the others stay.
-    pub fn set_qos(&self, target: QosTarget<'_>, limits: &QosLimits) -> Result<QosInfo, RpcError> {
+    pub fn set_qos(&self, target: QosScope<'_>, limits: &QosLimits) -> Result<QosInfo, RpcError> {
         limits.validate().map_err(RpcError::invalid_params)?;
         self.with(|inner| {
             let t = Target::of(&inner.state, target)?;
@@ -140,7 +140,7 @@ impl Registry {
     }
 
     /// `qos_clear`: every limit of the target goes.
-    pub fn clear_qos(&self, target: QosTarget<'_>) -> Result<(), RpcError> {
+    pub fn clear_qos(&self, target: QosScope<'_>) -> Result<(), RpcError> {
         self.with(|inner| {
             let t = Target::of(&inner.state, target)?;
             let mut next = inner.state.clone();
@@ -154,7 +154,7 @@ impl Registry {
 
     /// `qos_show`: the target's limits, or (no target) every limit set: global, tenants,
     /// volumes.
-    pub fn qos_limits(&self, target: QosTarget<'_>) -> Result<Vec<QosInfo>, RpcError> {
+    pub fn qos_limits(&self, target: QosScope<'_>) -> Result<Vec<QosInfo>, RpcError> {
         self.with(|inner| {
             let q = &inner.state.qos;
             if target.any() {

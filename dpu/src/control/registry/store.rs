@@ -25,7 +25,7 @@ pub struct DaemonConfig {
 
 /// Objects that exist only while nacred runs: opened volumes and running devices.
 #[derive(Default)]
-pub(crate) struct Live {
+pub(super) struct Live {
     pub volumes: HashMap<String, Arc<dyn BlockDevice>>,
     pub vhost_blk: HashMap<String, VhostBlkServer>,
     pub nvmf: Option<Arc<NvmfTarget>>,
@@ -44,7 +44,7 @@ pub(crate) struct Live {
 }
 
 /// The persisted state and the live objects built from it, under the control lock.
-pub(crate) struct Inner {
+pub(super) struct Inner {
     pub state: State,
     pub live: Live,
 }
