@@ -8,11 +8,14 @@ use std::sync::Arc;
 
 use nacre_shared::api::qos::QosLimits;
 
-use super::registry::Registry;
+use super::registry::{PathState, Registry};
 
 /// Path states (one per remote controller; every state a series, 1 for the current one, as
 /// Prometheus enums go).
 const PATH_STATES: [&str; 4] = ["live", "connecting", "failed", "closed"];
+
+/// A counter of remote controllers: its name, its help, and its value for one.
+type Counter = (&'static str, &'static str, fn(&PathState) -> u64);
 
 /// Give the metrics endpoint the daemon's own series.
 pub fn export_daemon_series(registry: &Arc<Registry>) {
@@ -91,29 +94,28 @@ fn render_daemon_series(r: &Registry) -> String {
             );
         }
     }
-    let _ = writeln!(
-        out,
-        "# HELP nacre_remote_resets_total Sessions of a remote controller lost (each one a reconnect).\n# TYPE nacre_remote_resets_total counter"
-    );
-    for p in &paths {
-        let _ = writeln!(
-            out,
-            "nacre_remote_resets_total{{remote=\"{}\"}} {}",
-            label(&p.remote),
-            p.resets
-        );
-    }
-    let _ = writeln!(
-        out,
-        "# HELP nacre_remote_connects_total Sessions of a remote controller established.\n# TYPE nacre_remote_connects_total counter"
-    );
-    for p in &paths {
-        let _ = writeln!(
-            out,
-            "nacre_remote_connects_total{{remote=\"{}\"}} {}",
-            label(&p.remote),
-            p.connects
-        );
+    let counters: [Counter; 2] = [
+        (
+            "nacre_remote_resets_total",
+            "Sessions of a remote controller lost (each one a reconnect).",
+            |p| p.resets,
+        ),
+        (
+            "nacre_remote_connects_total",
+            "Sessions of a remote controller established.",
+            |p| p.connects,
+        ),
+    ];
+    for (name, help, value) in counters {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+        for p in &paths {
+            let _ = writeln!(
+                out,
+                "{name}{{remote=\"{}\"}} {}",
+                label(&p.remote),
+                value(p)
+            );
+        }
     }
     let _ = writeln!(
         out,

@@ -203,6 +203,45 @@ pub fn save(dir: &Path, state: &State) -> std::io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
+/// Records for tests of the modules that read them.
+#[cfg(test)]
+pub(crate) mod fixtures {
+    use super::*;
+
+    /// A 1 MiB RAM volume with 512-byte blocks, no tenant.
+    pub fn volume(name: &str, uuid: &str) -> VolumeRecord {
+        VolumeRecord {
+            name: name.into(),
+            size: 1 << 20,
+            block_size: 512,
+            backend: BackendKind::Ram,
+            path: None,
+            uuid: uuid.into(),
+            serial: "s".into(),
+            tenant: None,
+            encrypted: false,
+            remote: None,
+        }
+    }
+
+    /// A subsystem open to any host exporting `namespaces` (NSID, volume), with no listener.
+    pub fn subsystem(nqn: &str, namespaces: &[(u32, &str)]) -> NvmfSubsystemRecord {
+        NvmfSubsystemRecord {
+            nqn: nqn.into(),
+            serial: "s".into(),
+            model: "m".into(),
+            allow_any_host: true,
+            hosts: Default::default(),
+            namespaces: namespaces
+                .iter()
+                .map(|&(n, v)| (n, v.to_string()))
+                .collect(),
+            listeners: Default::default(),
+            rdma_listeners: Default::default(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod test {
     use super::*;
@@ -212,21 +251,7 @@ mod test {
         let d = tempfile::tempdir().unwrap();
         assert_eq!(load(d.path()).unwrap(), None);
         let mut s = State::default();
-        s.volumes.insert(
-            "v".into(),
-            VolumeRecord {
-                name: "v".into(),
-                size: 1 << 20,
-                block_size: 512,
-                backend: BackendKind::Ram,
-                path: None,
-                uuid: "u".into(),
-                serial: "s".into(),
-                tenant: None,
-                encrypted: false,
-                remote: None,
-            },
-        );
+        s.volumes.insert("v".into(), fixtures::volume("v", "u"));
         save(d.path(), &s).unwrap();
         let back = load(d.path()).unwrap().unwrap();
         assert_eq!(back.volumes, s.volumes);

@@ -73,23 +73,8 @@ pub(super) fn refuse_if_exported(
 #[cfg(test)]
 mod test {
     use super::*;
-    use crate::control::state::{NvmfSubsystemRecord, VhostBlkRecord};
-
-    fn subsystem(nqn: &str, namespaces: &[(u32, &str)]) -> NvmfSubsystemRecord {
-        NvmfSubsystemRecord {
-            nqn: nqn.into(),
-            serial: "s".into(),
-            model: "m".into(),
-            allow_any_host: true,
-            hosts: Default::default(),
-            namespaces: namespaces
-                .iter()
-                .map(|&(n, v)| (n, v.to_string()))
-                .collect(),
-            listeners: Default::default(),
-            rdma_listeners: Default::default(),
-        }
-    }
+    use crate::control::state::fixtures::subsystem;
+    use crate::control::state::VhostBlkRecord;
 
     /// The index lists every frontend of a volume and only its own, vhost-user-blk devices
     /// first, in the form `volume_list` and the refusals show.

@@ -159,8 +159,7 @@ fn match_one(state: &State, tenant: Option<&str>, s: &SeenDevice) -> Option<Matc
 #[cfg(test)]
 mod test {
     use super::*;
-    use crate::control::state::NvmfSubsystemRecord;
-    use nacre_shared::api::volume::BackendKind;
+    use crate::control::state::fixtures;
 
     /// A namespace a host sees lists the exports of its own subsystem only, even where
     /// another subsystem's NQN starts with it (NQNs may contain '/', the separator in
@@ -169,38 +168,14 @@ mod test {
     fn nvme_match_lists_the_exports_of_the_seen_subsystem_only() {
         let uuid = "6f1b2c3d-4e5f-4a6b-8c7d-9e0f1a2b3c4d";
         let mut s = State::default();
-        s.volumes.insert(
-            "v".into(),
-            VolumeRecord {
-                name: "v".into(),
-                size: 1 << 20,
-                block_size: 512,
-                backend: BackendKind::Ram,
-                path: None,
-                uuid: uuid.into(),
-                serial: "NACRE6F1B2C3D4E5F4A6".into(),
-                tenant: None,
-                encrypted: false,
-                remote: None,
-            },
-        );
+        s.volumes.insert("v".into(), fixtures::volume("v", uuid));
         for (nqn, nsid) in [
             ("nqn.2024-01.io.nacre:a", 1),
             ("nqn.2024-01.io.nacre:a/b", 2),
         ] {
-            s.nvmf.subsystems.insert(
-                nqn.into(),
-                NvmfSubsystemRecord {
-                    nqn: nqn.into(),
-                    serial: "s".into(),
-                    model: "m".into(),
-                    allow_any_host: true,
-                    hosts: Default::default(),
-                    namespaces: [(nsid, "v".to_string())].into(),
-                    listeners: Default::default(),
-                    rdma_listeners: Default::default(),
-                },
-            );
+            s.nvmf
+                .subsystems
+                .insert(nqn.into(), fixtures::subsystem(nqn, &[(nsid, "v")]));
         }
         let seen = SeenDevice {
             id: "nvme0n1".into(),
