@@ -18,7 +18,7 @@ pub struct Daemon {
 
 impl Daemon {
     /// Create the daemon over its directories, and replay the persisted state: volumes are
-    /// reopened and devices restarted (see [`Registry::replay`]). Returns the daemon and
+    /// reopened and devices restarted (`Registry::replay`). Returns the daemon and
     /// whether state existed before.
     ///
     /// Before anything else in the directories is touched, takes their locks
