@@ -35,7 +35,8 @@
 //! (`Registry::commit`); only then commit it in memory. If persisting fails the live object
 //! is torn down again, so what runs and what would be replayed never diverge.
 //!
-//! The test at the end of this file holds the registry's modules to the graph above.
+//! The tests at the end of this file hold the registry's modules to the graph above, and its
+//! operations to that rule.
 
 mod compose;
 mod controllers;
@@ -139,8 +140,111 @@ mod test {
                     .or_else(|| l.trim().strip_prefix("pub mod "))
             })
             .map(|l| l.trim_end_matches(';'))
-            .filter(|m| *m != "test {")
+            .filter(|m| !m.ends_with('{'))
             .count();
         assert_eq!(declared, LAYERS.len());
+    }
+}
+
+#[cfg(test)]
+mod atomicity {
+    use std::sync::Arc;
+
+    use serde::de::DeserializeOwned;
+    use serde_json::json;
+
+    use super::{DaemonConfig, ListenerTransport, Registry};
+    use crate::control::error::RpcError;
+    use crate::control::state::{self, STATE_FILE};
+
+    fn req<T: DeserializeOwned>(v: serde_json::Value) -> T {
+        serde_json::from_value(v).expect("valid request")
+    }
+
+    /// Every change persists before it commits, and one that cannot be persisted leaves
+    /// nothing running that a restart would not bring back: no volume, backing file, device,
+    /// subsystem or listener, and a resized volume keeps its size. Once the state can be
+    /// written again, the same changes succeed (nothing left behind blocks them).
+    #[test]
+    fn a_change_that_cannot_be_persisted_leaves_nothing_running() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = DaemonConfig {
+            state_dir: dir.path().join("state"),
+            run_dir: dir.path().join("run"),
+        };
+        for d in [&config.state_dir, &config.run_dir] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        let r = Arc::new(Registry::new(config.clone(), Default::default()));
+        r.replay();
+        r.create_volume(&req(
+            json!({"name": "v", "size": 1 << 20, "backend": "ram"}),
+        ))
+        .unwrap();
+        let nqn = "nqn.2024-01.io.nacre:atomic";
+        let saved = state::load(&config.state_dir).unwrap().unwrap();
+
+        // The state is written through a temporary file next to it: a directory in its place
+        // makes every save fail (root included).
+        let blocker = config.state_dir.join(format!(".{STATE_FILE}.tmp"));
+        std::fs::create_dir(&blocker).unwrap();
+        let cannot_write = |e: RpcError| {
+            assert!(e.message.starts_with("cannot write state"), "{e}");
+        };
+        let file = dir.path().join("f.img");
+        let file_volume = json!({
+            "name": "f", "size": 1 << 20, "backend": "file", "path": file.to_str().unwrap()
+        });
+        let socket = config.run_dir.join("vhost-d.sock");
+        let device = json!({"name": "d", "volume": "v", "socket": socket.to_str().unwrap()});
+        let addr = "127.0.0.1:0".parse().unwrap();
+
+        cannot_write(r.create_volume(&req(file_volume.clone())).unwrap_err());
+        assert!(!file.exists(), "backing file left behind");
+        cannot_write(r.create_vhost_blk(&req(device.clone())).unwrap_err());
+        assert!(!socket.exists(), "device left serving");
+        cannot_write(r.resize_volume("v", 2 << 20).unwrap_err());
+        cannot_write(r.create_subsystem(&req(json!({"nqn": nqn}))).unwrap_err());
+        cannot_write(r.delete_volume("v", false).unwrap_err());
+        {
+            let inner = r.lock();
+            // (`format` is set on what is written, not on the state in memory.)
+            assert_eq!(inner.state.format, 0);
+            assert_eq!(
+                inner.state,
+                state::State {
+                    format: 0,
+                    ..saved.clone()
+                }
+            );
+            assert_eq!(inner.live.volumes.len(), 1);
+            assert_eq!(inner.live.volumes["v"].geometry().size, 1 << 20);
+            assert!(inner.live.vhost_blk.is_empty());
+        }
+        assert!(r.subsystems().iter().all(|s| s.info.nqn != nqn));
+        assert_eq!(state::load(&config.state_dir).unwrap().unwrap(), saved);
+
+        std::fs::remove_dir(&blocker).unwrap();
+        r.create_volume(&req(file_volume)).unwrap();
+        r.create_vhost_blk(&req(device)).unwrap();
+        assert!(socket.exists());
+        assert_eq!(r.resize_volume("v", 2 << 20).unwrap().size, 2 << 20);
+        r.create_subsystem(&req(json!({"nqn": nqn}))).unwrap();
+
+        // A listener, likewise: bound, then unbound again when its record cannot be saved.
+        std::fs::create_dir(&blocker).unwrap();
+        cannot_write(
+            r.add_listener(nqn, addr, ListenerTransport::Tcp)
+                .unwrap_err(),
+        );
+        let sub = r
+            .subsystems()
+            .into_iter()
+            .find(|s| s.info.nqn == nqn)
+            .unwrap();
+        assert!(sub.info.listeners.is_empty(), "{:?}", sub.info);
+        std::fs::remove_dir(&blocker).unwrap();
+        r.add_listener(nqn, addr, ListenerTransport::Tcp).unwrap();
+        r.shutdown();
     }
 }
