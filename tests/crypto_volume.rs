@@ -15,7 +15,7 @@ use nacre_dpu::crypto::{CipherKind, CryptoError, EncryptionPolicy, TweakMode, Xt
 use nacre_dpu::volume::file::FileVolume;
 use nacre_dpu::volume::ram::RamVolume;
 use nacre_dpu::volume::{
-    BlockDevice, Completion, Geometry, IoError, IoKind, IoRequest, IoResult, Segment,
+    BlockDevice, Geometry, IoCompletion, IoError, IoKind, IoRequest, IoResult, Segment,
 };
 use nacre_tests::xts_oracle::{python_cryptography_available, python_decrypt_file};
 
@@ -247,7 +247,7 @@ impl BlockDevice for LateDevice {
         self.inner.geometry()
     }
 
-    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         let inner = self.inner.clone();
         let done = done.clone();
         let h = std::thread::spawn(move || {
@@ -273,7 +273,7 @@ fn asynchronous_device_below_keeps_bounce_buffers_alive() {
     let waiters: Vec<_> = (0..4u64)
         .map(|i| {
             let w = Arc::new(nacre_dpu::volume::Waiter::default());
-            let c: Arc<dyn Completion> = w.clone();
+            let c: Arc<dyn IoCompletion> = w.clone();
             let mut src = data.clone();
             vol.submit(
                 IoRequest::new(IoKind::Write, i * 65536, 65536, i)
@@ -433,7 +433,7 @@ impl BlockDevice for DmaProbe {
         self.inner.geometry()
     }
 
-    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         let mut seen = self.seen.lock().unwrap();
         for s in req.segments.iter() {
             seen.push(nacre_dpu::volume::dma::lookup(s.as_ptr(), s.len()).is_some());
@@ -460,7 +460,10 @@ fn ciphertext_buffers_are_announced_for_direct_device_access() {
     assert_eq!(read_split(&vol, 8192, data.len(), &[8192, 56 * 1024]), data);
     let seen = probe.seen.lock().unwrap().clone();
     assert!(!seen.is_empty(), "nothing reached the device below");
-    assert!(seen.iter().all(|&s| s), "segments below not announced: {seen:?}");
+    assert!(
+        seen.iter().all(|&s| s),
+        "segments below not announced: {seen:?}"
+    );
     // The caller's own buffer is not announced: it is not what went down.
     assert!(nacre_dpu::volume::dma::lookup(data.as_ptr(), data.len()).is_none());
 }

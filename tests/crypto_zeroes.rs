@@ -10,13 +10,13 @@ use std::sync::{Arc, Mutex};
 use nacre_dpu::crypto::volume::{EncryptedVolume, ZERO_CHUNK};
 use nacre_dpu::crypto::{EncryptionPolicy, XtsKey};
 use nacre_dpu::volume::ram::RamVolume;
-use nacre_dpu::volume::{BlockDevice, Completion, Geometry, IoKind, IoRequest, IoResult, Waiter};
+use nacre_dpu::volume::{BlockDevice, Geometry, IoCompletion, IoKind, IoRequest, IoResult, Waiter};
 
 /// A device that holds every write until the test releases it, then passes it to a RAM
 /// volume: an asynchronous device whose completions the test controls.
 struct Gate {
     ram: Arc<RamVolume>,
-    held: Mutex<Vec<(IoRequest, Arc<dyn Completion>)>>,
+    held: Mutex<Vec<(IoRequest, Arc<dyn IoCompletion>)>>,
 }
 
 impl Gate {
@@ -37,7 +37,7 @@ impl BlockDevice for Gate {
         self.ram.geometry()
     }
 
-    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         if req.kind == IoKind::Write {
             self.held.lock().unwrap().push((req, done.clone()));
         } else {
@@ -54,7 +54,7 @@ fn threads() -> usize {
 #[derive(Default)]
 struct Done(Mutex<Vec<(u64, IoResult)>>);
 
-impl Completion for Done {
+impl IoCompletion for Done {
     fn complete(&self, tag: u64, result: IoResult) {
         self.0.lock().unwrap().push((tag, result));
     }
@@ -91,7 +91,7 @@ fn large_write_zeroes_start_no_thread_and_zero_the_range() {
 
     let before = threads();
     let done = Arc::new(Done::default());
-    let handle: Arc<dyn Completion> = done.clone();
+    let handle: Arc<dyn IoCompletion> = done.clone();
     for i in 0..REQS {
         vol.submit(
             IoRequest::new(IoKind::WriteZeroes, i * LEN, LEN, i),
@@ -121,7 +121,7 @@ fn large_write_zeroes_start_no_thread_and_zero_the_range() {
     // Reads pass the gate: the whole volume reads back as zeros through the cipher.
     let mut back = vec![0xFFu8; size as usize];
     let w = Arc::new(Waiter::default());
-    let wd: Arc<dyn Completion> = w.clone();
+    let wd: Arc<dyn IoCompletion> = w.clone();
     // SAFETY: waited for below while `back` lives.
     let seg = unsafe { nacre_dpu::volume::Segment::from_slice(&mut back) };
     vol.submit(

@@ -11,7 +11,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use nacre_dpu::fabric::{Controller, Phase, RemoteNamespace};
-use nacre_dpu::volume::{BlockDevice, Completion, IoKind, IoRequest, IoResult, Segment};
+use nacre_dpu::volume::{BlockDevice, IoCompletion, IoKind, IoRequest, IoResult, Segment};
 use nacre_shared::nvme_tcp::Digests;
 use nacre_tests::fabric_support::{behind_proxy, pattern, wait_live, Storage, TargetOpts};
 use nacre_tests::fuzz::{count_panics, panics, Rng};
@@ -23,7 +23,7 @@ const NS_LEN: u64 = 4 << 20;
 const HANG: Duration = Duration::from_secs(60);
 
 struct Chan(std::sync::Mutex<mpsc::Sender<IoResult>>);
-impl Completion for Chan {
+impl IoCompletion for Chan {
     fn complete(&self, _tag: u64, r: IoResult) {
         let _ = self.0.lock().unwrap().send(r);
     }
@@ -38,7 +38,7 @@ fn io(
     buf: &mut [u8],
 ) -> IoResult {
     let (tx, rx) = mpsc::channel();
-    let done: Arc<dyn Completion> = Arc::new(Chan(std::sync::Mutex::new(tx)));
+    let done: Arc<dyn IoCompletion> = Arc::new(Chan(std::sync::Mutex::new(tx)));
     // SAFETY: `buf` outlives the request: this function waits for its completion below.
     let seg = unsafe { Segment::from_slice(buf) };
     dev.submit(

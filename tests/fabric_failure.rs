@@ -8,7 +8,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use nacre_dpu::fabric::{Controller, ControllerConfig, Phase, RemoteNamespace};
-use nacre_dpu::volume::{BlockDevice, Completion, IoError, IoKind, IoRequest, IoResult, Segment};
+use nacre_dpu::volume::{BlockDevice, IoCompletion, IoError, IoKind, IoRequest, IoResult, Segment};
 use nacre_tests::fabric_support::{
     behind_proxy, pattern, FakeTarget, Fault, Proxy, Storage, TargetOpts,
 };
@@ -54,13 +54,13 @@ fn setup(tweak: impl FnOnce(&mut ControllerConfig)) -> Setup {
 
 /// A completion that reports to a channel.
 struct Chan(std::sync::Mutex<mpsc::Sender<(u64, IoResult)>>);
-impl Completion for Chan {
+impl IoCompletion for Chan {
     fn complete(&self, tag: u64, r: IoResult) {
         let _ = self.0.lock().unwrap().send((tag, r));
     }
 }
 
-fn chan() -> (Arc<dyn Completion>, mpsc::Receiver<(u64, IoResult)>) {
+fn chan() -> (Arc<dyn IoCompletion>, mpsc::Receiver<(u64, IoResult)>) {
     let (tx, rx) = mpsc::channel();
     (Arc::new(Chan(std::sync::Mutex::new(tx))), rx)
 }

@@ -7,7 +7,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use nacre_dpu::fabric::{discovery, Controller, ControllerConfig, Phase, RemoteNamespace};
-use nacre_dpu::volume::{BlockDevice, Completion, IoKind, IoRequest, IoResult, Segment};
+use nacre_dpu::volume::{BlockDevice, IoCompletion, IoKind, IoRequest, IoResult, Segment};
 use nacre_shared::nvme_tcp::Digests;
 use nacre_tests::fabric_support::{pattern, FakeTarget, Storage, TargetOpts};
 
@@ -122,7 +122,7 @@ struct Count {
     m: Mutex<u64>,
     cv: Condvar,
 }
-impl Completion for Count {
+impl IoCompletion for Count {
     fn complete(&self, _tag: u64, r: IoResult) {
         if r.is_ok() {
             self.ok.fetch_add(1, Ordering::Relaxed);
@@ -150,7 +150,7 @@ fn many_commands_in_flight_complete_asynchronously() {
         m: Mutex::new(0),
         cv: Condvar::new(),
     });
-    let done: Arc<dyn Completion> = count.clone();
+    let done: Arc<dyn IoCompletion> = count.clone();
     for (i, b) in bufs.iter().enumerate() {
         // SAFETY: the buffers outlive the requests (we wait for all completions below).
         let seg = unsafe { Segment::new(b.as_ptr() as *mut u8, b.len()) };

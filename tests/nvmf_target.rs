@@ -494,7 +494,7 @@ struct DeferredVolume {
     tx: std::sync::Mutex<
         std::sync::mpsc::Sender<(
             nacre_dpu::volume::IoRequest,
-            Arc<dyn nacre_dpu::volume::Completion>,
+            Arc<dyn nacre_dpu::volume::IoCompletion>,
         )>,
     >,
 }
@@ -503,7 +503,7 @@ impl DeferredVolume {
     fn new(inner: Arc<dyn BlockDevice>) -> Arc<Self> {
         let (tx, rx) = std::sync::mpsc::channel::<(
             nacre_dpu::volume::IoRequest,
-            Arc<dyn nacre_dpu::volume::Completion>,
+            Arc<dyn nacre_dpu::volume::IoCompletion>,
         )>();
         let dev = inner.clone();
         std::thread::spawn(move || {
@@ -526,7 +526,7 @@ impl BlockDevice for DeferredVolume {
     fn submit(
         &self,
         req: nacre_dpu::volume::IoRequest,
-        done: &Arc<dyn nacre_dpu::volume::Completion>,
+        done: &Arc<dyn nacre_dpu::volume::IoCompletion>,
     ) {
         let _ = self.tx.lock().unwrap().send((req, done.clone()));
     }

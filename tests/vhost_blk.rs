@@ -12,7 +12,7 @@ use blkio::ReqFlags;
 use nacre_dpu::frontend::vhost_user_blk::{VhostBlkConfig, VhostBlkServer};
 use nacre_dpu::volume::file::FileVolume;
 use nacre_dpu::volume::ram::RamVolume;
-use nacre_dpu::volume::{BlockDevice, Completion, Geometry, IoRequest};
+use nacre_dpu::volume::{BlockDevice, Geometry, IoCompletion, IoRequest};
 use nacre_tests::blkio_client::{self as bc, BlkioClient, ClientOptions};
 
 const EIO: i32 = -libc::EIO;
@@ -339,13 +339,13 @@ fn start_refuses_bad_configurations() {
 /// unrelated to submission, as a remote (NVMe-oF) backend would.
 struct LaterVolume {
     inner: Arc<RamVolume>,
-    tx: Mutex<mpsc::Sender<(IoRequest, Arc<dyn Completion>)>>,
+    tx: Mutex<mpsc::Sender<(IoRequest, Arc<dyn IoCompletion>)>>,
 }
 
 impl LaterVolume {
     fn new(size: u64) -> Arc<Self> {
         let inner = Arc::new(RamVolume::new(size, 4096).unwrap());
-        let (tx, rx) = mpsc::channel::<(IoRequest, Arc<dyn Completion>)>();
+        let (tx, rx) = mpsc::channel::<(IoRequest, Arc<dyn IoCompletion>)>();
         let rx = Arc::new(Mutex::new(rx));
         for _ in 0..3 {
             let rx = rx.clone();
@@ -370,7 +370,7 @@ impl BlockDevice for LaterVolume {
     fn geometry(&self) -> Geometry {
         self.inner.geometry()
     }
-    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         self.tx.lock().unwrap().send((req, done.clone())).unwrap();
     }
 }

@@ -22,13 +22,13 @@ use std::time::Instant;
 use nacre_dpu::telemetry::{self, Telemetry};
 use nacre_dpu::volume::null::NullVolume;
 use nacre_dpu::volume::qos::{Qos, VolumePath};
-use nacre_dpu::volume::{BlockDevice, Completion, IoKind, IoRequest, IoResult, Segment};
+use nacre_dpu::volume::{BlockDevice, IoCompletion, IoKind, IoRequest, IoResult, Segment};
 use nacre_shared::api::qos::QosLimits;
 
 /// The frontend's completion: counts, as a queue's completer records a used element.
 struct Count(AtomicU64);
 
-impl Completion for Count {
+impl IoCompletion for Count {
     fn complete(&self, _tag: u64, r: IoResult) {
         assert!(r.is_ok());
         self.0
@@ -38,7 +38,7 @@ impl Completion for Count {
 
 const BATCH: u64 = 32;
 
-fn run(dev: &VolumePath, done: &Arc<dyn Completion>, buf: &mut [u8], n: u64) -> f64 {
+fn run(dev: &VolumePath, done: &Arc<dyn IoCompletion>, buf: &mut [u8], n: u64) -> f64 {
     let metrics = dev.metrics();
     let t = Instant::now();
     let mut i = 0;
@@ -92,7 +92,7 @@ fn main() {
         }),
     );
     let count = Arc::new(Count(AtomicU64::new(0)));
-    let done: Arc<dyn Completion> = count.clone();
+    let done: Arc<dyn IoCompletion> = count.clone();
     let mut buf = vec![0u8; 4096];
     // Each as a frontend submits to it.
     let devs: [(&str, VolumePath); 3] = [

@@ -36,7 +36,7 @@ use crate::frontend::nvmf_tcp::NvmfTarget;
 use crate::frontend::vhost_user_blk::queue::{serial_bytes, QueueWorker};
 use crate::frontend::vhost_user_blk::request::DeviceParams;
 use crate::volume::ram::RamVolume;
-use crate::volume::{BlockDevice, Completion, IoResult, Segment, Segments};
+use crate::volume::{BlockDevice, IoCompletion, IoResult, Segment, Segments};
 
 /// The subsystem the NVMe/TCP targets serve.
 pub const NQN: &str = "nqn.2024-01.io.nacre:fuzz";
@@ -552,7 +552,7 @@ const GUARD: usize = 64;
 /// Bytes of the initiator target's I/O read.
 pub const INIT_READ: usize = 8192;
 
-impl Completion for ReadBuf {
+impl IoCompletion for ReadBuf {
     fn complete(&self, _tag: u64, _result: IoResult) {
         let n = self.completions.fetch_add(1, Ordering::SeqCst);
         assert_eq!(n, 0, "an I/O request completed twice");
@@ -740,7 +740,7 @@ pub fn nvmf_initiator(data: &[u8]) {
             .collect()
         }
     };
-    let done: Arc<dyn Completion> = io_buf.clone();
+    let done: Arc<dyn IoCompletion> = io_buf.clone();
     let mut read_sqe = Command::decode(&[0u8; 64]);
     read_sqe.opcode = 0x06;
     let mut write_sqe = Command::decode(&[0u8; 64]);

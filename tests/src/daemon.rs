@@ -185,29 +185,24 @@ impl Nacred {
     }
 
     /// nacred's open descriptors and threads now, from /proc.
+    ///
+    /// The kernel's io_uring workers (`iou-wrk-*`, serving a file volume's ring) are not
+    /// counted: the kernel starts them on demand and retires them when idle, whatever nacred
+    /// does, and a leaked ring would still show as a leaked fd.
     pub fn footprint(&self) -> Footprint {
-        let count = |what: &str| {
-            std::fs::read_dir(format!("/proc/{}/{what}", self.pid()))
-                .map(|d| d.count())
-                .unwrap_or(0)
-        };
-        // io_uring's async workers (`iou-wrk-*`, io-wq) are the kernel's: it starts them when
-        // a file backend's request cannot complete inline (more often on a loaded machine)
-        // and ends them after seconds of idleness. They are not nacred's to leak.
-        let kernel_workers = std::fs::read_dir(format!("/proc/{}/task", self.pid()))
+        let dir = |what: &str| std::fs::read_dir(format!("/proc/{}/{what}", self.pid()));
+        let fds = dir("fd").map(|d| d.count()).unwrap_or(0);
+        let threads = dir("task")
             .map(|d| {
-                d.filter_map(Result::ok)
+                d.flatten()
                     .filter(|t| {
                         std::fs::read_to_string(t.path().join("comm"))
-                            .is_ok_and(|c| c.starts_with("iou-wrk-"))
+                            .map_or(true, |comm| !comm.starts_with("iou-wrk-"))
                     })
                     .count()
             })
             .unwrap_or(0);
-        Footprint {
-            fds: count("fd"),
-            threads: count("task").saturating_sub(kernel_workers),
-        }
+        Footprint { fds, threads }
     }
 
     /// The footprint once it has stopped changing for 200 ms and `idle()` holds (nacred tears a

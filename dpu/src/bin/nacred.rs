@@ -8,7 +8,7 @@ use anyhow::Context;
 use clap::Parser;
 use nacre_dpu::config;
 use nacre_dpu::control::host_channel::HostListener;
-use nacre_dpu::control::{server::RpcServer, vhost, volume, Daemon, DaemonConfig};
+use nacre_dpu::control::{server::RpcServer, Daemon, DaemonConfig};
 use nacre_dpu::frontend::nvmf_tcp::{self, ConnLimits};
 use nacre_shared::api::vhost::VhostBlkCreate;
 use nacre_shared::api::volume::{BackendKind, VolumeCreate};
@@ -191,7 +191,8 @@ fn run(args: Args) -> anyhow::Result<()> {
     });
 
     if args.no_qos {
-        nacre_dpu::control::qos::DISABLED.store(true, std::sync::atomic::Ordering::Relaxed);
+        nacre_dpu::control::registry::QOS_DISABLED
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
     let (daemon, existed) = Daemon::open(DaemonConfig {
         state_dir: args.state_dir.clone(),
@@ -206,8 +207,8 @@ fn run(args: Args) -> anyhow::Result<()> {
             .context("cannot set up the embedded default")?;
     }
     if let MetricsListen(Some(addr)) = args.metrics_listen {
-        nacre_dpu::control::qos::export_daemon_series(&daemon);
-        match nacre_dpu::telemetry::http::serve(addr, daemon.qos.telemetry().clone()) {
+        nacre_dpu::control::metrics::export_daemon_series(&daemon.registry);
+        match nacre_dpu::telemetry::http::serve(addr, daemon.registry.qos().telemetry().clone()) {
             Ok(bound) => {
                 let _ = daemon.metrics_addr.set(bound);
             }
@@ -269,7 +270,7 @@ fn embedded_default(d: &Daemon, listen: SocketAddr) -> anyhow::Result<()> {
     // The embedded default is documented to reopen its own file (a state directory whose
     // state.json was removed to reset the configuration keeps the default disk's data): an
     // explicit adoption, said out loud, of the file's size.
-    let path = volume::default_volume_path(d, name);
+    let path = d.registry.default_volume_path(name);
     let adopt = path.exists();
     if adopt {
         eprintln!(
@@ -277,35 +278,29 @@ fn embedded_default(d: &Daemon, listen: SocketAddr) -> anyhow::Result<()> {
             path.display()
         );
     }
-    let vol = volume::create(
-        d,
-        &VolumeCreate {
-            name: name.into(),
-            size: if adopt {
-                0
-            } else {
-                config::DEFAULT_VOLUME_SIZE
-            },
-            adopt_existing: adopt,
-            block_size: 4096,
-            backend: BackendKind::File,
-            path: None,
-            tenant: None,
-            encrypt: false,
-            remote: None,
+    let vol = d.registry.create_volume(&VolumeCreate {
+        name: name.into(),
+        size: if adopt {
+            0
+        } else {
+            config::DEFAULT_VOLUME_SIZE
         },
-    )?;
-    vhost::create(
-        d,
-        &VhostBlkCreate {
-            name: name.into(),
-            volume: name.into(),
-            queues: DEFAULT_DEVICE_QUEUES,
-            queue_size: nacre_shared::api::vhost::DEFAULT_QUEUE_SIZE,
-            socket: None,
-            read_only: false,
-        },
-    )?;
+        adopt_existing: adopt,
+        block_size: 4096,
+        backend: BackendKind::File,
+        path: None,
+        tenant: None,
+        encrypt: false,
+        remote: None,
+    })?;
+    d.registry.create_vhost_blk(&VhostBlkCreate {
+        name: name.into(),
+        volume: name.into(),
+        queues: DEFAULT_DEVICE_QUEUES,
+        queue_size: nacre_shared::api::vhost::DEFAULT_QUEUE_SIZE,
+        socket: None,
+        read_only: false,
+    })?;
     d.call(
         "nvmf_subsystem_create",
         json!({"nqn": DEFAULT_NQN, "serial": vol.serial, "allow_any_host": true}),
@@ -336,9 +331,9 @@ pub const DEFAULT_NQN: &str = "nqn.2014-08.io.nacre:default";
 const DEFAULT_DEVICE_QUEUES: u16 = 4;
 
 fn print_attach_hints(d: &Daemon) {
-    let inner = d.lock();
-    for dev in inner.state.vhost_blk.values() {
-        let Some(vol) = inner.state.volumes.get(&dev.volume) else {
+    let state = d.registry.read_state(Clone::clone);
+    for dev in state.vhost_blk.values() {
+        let Some(vol) = state.volumes.get(&dev.volume) else {
             continue;
         };
         eprintln!(
@@ -357,14 +352,14 @@ fn print_attach_hints(d: &Daemon) {
             q = dev.queues,
         );
     }
-    for sub in inner.state.nvmf.subsystems.values() {
+    for sub in state.nvmf.subsystems.values() {
         for l in &sub.listeners {
-            if let Some(reason) = inner.live.listeners_failed.get(&(sub.nqn.clone(), *l)) {
+            if let Some(reason) = d.registry.listener_failure(&sub.nqn, *l) {
                 eprintln!(
                     "nacred: NVMe/TCP subsystem {} is NOT listening on {l}: {reason}; retrying \
                      every {} s in the background (`nacre nvmf list` shows its state)",
                     sub.nqn,
-                    nacre_dpu::control::listener_retry::RETRY_INTERVAL.as_secs()
+                    nacre_dpu::control::registry::listener_retry::RETRY_INTERVAL.as_secs()
                 );
                 continue;
             }
@@ -379,7 +374,7 @@ fn print_attach_hints(d: &Daemon) {
             );
         }
         for l in &sub.rdma_listeners {
-            if let Some(reason) = inner.live.rdma_listeners_failed.get(&(sub.nqn.clone(), *l)) {
+            if let Some(reason) = d.registry.rdma_listener_failure(&sub.nqn, *l) {
                 // One line: a machine without RDMA still serves everything else.
                 eprintln!(
                     "nacred: NVMe/RDMA subsystem {} is NOT listening: {reason}",

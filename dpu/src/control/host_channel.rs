@@ -158,7 +158,7 @@ async fn serve<S>(d: Arc<Daemon>, stream: S, peer: SocketAddr, id: HostIdentity)
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
-    let conn = d.peers.next_conn();
+    let conn = d.registry.next_host_conn();
     info!(%peer, host = %id.host, tenant = %id.tenant, conn, "host connected");
     let caller = Caller::Host {
         id: id.clone(),
@@ -220,7 +220,7 @@ where
             }
         }
     }
-    let removed = d.peers.connection_closed(conn);
+    let removed = d.registry.host_conn_closed(conn);
     info!(%peer, host = %id.host, tenant = %id.tenant, conn, windows_removed = removed,
         "host disconnected");
 }

@@ -8,21 +8,15 @@
 //! host channel lives as long as that connection (the GPU memory behind it is pinned by the
 //! host process at the other end).
 
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
-
-use nacre_shared::api::host::{
-    normalize_id128, DeviceMatch, HostDevicesMatch, MatchedVolume, SeenDevice, WhoAmI,
-};
+use nacre_shared::api::host::{DeviceMatch, HostDevicesMatch, WhoAmI};
 use nacre_shared::api::peer::{PeerWindowId, PeerWindowInfo, PeerWindowList, PeerWindowRegister};
 use nacre_shared::api::Ack;
 use nacre_shared::channel::HostIdentity;
 use serde_json::Value;
-use tracing::info;
 
-use super::state::VolumeRecord;
-use super::{parse_params, to_value, Daemon, Inner, Method, RpcError};
+use super::daemon::Daemon;
+use super::error::RpcError;
+use super::method::{parse_params, to_value, Method, NoParams};
 
 /// Who is calling a host-facing method.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -38,6 +32,15 @@ impl Caller {
         match self {
             Caller::Operator => None,
             Caller::Host { id, .. } => Some(&id.tenant),
+        }
+    }
+
+    /// Whether the caller may see and remove window `w`: the operator any, a host only its
+    /// own host's and tenant's.
+    fn owns(&self, w: &PeerWindowInfo) -> bool {
+        match self {
+            Caller::Operator => true,
+            Caller::Host { id, .. } => w.host == id.host && w.tenant == id.tenant,
         }
     }
 }
@@ -83,47 +86,8 @@ pub const HOST_METHODS: &[(&str, HostHandler)] = &[
     ("peer_window_list", list),
 ];
 
-/// Registered peer windows, by id.
-#[derive(Default)]
-pub struct Registry {
-    next: AtomicU64,
-    windows: Mutex<BTreeMap<u64, Window>>,
-}
-
-struct Window {
-    info: PeerWindowInfo,
-    /// The host-channel connection that registered it (it goes when that connection does).
-    conn: Option<u64>,
-}
-
-impl Registry {
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Window>> {
-        self.windows.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// A fresh connection number for the host channel.
-    pub fn next_conn(&self) -> u64 {
-        self.next.fetch_add(1, Ordering::Relaxed) + 1
-    }
-
-    /// The connection `conn` ended: drop the windows it registered. Returns how many.
-    pub fn connection_closed(&self, conn: u64) -> usize {
-        let mut w = self.lock();
-        let before = w.len();
-        w.retain(|id, win| {
-            let keep = win.conn != Some(conn);
-            if !keep {
-                info!(window = id, gpu = %win.info.gpu_uuid, host = %win.info.host,
-                    tenant = %win.info.tenant, "peer window removed: its host channel closed");
-            }
-            keep
-        });
-        before - w.len()
-    }
-}
-
 fn whoami(_d: &Daemon, caller: &Caller, params: Value) -> Result<Value, RpcError> {
-    let _: super::NoParams = parse_params(params)?;
+    let _: NoParams = parse_params(params)?;
     to_value(match caller {
         Caller::Operator => WhoAmI {
             role: "operator".into(),
@@ -143,79 +107,17 @@ fn devices_match(d: &Daemon, caller: &Caller, params: Value) -> Result<Value, Rp
     if p.devices.len() > 4096 {
         return Err(RpcError::invalid_params("at most 4096 devices per request"));
     }
-    let inner = d.lock();
+    let matched = d.registry.match_devices(caller.tenant(), &p.devices);
     to_value(
         p.devices
             .iter()
-            .map(|s| DeviceMatch {
+            .zip(matched)
+            .map(|(s, volume)| DeviceMatch {
                 id: s.id.clone(),
-                volume: match_one(&inner, caller.tenant(), s),
+                volume,
             })
             .collect::<Vec<_>>(),
     )
-}
-
-/// The volume behind one seen device. NVMe namespaces match by NGUID, then UUID, then
-/// subsystem NQN and NSID; virtio-blk disks by serial. A caller bound to a tenant matches
-/// only that tenant's volumes.
-fn match_one(inner: &Inner, tenant: Option<&str>, s: &SeenDevice) -> Option<MatchedVolume> {
-    let visible = |v: &&VolumeRecord| tenant.is_none() || v.tenant.as_deref() == tenant;
-    let by_id128 = |x: &Option<String>| {
-        let want = normalize_id128(x.as_deref()?)?;
-        inner
-            .state
-            .volumes
-            .values()
-            .filter(visible)
-            .find(|v| normalize_id128(&v.uuid).as_deref() == Some(want.as_str()))
-    };
-    let nvme = s.nguid.is_some() || s.uuid.is_some() || s.subsysnqn.is_some();
-    let (vol, by) = if let Some(v) = by_id128(&s.nguid) {
-        (v, "nguid")
-    } else if let Some(v) = by_id128(&s.uuid) {
-        (v, "uuid")
-    } else if let (Some(nqn), Some(nsid)) = (&s.subsysnqn, s.nsid) {
-        let name = inner
-            .state
-            .nvmf
-            .subsystems
-            .get(nqn)?
-            .namespaces
-            .get(&nsid)?;
-        let v = inner.state.volumes.get(name).filter(|v| visible(v))?;
-        (v, "nsid")
-    } else if nvme {
-        return None;
-    } else {
-        let serial = s.serial.as_deref()?.trim();
-        let v = inner
-            .state
-            .volumes
-            .values()
-            .filter(visible)
-            .find(|v| !serial.is_empty() && v.serial == serial)?;
-        (v, "serial")
-    };
-    let exports = super::volume::exporters(inner, &vol.name)
-        .into_iter()
-        .filter(|e| match (nvme, e.strip_prefix("nvmf:")) {
-            (true, Some(rest)) => s
-                .subsysnqn
-                .as_deref()
-                .is_none_or(|nqn| rest.starts_with(&format!("{nqn}/"))),
-            (false, None) => true,
-            _ => false,
-        })
-        .collect();
-    Some(MatchedVolume {
-        volume: vol.name.clone(),
-        tenant: vol.tenant.clone(),
-        encrypted: vol.encrypted,
-        size: vol.size,
-        block_size: vol.block_size,
-        matched_by: by.into(),
-        exports,
-    })
 }
 
 /// `DDDD:BB:DD.F`, lowercase hex.
@@ -255,7 +157,7 @@ fn register(d: &Daemon, caller: &Caller, params: Value) -> Result<Value, RpcErro
         },
     };
     nacre_shared::api::validate_name("host", &host).map_err(RpcError::invalid_params)?;
-    if !d.lock().state.tenants.contains_key(&tenant) {
+    if !d.registry.read_state(|s| s.tenants.contains_key(&tenant)) {
         return Err(RpcError::not_found("tenant", &tenant));
     }
     let uuid_ok = !p.gpu_uuid.is_empty()
@@ -295,70 +197,42 @@ fn register(d: &Daemon, caller: &Caller, params: Value) -> Result<Value, RpcErro
             ))
         }
     }
-    let id = d.peers.next.fetch_add(1, Ordering::Relaxed) + 1;
-    let info = PeerWindowInfo {
-        id,
-        tenant,
-        host,
-        gpu_uuid: p.gpu_uuid,
-        bdf: p.bdf,
-        bar1_start: p.bar1_start,
-        bar1_len: p.bar1_len,
-        length: p.length,
-        device_address: p.device_address,
-        handle_kind: p.handle_kind,
-        handle: p.handle,
-        registered_via: if conn.is_some() {
-            "host-channel"
-        } else {
-            "operator"
-        }
-        .into(),
+    let registered_via = if conn.is_some() {
+        "host-channel"
+    } else {
+        "operator"
     };
-    info!(window = id, gpu = %info.gpu_uuid, bdf = %info.bdf, length = info.length,
-        host = %info.host, tenant = %info.tenant, "peer window registered");
-    d.peers.lock().insert(
-        id,
-        Window {
-            info: info.clone(),
-            conn,
-        },
-    );
+    let info = d
+        .registry
+        .register_window(&tenant, conn, |id| PeerWindowInfo {
+            id,
+            tenant: tenant.clone(),
+            host,
+            gpu_uuid: p.gpu_uuid,
+            bdf: p.bdf,
+            bar1_start: p.bar1_start,
+            bar1_len: p.bar1_len,
+            length: p.length,
+            device_address: p.device_address,
+            handle_kind: p.handle_kind,
+            handle: p.handle,
+            registered_via: registered_via.into(),
+        })?;
     to_value(info)
 }
 
 fn unregister(d: &Daemon, caller: &Caller, params: Value) -> Result<Value, RpcError> {
     let p: PeerWindowId = parse_params(params)?;
-    let mut w = d.peers.lock();
-    let mine = |win: &Window| match caller {
-        Caller::Operator => true,
-        Caller::Host { id, .. } => win.info.host == id.host && win.info.tenant == id.tenant,
-    };
-    match w.get(&p.id) {
-        Some(win) if mine(win) => {
-            let win = w.remove(&p.id).expect("present");
-            info!(window = p.id, gpu = %win.info.gpu_uuid, host = %win.info.host,
-                tenant = %win.info.tenant, "peer window unregistered");
-            to_value(Ack { ok: true })
-        }
-        // Another host's window is reported as absent: a host learns nothing of others.
-        _ => Err(RpcError::not_found("peer window", &p.id.to_string())),
-    }
+    d.registry.unregister_window(p.id, |w| caller.owns(w))?;
+    to_value(Ack { ok: true })
 }
 
 fn list(d: &Daemon, caller: &Caller, params: Value) -> Result<Value, RpcError> {
     let p: PeerWindowList = parse_params(params)?;
-    let w = d.peers.lock();
-    to_value(
-        w.values()
-            .map(|win| &win.info)
-            .filter(|i| match caller {
-                Caller::Operator => p.tenant.as_ref().is_none_or(|t| *t == i.tenant),
-                Caller::Host { id, .. } => i.host == id.host && i.tenant == id.tenant,
-            })
-            .cloned()
-            .collect::<Vec<_>>(),
-    )
+    to_value(d.registry.windows(|w| match caller {
+        Caller::Operator => p.tenant.as_ref().is_none_or(|t| *t == w.tenant),
+        Caller::Host { .. } => caller.owns(w),
+    }))
 }
 
 #[cfg(test)]

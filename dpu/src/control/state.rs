@@ -5,15 +5,23 @@
 //! any point leaves either the old or the new state, never a torn one. nacred replays the
 //! document on start. Fields default when absent so a state file written by an older nacred
 //! still loads.
+//!
+//! Every record type of the document is defined here, so persistence depends on no part of
+//! the control plane above it: the [registry](super::registry) owns the document in memory
+//! and is the only writer.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::{self, File, OpenOptions};
 use std::io::Write;
+use std::net::SocketAddr;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
+use nacre_shared::api::qos::QosLimits;
 use nacre_shared::api::volume::BackendKind;
 use serde::{Deserialize, Serialize};
+
+use crate::fabric::NamespaceInfo;
 
 /// Bumped when the layout changes incompatibly.
 pub const STATE_FORMAT: u32 = 1;
@@ -28,15 +36,15 @@ pub struct State {
     #[serde(default)]
     pub vhost_blk: BTreeMap<String, VhostBlkRecord>,
     #[serde(default)]
-    pub nvmf: super::nvmf::NvmfState,
+    pub nvmf: NvmfState,
     /// Tenants: policy, KEK description and check, wrapped data keys (never plaintext keys).
     #[serde(default)]
     pub tenants: BTreeMap<String, crate::crypto::tenant::TenantRecord>,
     #[serde(default)]
-    pub remotes: BTreeMap<String, super::remote::RemoteRecord>,
+    pub remotes: BTreeMap<String, RemoteRecord>,
     /// QoS limits of volumes, tenants and the daemon.
     #[serde(default)]
-    pub qos: super::qos::QosState,
+    pub qos: QosState,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -68,6 +76,82 @@ pub struct VhostBlkRecord {
     pub queue_size: u16,
     #[serde(default)]
     pub read_only: bool,
+}
+
+/// The persisted NVMe-oF configuration.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NvmfState {
+    #[serde(default)]
+    pub subsystems: BTreeMap<String, NvmfSubsystemRecord>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NvmfSubsystemRecord {
+    pub nqn: String,
+    pub serial: String,
+    pub model: String,
+    #[serde(default)]
+    pub allow_any_host: bool,
+    #[serde(default)]
+    pub hosts: BTreeSet<String>,
+    /// NSID → volume name.
+    #[serde(default)]
+    pub namespaces: BTreeMap<u32, String>,
+    /// Bound addresses (the port actually bound when 0 was asked for).
+    #[serde(default)]
+    pub listeners: BTreeSet<SocketAddr>,
+    /// NVMe/RDMA listeners (RDMA CM addresses), likewise.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub rdma_listeners: BTreeSet<SocketAddr>,
+}
+
+/// A remote NVMe-oF controller nacred connects to as a host, as persisted.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct RemoteRecord {
+    pub name: String,
+    pub transport: String,
+    pub address: String,
+    pub port: u16,
+    pub subnqn: String,
+    pub hostnqn: String,
+    /// Host Identifier (a UUID), the same for every association of this host.
+    pub hostid: String,
+    pub io_queues: u16,
+    pub queue_depth: u16,
+    #[serde(default)]
+    pub header_digest: bool,
+    #[serde(default)]
+    pub data_digest: bool,
+    pub in_capsule_data_size: u32,
+    pub keep_alive_timeout_ms: u32,
+    pub reconnect_delay_sec: u32,
+    pub ctrl_loss_timeout_sec: i32,
+    #[serde(default)]
+    pub fast_io_fail_timeout_sec: u32,
+    pub io_timeout_sec: u32,
+    pub quiesce_time_ms: u32,
+    /// The namespaces found at attach: a reconnect that finds other identities fails the
+    /// controller instead of writing to a different namespace.
+    #[serde(default)]
+    pub namespaces: Vec<NamespaceInfo>,
+}
+
+/// QoS limits in the state document.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct QosState {
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub volumes: BTreeMap<String, QosLimits>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tenants: BTreeMap<String, QosLimits>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub global: Option<QosLimits>,
+}
+
+/// The serial devices report: 20 ASCII characters, the NVMe Identify Controller SN width and
+/// the virtio-blk GET_ID length, so both frontends show the same string.
+pub fn serial_from_uuid(uuid: &uuid::Uuid) -> String {
+    let hex = uuid.simple().to_string().to_ascii_uppercase();
+    format!("NACRE{}", &hex[..15])
 }
 
 /// Load the state document, or `None` when there is none yet (a fresh state directory).
@@ -119,6 +203,45 @@ pub fn save(dir: &Path, state: &State) -> std::io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
+/// Records for tests of the modules that read them.
+#[cfg(test)]
+pub(crate) mod fixtures {
+    use super::*;
+
+    /// A 1 MiB RAM volume with 512-byte blocks, no tenant.
+    pub fn volume(name: &str, uuid: &str) -> VolumeRecord {
+        VolumeRecord {
+            name: name.into(),
+            size: 1 << 20,
+            block_size: 512,
+            backend: BackendKind::Ram,
+            path: None,
+            uuid: uuid.into(),
+            serial: "s".into(),
+            tenant: None,
+            encrypted: false,
+            remote: None,
+        }
+    }
+
+    /// A subsystem open to any host exporting `namespaces` (NSID, volume), with no listener.
+    pub fn subsystem(nqn: &str, namespaces: &[(u32, &str)]) -> NvmfSubsystemRecord {
+        NvmfSubsystemRecord {
+            nqn: nqn.into(),
+            serial: "s".into(),
+            model: "m".into(),
+            allow_any_host: true,
+            hosts: Default::default(),
+            namespaces: namespaces
+                .iter()
+                .map(|&(n, v)| (n, v.to_string()))
+                .collect(),
+            listeners: Default::default(),
+            rdma_listeners: Default::default(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod test {
     use super::*;
@@ -128,21 +251,7 @@ mod test {
         let d = tempfile::tempdir().unwrap();
         assert_eq!(load(d.path()).unwrap(), None);
         let mut s = State::default();
-        s.volumes.insert(
-            "v".into(),
-            VolumeRecord {
-                name: "v".into(),
-                size: 1 << 20,
-                block_size: 512,
-                backend: BackendKind::Ram,
-                path: None,
-                uuid: "u".into(),
-                serial: "s".into(),
-                tenant: None,
-                encrypted: false,
-                remote: None,
-            },
-        );
+        s.volumes.insert("v".into(), fixtures::volume("v", "u"));
         save(d.path(), &s).unwrap();
         let back = load(d.path()).unwrap().unwrap();
         assert_eq!(back.volumes, s.volumes);

@@ -34,8 +34,8 @@ use super::policy::EncryptionPolicy;
 use super::xts::{EngineKind, UnitLayout, XtsEngine};
 use super::CryptoError;
 use crate::volume::{
-    copy_from_segments, copy_to_segments, dma, BlockDevice, Completion, Geometry, IoError, IoKind,
-    IoRequest, IoResult, Segment, Segments,
+    copy_from_segments, copy_to_segments, dma, BlockDevice, Geometry, IoCompletion, IoError,
+    IoKind, IoRequest, IoResult, Segment, Segments,
 };
 
 /// Write Zeroes is carried out as encrypted writes of at most this many bytes.
@@ -204,7 +204,7 @@ impl EncryptedVolume {
         &self.inner
     }
 
-    fn submit_write(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit_write(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         let len = req.len as usize;
         let mut bounce = self.shared.take(len);
         let first = self.shared.unit_of(req.offset);
@@ -230,7 +230,7 @@ impl EncryptedVolume {
         len: usize,
         tag: u64,
         mut bounce: Bounce,
-        upstream: Arc<dyn Completion>,
+        upstream: Arc<dyn IoCompletion>,
     ) {
         // SAFETY: the bounce buffer moves into the completion below, which keeps it alive and
         // untouched until the device below completes this write.
@@ -238,7 +238,7 @@ impl EncryptedVolume {
         let down = IoRequest::new(IoKind::Write, offset, len as u64, tag).with_segments([seg]);
         // The bounce buffer moves into the completion, so it outlives the inner write even
         // when the device below completes on another thread much later.
-        let c: Arc<dyn Completion> = Arc::new(WriteDone {
+        let c: Arc<dyn IoCompletion> = Arc::new(WriteDone {
             shared: self.shared.clone(),
             bounce: Mutex::new(Some(bounce)),
             upstream,
@@ -246,14 +246,14 @@ impl EncryptedVolume {
         self.inner.submit(down, &c);
     }
 
-    fn submit_read(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit_read(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         let len = req.len as usize;
         let mut bounce = self.shared.take(len);
         // SAFETY: the bounce buffer moves into the completion below, which keeps it alive
         // and untouched until the device below completes this read.
         let seg = unsafe { Segment::from_slice(bounce.slice(len)) };
         let down = IoRequest::new(IoKind::Read, req.offset, req.len, req.tag).with_segments([seg]);
-        let c: Arc<dyn Completion> = Arc::new(ReadDone {
+        let c: Arc<dyn IoCompletion> = Arc::new(ReadDone {
             shared: self.shared.clone(),
             segments: req.segments,
             first: self.shared.unit_of(req.offset),
@@ -264,7 +264,7 @@ impl EncryptedVolume {
         self.inner.submit(down, &c);
     }
 
-    fn submit_write_zeroes(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit_write_zeroes(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         let job = Arc::new_cyclic(|me| ZeroJob {
             me: me.clone(),
             inner: self.inner.clone(),
@@ -300,7 +300,7 @@ struct ZeroJob {
     shared: Arc<Shared>,
     tag: u64,
     end: u64,
-    upstream: Arc<dyn Completion>,
+    upstream: Arc<dyn IoCompletion>,
     phase: AtomicU8,
     state: Mutex<ZeroState>,
 }
@@ -347,7 +347,7 @@ impl ZeroJob {
             st.next = off + n as u64;
             drop(st);
             self.phase.store(SUBMITTED, Ordering::SeqCst);
-            let me: Arc<dyn Completion> = self.clone();
+            let me: Arc<dyn IoCompletion> = self.clone();
             self.inner.submit(
                 IoRequest::new(IoKind::Write, off, n as u64, self.tag).with_segments([seg]),
                 &me,
@@ -365,7 +365,7 @@ impl ZeroJob {
     }
 }
 
-impl Completion for ZeroJob {
+impl IoCompletion for ZeroJob {
     fn complete(&self, _tag: u64, result: IoResult) {
         if let Err(e) = result {
             self.state.lock().unwrap_or_else(|p| p.into_inner()).result = Err(e);
@@ -394,10 +394,10 @@ impl Completion for ZeroJob {
 struct WriteDone {
     shared: Arc<Shared>,
     bounce: Mutex<Option<Bounce>>,
-    upstream: Arc<dyn Completion>,
+    upstream: Arc<dyn IoCompletion>,
 }
 
-impl Completion for WriteDone {
+impl IoCompletion for WriteDone {
     fn complete(&self, tag: u64, result: IoResult) {
         if let Some(b) = self.bounce.lock().unwrap_or_else(|p| p.into_inner()).take() {
             self.shared.give(b);
@@ -413,10 +413,10 @@ struct ReadDone {
     len: usize,
     /// The ciphertext lands here; decrypted here, then copied into `segments`.
     bounce: Mutex<Option<Bounce>>,
-    upstream: Arc<dyn Completion>,
+    upstream: Arc<dyn IoCompletion>,
 }
 
-impl Completion for ReadDone {
+impl IoCompletion for ReadDone {
     fn complete(&self, tag: u64, result: IoResult) {
         let Some(mut bounce) = self.bounce.lock().unwrap_or_else(|p| p.into_inner()).take() else {
             return;
@@ -445,7 +445,7 @@ impl BlockDevice for EncryptedVolume {
         self.inner.geometry()
     }
 
-    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         // Validate here too: the bounce buffer is sized from the request, so a request whose
         // segments do not add up must never reach the encryption loop.
         if let Err(e) = self.geometry().check(&req) {

@@ -25,7 +25,7 @@ use tracing::{debug, info};
 
 use super::uring::{Submitted, Uring};
 use super::{
-    copy_from_segments, copy_to_segments, BlockDevice, Completion, Geometry, IoError, IoKind,
+    copy_from_segments, copy_to_segments, BlockDevice, Geometry, IoCompletion, IoError, IoKind,
     IoRequest, IoResult, Segment,
 };
 
@@ -353,7 +353,7 @@ impl BlockDevice for FileVolume {
         }
     }
 
-    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         let valid = self.geometry().check(&req);
         if let (Ok(()), Some(u), IoKind::Read | IoKind::Write) = (&valid, &self.uring, req.kind) {
             if req.offset as usize % DIRECT_ALIGN == 0 && self.io.aligned(&req.segments) {
@@ -433,7 +433,7 @@ mod test {
         done: std::sync::Mutex<Vec<(u64, IoResult, std::thread::ThreadId)>>,
         cond: std::sync::Condvar,
     }
-    impl Completion for Tally {
+    impl IoCompletion for Tally {
         fn complete(&self, tag: u64, result: IoResult) {
             let mut d = self.done.lock().unwrap();
             d.push((tag, result, std::thread::current().id()));
@@ -482,7 +482,7 @@ mod test {
             c[..8].copy_from_slice(&(i as u64).to_le_bytes());
         }
         let tally = Arc::new(Tally::default());
-        let done: Arc<dyn Completion> = tally.clone();
+        let done: Arc<dyn IoCompletion> = tally.clone();
         let me = std::thread::current().id();
         for (i, c) in buf.chunks_mut(4096).enumerate() {
             let off = ((i * 7) % n) as u64 * 4096;

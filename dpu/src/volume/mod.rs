@@ -2,9 +2,9 @@
 //!
 //! Every frontend (vhost-user-blk, NVMe-oF target) submits [`IoRequest`]s to a
 //! [`BlockDevice`]; every layer below (crypto, stripe, remote fabric, local backends)
-//! implements it. Submission is asynchronous: `submit` hands the request over together with a
-//! [`Completion`] and returns; the device calls [`Completion::complete`] exactly once, either
-//! before `submit` returns (local backends: RAM, file, null complete inline, so a frontend
+//! implements it. Submission is asynchronous: `submit` hands the request over together with
+//! an [`IoCompletion`] and returns; the device calls [`IoCompletion::complete`] exactly once,
+//! either before `submit` returns (local backends: RAM, file, null complete inline, so a frontend
 //! pays no thread hop) or later from another thread (remote backends). No lock is held across
 //! I/O: local backends take none on the data path, and frontends must not hold their queue
 //! lock while calling `submit` if they want asynchronous devices to make progress.
@@ -179,10 +179,18 @@ impl IoError {
 
 pub type IoResult = Result<(), IoError>;
 
-/// Where a device reports that a request finished.
-pub trait Completion: Send + Sync {
+/// Where a device reports that a request finished: the callback a submitter hands over with
+/// each request (not the NVMe completion queue entry, which is
+/// `nacre_shared::nvme::Completion`).
+pub trait IoCompletion: Send + Sync {
     fn complete(&self, tag: u64, result: IoResult);
 }
+
+/// The name [`IoCompletion`] had until it was renamed for clashing with the NVMe completion
+/// queue entry. Only `fabric/` and `frontend/nvmf_rdma/` still say `Completion`: they are
+/// being rewritten on another branch, and the rename stays out of their way until it is
+/// merged; then they take the new name and this alias goes.
+pub(crate) use self::IoCompletion as Completion;
 
 /// Size and block size of a volume as the data path sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -237,7 +245,7 @@ pub trait BlockDevice: Send + Sync {
     /// Start `req`; `done.complete(req.tag, …)` is called exactly once, possibly before this
     /// returns. Errors, including invalid requests, are reported through `done`, never by
     /// panicking.
-    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>);
+    fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>);
 
     /// The QoS and statistics layer, when this device is one: [`qos::VolumePath`] submits
     /// through it without a dynamic call and hands frontends its statistics (a bare device,
@@ -254,7 +262,7 @@ pub trait BlockDevice: Send + Sync {
     /// Submit and wait: for the control plane, tests and tools, never the hot path.
     fn submit_wait(&self, req: IoRequest) -> IoResult {
         let waiter = Arc::new(Waiter::default());
-        let done: Arc<dyn Completion> = waiter.clone();
+        let done: Arc<dyn IoCompletion> = waiter.clone();
         self.submit(req, &done);
         waiter.wait()
     }
@@ -296,7 +304,7 @@ impl Waiter {
     }
 }
 
-impl Completion for Waiter {
+impl IoCompletion for Waiter {
     fn complete(&self, _tag: u64, result: IoResult) {
         *self.result.lock().unwrap_or_else(|p| p.into_inner()) = Some(result);
         self.cond.notify_all();

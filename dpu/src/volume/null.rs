@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::{BlockDevice, Completion, Geometry, IoRequest, IoResult};
+use super::{BlockDevice, Geometry, IoCompletion, IoRequest, IoResult};
 
 pub struct NullVolume {
     size: AtomicU64,
@@ -28,7 +28,7 @@ impl BlockDevice for NullVolume {
         }
     }
 
-    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         let r = self.geometry().check(&req);
         done.complete(req.tag, r);
     }

@@ -31,7 +31,7 @@ use std::time::Duration;
 use nacre_shared::api::qos::{QosLimits, DEFAULT_BURST_MS, DEFAULT_WEIGHT};
 use tracing::trace;
 
-use super::{BlockDevice, Completion, Geometry, IoKind, IoRequest, IoResult};
+use super::{BlockDevice, Geometry, IoCompletion, IoKind, IoRequest, IoResult};
 use crate::telemetry::{self, Telemetry, VolumeMetrics};
 
 /// Time as the limiter sees it: injectable so tests are deterministic.
@@ -418,7 +418,7 @@ fn bytes_of(dir: Dir, req: &IoRequest) -> u64 {
 /// A request waiting for tokens.
 struct Pending {
     req: IoRequest,
-    done: Arc<dyn Completion>,
+    done: Arc<dyn IoCompletion>,
     dir: Dir,
     bytes: u64,
 }
@@ -471,7 +471,7 @@ struct SchedState {
 struct Admitted {
     inner: Arc<dyn BlockDevice>,
     req: IoRequest,
-    done: Arc<dyn Completion>,
+    done: Arc<dyn IoCompletion>,
 }
 
 impl Admitted {
@@ -644,7 +644,7 @@ impl Qos {
         &self,
         id: u64,
         req: IoRequest,
-        done: Arc<dyn Completion>,
+        done: Arc<dyn IoCompletion>,
         arrived: u64,
         credit: Option<&mut Credit>,
     ) -> Option<Admitted> {
@@ -914,7 +914,7 @@ impl QosVolume {
     /// The limiter's locked path: no credit (first request, credit spent, limits changed).
     #[cold]
     #[inline(never)]
-    fn submit_locked(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit_locked(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         let slot = telemetry::clock::slot();
         let at = telemetry::clock::now_ns();
         // SAFETY: `slot` is this thread's; `admit` only takes the limiter's lock and returns.
@@ -929,7 +929,7 @@ impl QosVolume {
     /// [`BlockDevice::submit`], as a concrete call a frontend's [`VolumePath`] inlines: the
     /// device below gets the request with no dynamic call or move of the request in between.
     #[inline(always)]
-    pub fn submit_here(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    pub fn submit_here(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         if self.limited.load(Ordering::Acquire) && !self.admit_from_credit(&req) {
             self.submit_locked(req, done);
         } else {
@@ -963,7 +963,7 @@ impl VolumePath {
     }
 
     #[inline]
-    pub fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    pub fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         let _span = tracing::trace_span!(target: telemetry::trace::TARGET, "volume",
             volume = self.metrics().map(|m| m.volume()), op = ?req.kind, offset = req.offset,
             len = req.len)
@@ -986,7 +986,7 @@ impl BlockDevice for QosVolume {
         self.inner.geometry()
     }
 
-    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         self.submit_here(req, done);
     }
 
@@ -1023,7 +1023,7 @@ mod test {
     /// Counts completions (and, in `saturate`, submissions).
     #[derive(Default)]
     struct Count(AtomicUsize, AtomicUsize);
-    impl Completion for Count {
+    impl IoCompletion for Count {
         fn complete(&self, _tag: u64, r: IoResult) {
             assert_eq!(r, Ok(()));
             self.0.fetch_add(1, Ordering::Relaxed);
@@ -1054,7 +1054,7 @@ mod test {
 
     static mut BUF: [u8; 4096] = [0; 4096];
 
-    fn read4k(vol: &QosVolume, done: &Arc<dyn Completion>) {
+    fn read4k(vol: &QosVolume, done: &Arc<dyn IoCompletion>) {
         // SAFETY: the null volume never touches segment memory; the static outlives it.
         let seg = unsafe { Segment::new(std::ptr::addr_of_mut!(BUF) as *mut u8, 4096) };
         vol.submit(
@@ -1077,7 +1077,7 @@ mod test {
         let end = clock.now() + Duration::from_secs_f64(secs);
         while clock.now() < end {
             for (v, c) in vols {
-                let done: Arc<dyn Completion> = (*c).clone();
+                let done: Arc<dyn IoCompletion> = (*c).clone();
                 // Top up to `depth` outstanding; an unlimited volume completes inline, so
                 // cap what one step submits.
                 for _ in 0..4 * depth {
@@ -1211,7 +1211,7 @@ mod test {
         // Idle for a while: the bucket is full (500 ms of 1000 IOPS), no more.
         clock.advance(Duration::from_secs(10));
         let c = Arc::new(Count::default());
-        let done: Arc<dyn Completion> = c.clone();
+        let done: Arc<dyn IoCompletion> = c.clone();
         for _ in 0..2000 {
             read4k(&v, &done);
         }
@@ -1304,7 +1304,7 @@ mod test {
             }),
         );
         let c = Arc::new(Count::default());
-        let done: Arc<dyn Completion> = c.clone();
+        let done: Arc<dyn IoCompletion> = c.clone();
         for _ in 0..5 {
             read4k(&v, &done);
         }

@@ -11,7 +11,7 @@
 use std::sync::{Arc, RwLock};
 
 use super::{
-    copy_from_segments, copy_to_segments, BlockDevice, Completion, Geometry, IoError, IoKind,
+    copy_from_segments, copy_to_segments, BlockDevice, Geometry, IoCompletion, IoError, IoKind,
     IoRequest, IoResult,
 };
 
@@ -108,7 +108,7 @@ impl BlockDevice for RamVolume {
         }
     }
 
-    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         let region = self.region.read().unwrap_or_else(|p| p.into_inner());
         let geo = Geometry {
             size: region.len as u64,

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use thiserror::Error;
 
 use super::{
-    BlockDevice, Completion, Geometry, IoError, IoKind, IoRequest, IoResult, Segment, Segments,
+    BlockDevice, Geometry, IoCompletion, IoError, IoKind, IoRequest, IoResult, Segment, Segments,
 };
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -111,12 +111,12 @@ impl StripeVolume {
 /// The parent request of a split: completes `done` once, after `pending` children.
 struct Parent {
     tag: u64,
-    done: Arc<dyn Completion>,
+    done: Arc<dyn IoCompletion>,
     pending: AtomicUsize,
     err: Mutex<Option<IoError>>,
 }
 
-impl Completion for Parent {
+impl IoCompletion for Parent {
     fn complete(&self, _child: u64, result: IoResult) {
         if let Err(e) = result {
             let mut g = self.err.lock().unwrap_or_else(|p| p.into_inner());
@@ -158,13 +158,13 @@ impl BlockDevice for StripeVolume {
         self.geo
     }
 
-    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         if let Err(e) = self.geo.check(&req) {
             done.complete(req.tag, Err(e));
             return;
         }
         if req.kind == IoKind::Flush {
-            let parent: Arc<dyn Completion> = Arc::new(Parent {
+            let parent: Arc<dyn IoCompletion> = Arc::new(Parent {
                 tag: req.tag,
                 done: done.clone(),
                 pending: AtomicUsize::new(self.extents.len()),
@@ -181,7 +181,7 @@ impl BlockDevice for StripeVolume {
         }
         let count = self.pieces(req.offset, req.len).count();
         // Set the count before the first child is submitted: a child may complete inline.
-        let parent: Arc<dyn Completion> = Arc::new(Parent {
+        let parent: Arc<dyn IoCompletion> = Arc::new(Parent {
             tag: req.tag,
             done: done.clone(),
             pending: AtomicUsize::new(count),
@@ -344,7 +344,7 @@ mod test {
         fn geometry(&self) -> Geometry {
             self.inner.geometry()
         }
-        fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+        fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
             let done = done.clone();
             let tag = req.tag;
             let r = match &self.fail {

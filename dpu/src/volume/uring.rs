@@ -8,7 +8,7 @@
 //! submit here.
 //!
 //! One ring per volume. Frontend queue threads push SQEs under a short lock and return; a
-//! reaper thread waits for CQEs and calls each request's [`Completion`] — the asynchronous
+//! reaper thread waits for CQEs and calls each request's [`IoCompletion`] — the asynchronous
 //! completion path of [`BlockDevice::submit`]. Per-request state (the completion, tag and
 //! iovecs, which the kernel reads until the request completes) lives in a fixed slot table
 //! whose addresses never move. When every slot is busy the caller falls back to the
@@ -22,7 +22,7 @@ use std::thread::JoinHandle;
 use io_uring::{opcode, types, IoUring};
 use tracing::warn;
 
-use super::{Completion, IoError, IoKind, IoResult, Segment};
+use super::{IoCompletion, IoError, IoKind, IoResult, Segment};
 
 /// In-flight requests per volume; also the ring size.
 pub const DEPTH: u32 = 256;
@@ -32,7 +32,7 @@ pub const MAX_IOV: usize = 64;
 const STOP: u64 = u64::MAX;
 
 struct Slot {
-    done: Option<Arc<dyn Completion>>,
+    done: Option<Arc<dyn IoCompletion>>,
     tag: u64,
     kind: IoKind,
     offset: u64,
@@ -117,7 +117,7 @@ impl Uring {
         len: usize,
         segs: &[Segment],
         tag: u64,
-        done: &Arc<dyn Completion>,
+        done: &Arc<dyn IoCompletion>,
     ) -> Submitted {
         if segs.len() > MAX_IOV {
             return Submitted::Busy;

@@ -15,7 +15,7 @@ use nacre_shared::nvme_tcp::{self as tcp, Digests};
 use tracing::{debug, warn};
 
 use super::command::Slot;
-use super::ctrl::Controller;
+use super::ctrl::TargetController;
 use super::fabrics::HostQueue;
 use super::pdu::End;
 use super::reactor::{Mail, NewConn, Shared};
@@ -92,7 +92,7 @@ impl Queue {
     }
 }
 
-impl volume::Completion for Queue {
+impl volume::IoCompletion for Queue {
     fn complete(&self, tag: u64, result: IoResult) {
         self.reactor.complete(self.token, tag, result);
     }
@@ -116,7 +116,7 @@ pub(crate) struct Conn {
     pub(super) target: Arc<TargetInner>,
     pub(super) q: Arc<Queue>,
     /// `q` as the completion handle requests carry (made once, not per request).
-    pub(super) done: Arc<dyn volume::Completion>,
+    pub(super) done: Arc<dyn volume::IoCompletion>,
     pub(super) sock: Option<TcpStream>,
     pub(super) phase: Phase,
     /// Events asked of epoll now.
@@ -142,7 +142,7 @@ pub(crate) struct Conn {
     pub(super) rbuf: Vec<u8>,
     pub(super) rstart: usize,
     pub(super) rend: usize,
-    pub(super) ctrl: Option<Arc<Controller>>,
+    pub(super) ctrl: Option<Arc<TargetController>>,
     pub(super) subsys: Option<Arc<Subsystem>>,
     pub(super) ns_gen: u64,
     pub(super) ns: BTreeMap<u32, Arc<Namespace>>,

@@ -20,6 +20,12 @@ use tracing::debug;
 use super::subsystem::{discovery_log, Subsystem};
 use super::{limits, lock, Clock, TargetInner, FIRMWARE_REVISION};
 
+/// The name [`TargetController`] had until it was renamed for clashing with the fabric's
+/// [`crate::fabric::Controller`]. Only `frontend/nvmf_rdma/` still says `Controller`: it is
+/// being reworked on another branch, and the rename stays out of its way until that is merged;
+/// then it takes the new name and this alias goes.
+pub(crate) use self::TargetController as Controller;
+
 /// What a controller needs of one of its queues, whatever transport carries it (NVMe/TCP:
 /// `conn::Queue`; NVMe/RDMA: `nvmf_rdma`'s queue): keep-alive accounting, the SMART log's
 /// counters, teardown, and completing a parked Asynchronous Event Request.
@@ -86,7 +92,9 @@ struct CtrlState {
     temp_threshold: u32,
 }
 
-pub(crate) struct Controller {
+/// A controller of nacre's NVMe-oF target, as a host's Connect made it (not the initiator's
+/// view of a remote controller, [`crate::fabric::Controller`]).
+pub(crate) struct TargetController {
     pub(crate) cntlid: u16,
     pub(crate) subsys: Arc<Subsystem>,
     pub(crate) hostnqn: String,
@@ -103,7 +111,7 @@ pub(crate) struct Controller {
     created_ms: u64,
 }
 
-impl Controller {
+impl TargetController {
     pub(crate) fn new<Q: CtrlQueue + 'static>(
         target: &Arc<TargetInner>,
         subsys: Arc<Subsystem>,
@@ -114,7 +122,7 @@ impl Controller {
     ) -> Arc<Self> {
         let admin: Weak<Q> = Arc::downgrade(admin);
         let admin: Weak<dyn CtrlQueue> = admin;
-        let c = Arc::new(Controller {
+        let c = Arc::new(TargetController {
             cntlid: target.alloc_cntlid(),
             subsys,
             hostnqn,

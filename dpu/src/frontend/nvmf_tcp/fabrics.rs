@@ -21,7 +21,7 @@ use nacre_shared::nvme::fabrics::{
 use nacre_shared::nvme::{Command, Status};
 use tracing::{debug, warn};
 
-use super::ctrl::{Controller, CtrlQueue};
+use super::ctrl::{CtrlQueue, TargetController};
 use super::subsystem::Subsystem;
 use super::TargetInner;
 
@@ -60,7 +60,7 @@ impl Drop for HostQueue {
 
 /// A Connect the target accepted: the queue belongs to `ctrl` from here.
 pub(crate) struct Connected {
-    pub ctrl: Arc<Controller>,
+    pub ctrl: Arc<TargetController>,
     pub subsys: Arc<Subsystem>,
     pub connect: Connect,
     /// Held for as long as the queue lives.
@@ -128,7 +128,7 @@ where
         if d.cntlid != fabrics::CNTLID_DYNAMIC {
             return Err(invalid_param(true, connect_data_offset::CNTLID));
         }
-        let ctrl = Controller::new(
+        let ctrl = TargetController::new(
             target,
             subsys.clone(),
             d.hostnqn.clone(),
@@ -173,7 +173,11 @@ where
 /// Property Get or Set on queue `qid` of controller `ctrl` (`None` before Connect); any
 /// other Fabrics command type is Invalid Opcode. The value read is returned in CQE Dwords
 /// 0-1 (NVMe-oF 1.1 Figure 26).
-pub(crate) fn property(ctrl: Option<&Arc<Controller>>, qid: u16, cmd: &Command) -> (Status, u64) {
+pub(crate) fn property(
+    ctrl: Option<&Arc<TargetController>>,
+    qid: u16,
+    cmd: &Command,
+) -> (Status, u64) {
     let get = match cmd.fctype() {
         fctype::PROPERTY_GET => true,
         fctype::PROPERTY_SET => false,

@@ -10,7 +10,7 @@ use nacre_shared::api::nvmf::{NvmfNamespaceInfo, NvmfSubsystemInfo};
 use nacre_shared::nvme::discovery::{self, DiscoveryEntry};
 use nacre_shared::nvme::DISCOVERY_NQN;
 
-use super::ctrl::Controller;
+use super::ctrl::TargetController;
 use super::{limits, lock, NvmfError, TargetInner, DEFAULT_MODEL};
 use crate::volume::BlockDevice;
 
@@ -52,7 +52,7 @@ pub struct Subsystem {
     namespaces: RwLock<BTreeMap<u32, Arc<Namespace>>>,
     /// Bumped on every namespace change, so queues refresh their cached namespace table.
     pub(crate) ns_gen: AtomicU64,
-    controllers: Mutex<BTreeMap<u16, Arc<Controller>>>,
+    controllers: Mutex<BTreeMap<u16, Arc<TargetController>>>,
 }
 
 impl Subsystem {
@@ -183,15 +183,15 @@ impl Subsystem {
         }
     }
 
-    pub(crate) fn controllers(&self) -> Vec<Arc<Controller>> {
+    pub(crate) fn controllers(&self) -> Vec<Arc<TargetController>> {
         lock(&self.controllers).values().cloned().collect()
     }
 
-    pub(crate) fn controller(&self, cntlid: u16) -> Option<Arc<Controller>> {
+    pub(crate) fn controller(&self, cntlid: u16) -> Option<Arc<TargetController>> {
         lock(&self.controllers).get(&cntlid).cloned()
     }
 
-    pub(crate) fn insert_controller(&self, c: Arc<Controller>) {
+    pub(crate) fn insert_controller(&self, c: Arc<TargetController>) {
         lock(&self.controllers).insert(c.cntlid, c);
     }
 
@@ -201,7 +201,7 @@ impl Subsystem {
 
     /// Close every controller's queues (subsystem deletion, target shutdown).
     pub(crate) fn teardown_all(&self) {
-        let cs: Vec<Arc<Controller>> = std::mem::take(&mut *lock(&self.controllers))
+        let cs: Vec<Arc<TargetController>> = std::mem::take(&mut *lock(&self.controllers))
             .into_values()
             .collect();
         for c in cs {

@@ -39,7 +39,7 @@ use super::request::{self, Action, Desc, DeviceParams, Mem, Outcome};
 use super::spec::{self, S_IOERR, S_OK, S_UNSUPP};
 use crate::telemetry::{trace, Arrival, Recorder, VolumeMetrics};
 use crate::volume::qos::VolumePath;
-use crate::volume::{BlockDevice, Completion, IoError, IoResult};
+use crate::volume::{BlockDevice, IoCompletion, IoError, IoResult};
 
 /// Longest busy-poll after a batch (QEMU's default `poll-max-ns` is the same 32 µs).
 const MAX_POLL_NS: u64 = 32_000;
@@ -77,7 +77,7 @@ thread_local! {
     };
 }
 
-/// The [`Completion`] a queue hands to the volume.
+/// The [`IoCompletion`] a queue hands to the volume.
 pub struct QueueCompleter {
     remote: Mutex<Vec<(u64, u8)>>,
     pending: AtomicUsize,
@@ -103,7 +103,7 @@ impl QueueCompleter {
     }
 }
 
-impl Completion for QueueCompleter {
+impl IoCompletion for QueueCompleter {
     fn complete(&self, tag: u64, result: IoResult) {
         if let Err(e) = &result {
             debug!(tag, error = %e, "virtio-blk request failed");
@@ -152,7 +152,7 @@ pub struct QueueWorker {
     volume: VolumePath,
     params: Arc<DeviceParams>,
     completer: Arc<QueueCompleter>,
-    done: Arc<dyn Completion>,
+    done: Arc<dyn IoCompletion>,
     slots: Vec<Slot>,
     descs: Vec<Desc>,
     used: Vec<(u16, u32)>,
@@ -178,7 +178,7 @@ impl QueueWorker {
     ) -> std::io::Result<Self> {
         let n = queue_size as usize;
         let completer = Arc::new(QueueCompleter::new(n)?);
-        let done: Arc<dyn Completion> = completer.clone();
+        let done: Arc<dyn IoCompletion> = completer.clone();
         Ok(QueueWorker {
             volume: VolumePath::new(volume),
             params,

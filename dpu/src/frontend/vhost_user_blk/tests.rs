@@ -14,7 +14,7 @@ use super::queue::{serial_bytes, QueueWorker};
 use super::request::{DeviceParams, Mem};
 use super::spec::{self, S_IOERR, S_OK, S_UNSUPP};
 use crate::volume::ram::RamVolume;
-use crate::volume::{BlockDevice, Completion, IoRequest};
+use crate::volume::{BlockDevice, IoCompletion, IoRequest};
 
 const QSIZE: u16 = 16;
 const MEM_SIZE: usize = 4 << 20;
@@ -503,7 +503,7 @@ fn get_id_returns_the_serial_and_unknown_types_are_unsupported() {
 
 /// A volume that completes every request later, from another thread, as a remote backend
 /// would.
-type Handoff = (IoRequest, Arc<dyn Completion>);
+type Handoff = (IoRequest, Arc<dyn IoCompletion>);
 
 struct LaterVolume {
     inner: RamVolume,
@@ -527,7 +527,7 @@ impl BlockDevice for LaterVolume {
     fn geometry(&self) -> crate::volume::Geometry {
         self.inner.geometry()
     }
-    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         self.tx.lock().unwrap().send((req, done.clone())).unwrap();
     }
 }
@@ -548,7 +548,7 @@ fn completions_from_another_thread_are_published_with_event_idx() {
     let (req, done) = rx.recv().unwrap();
     let completer = vol.clone();
     std::thread::spawn(move || {
-        let inner: Arc<dyn Completion> = done;
+        let inner: Arc<dyn IoCompletion> = done;
         completer.inner.submit(req, &inner);
     })
     .join()
@@ -711,7 +711,7 @@ impl BlockDevice for DmaProbe {
     fn geometry(&self) -> crate::volume::Geometry {
         self.inner.geometry()
     }
-    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         let mut seen = self.seen.lock().unwrap();
         for s in req.segments.iter() {
             seen.push(crate::volume::dma::lookup(s.as_ptr(), s.len()).is_some());

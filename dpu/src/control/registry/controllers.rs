@@ -1,0 +1,124 @@
+//! The remote NVMe-oF controllers nacred runs as a host, by remote name, and the names
+//! reserved while `remote_attach` connects.
+//!
+//! Kept outside the control lock's `Inner`: `remote_attach` connects without the control
+//! lock (the first attempt may take seconds), and a volume is composed over its controllers
+//! while the control lock is held.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use nacre_shared::nvme_tcp::Digests;
+
+use crate::control::state::RemoteRecord;
+use crate::fabric::{Controller, ControllerConfig};
+
+/// A remote being attached: address, port, subsystem NQN.
+type Target = (String, u16, String);
+
+#[derive(Default)]
+pub(super) struct Controllers {
+    ctrls: Mutex<HashMap<String, Arc<Controller>>>,
+    /// Remotes being attached (name → target): the name and target are reserved here while
+    /// `remote_attach` connects without the control lock.
+    attaching: Mutex<HashMap<String, Target>>,
+}
+
+/// A name reserved in [`Controllers::attaching`]; released on drop.
+pub(super) struct Attaching<'a> {
+    controllers: &'a Controllers,
+    name: String,
+}
+
+impl Drop for Attaching<'_> {
+    fn drop(&mut self) {
+        self.controllers.attaching().remove(&self.name);
+    }
+}
+
+impl Controllers {
+    fn ctrls(&self) -> MutexGuard<'_, HashMap<String, Arc<Controller>>> {
+        self.ctrls.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn attaching(&self) -> MutexGuard<'_, HashMap<String, Target>> {
+        self.attaching.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<Controller>> {
+        self.ctrls().get(name).cloned()
+    }
+
+    pub fn insert(&self, name: &str, c: Controller) {
+        self.ctrls().insert(name.to_string(), Arc::new(c));
+    }
+
+    pub fn remove(&self, name: &str) -> Option<Arc<Controller>> {
+        self.ctrls().remove(name)
+    }
+
+    /// Reserve `rec`'s name and target for the attach in progress. Reservations are made
+    /// under the control lock, after the name was checked free ([`Self::is_attaching`]), so
+    /// only the target can clash: `Err` names the remote being attached to it.
+    pub fn reserve(&self, rec: &RemoteRecord) -> Result<Attaching<'_>, String> {
+        let mut attaching = self.attaching();
+        if let Some((other, _)) = attaching.iter().find(|(_, (a, port, nqn))| {
+            *a == rec.address && *port == rec.port && *nqn == rec.subnqn
+        }) {
+            return Err(other.clone());
+        }
+        attaching.insert(
+            rec.name.clone(),
+            (rec.address.clone(), rec.port, rec.subnqn.clone()),
+        );
+        Ok(Attaching {
+            controllers: self,
+            name: rec.name.clone(),
+        })
+    }
+
+    /// Whether an attach of `name` is in progress.
+    pub fn is_attaching(&self, name: &str) -> bool {
+        self.attaching().contains_key(name)
+    }
+
+    /// Close every controller (nacred shutting down); each close is bounded.
+    pub fn close_all(&self) {
+        let all: Vec<_> = self.ctrls().drain().collect();
+        for (_, c) in all {
+            c.close();
+        }
+    }
+}
+
+/// The fabric's configuration of a persisted remote.
+pub(super) fn config(rec: &RemoteRecord) -> ControllerConfig {
+    let mut c = ControllerConfig::new(&rec.address, rec.port, &rec.subnqn, &rec.hostnqn);
+    c.hostid = uuid::Uuid::parse_str(&rec.hostid)
+        .map(|u| *u.as_bytes())
+        .unwrap_or(c.hostid);
+    c.io_queues = rec.io_queues;
+    c.queue_depth = rec.queue_depth;
+    c.digests = Digests {
+        header: rec.header_digest,
+        data: rec.data_digest,
+    };
+    c.in_capsule_data_size = rec.in_capsule_data_size as usize;
+    c.keep_alive_timeout = Duration::from_millis(rec.keep_alive_timeout_ms as u64);
+    c.reconnect_delay = Duration::from_secs(rec.reconnect_delay_sec as u64);
+    c.ctrl_loss_timeout = match rec.ctrl_loss_timeout_sec {
+        -1 => None,
+        n => Some(Duration::from_secs(n.max(0) as u64)),
+    };
+    c.fast_io_fail_timeout = match rec.fast_io_fail_timeout_sec {
+        0 => None,
+        n => Some(Duration::from_secs(n as u64)),
+    };
+    c.io_timeout = match rec.io_timeout_sec {
+        0 => None,
+        n => Some(Duration::from_secs(n as u64)),
+    };
+    c.quiesce_time = Duration::from_millis(rec.quiesce_time_ms as u64);
+    c
+}

@@ -1,0 +1,74 @@
+//! NVMe/TCP listeners that could not be restored.
+//!
+//! A listener saved in the state may find its port taken when nacred restarts (another
+//! service, a previous nacred still exiting). Its subsystem is restored without it, the banner
+//! and `nvmf_get_subsystems` say it is not listening and why, and a background thread tries
+//! to bind it again every [`RETRY_INTERVAL`] until it succeeds, the listener is removed, or
+//! nacred stops. Binding is local (no network round trip), so the retry takes the control lock
+//! only for the moment of each attempt.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use tracing::{info, warn};
+
+use super::store::{Inner, Registry};
+use super::target::{rpc_err, target};
+
+pub const RETRY_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Start the retry thread if replay left listeners unbound.
+pub fn start(registry: &Arc<Registry>) {
+    if registry.lock().live.listeners_failed.is_empty() {
+        return;
+    }
+    let weak = Arc::downgrade(registry);
+    let spawned = std::thread::Builder::new()
+        .name("nvmf-listen-retry".into())
+        .spawn(move || retry_loop(weak));
+    if let Err(e) = spawned {
+        warn!(error = %e, "cannot start the NVMe/TCP listener retry");
+    }
+}
+
+fn retry_loop(weak: Weak<Registry>) {
+    loop {
+        std::thread::sleep(RETRY_INTERVAL);
+        let Some(r) = weak.upgrade() else { return };
+        let mut inner = r.lock();
+        if !retry_once(&mut inner) {
+            return;
+        }
+    }
+}
+
+/// One attempt at every failed listener still configured; whether any is left to retry.
+fn retry_once(inner: &mut Inner) -> bool {
+    let pending: Vec<_> = inner.live.listeners_failed.keys().cloned().collect();
+    for (nqn, addr) in pending {
+        let configured = inner
+            .state
+            .nvmf
+            .subsystems
+            .get(&nqn)
+            .is_some_and(|s| s.listeners.contains(&addr));
+        if !configured {
+            inner.live.listeners_failed.remove(&(nqn, addr));
+            continue;
+        }
+        let t = target(inner);
+        match t.add_listener(&nqn, addr) {
+            Ok(_) => {
+                info!(nqn = %nqn, listener = %addr, "nvmf listener restored");
+                inner.live.listeners_failed.remove(&(nqn, addr));
+            }
+            Err(e) => {
+                inner
+                    .live
+                    .listeners_failed
+                    .insert((nqn, addr), rpc_err(e).message);
+            }
+        }
+    }
+    !inner.live.listeners_failed.is_empty()
+}

@@ -1,0 +1,520 @@
+//! NVMe-oF subsystems, their namespaces (volumes), listeners and allowed hosts, served by
+//! the daemon's one target ([`super::target`]).
+//!
+//! Replay recreates subsystems, then namespaces (on their reopened volumes), hosts and
+//! listeners. Namespaces report the volume's UUID as NGUID and UUID, so a namespace keeps
+//! its identity across restarts and across paths.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use nacre_shared::api::nvmf::{
+    NvmfListenerState, NvmfSubsystemCreate, NvmfSubsystemInfo, NvmfSubsystemStatus,
+};
+use nacre_shared::nvme::validate_nqn;
+use tracing::{info, warn};
+
+use super::store::{Inner, Registry};
+use super::target::{rdma_err, rdma_ports, rpc_err, target};
+use crate::control::error::RpcError;
+use crate::control::state::{serial_from_uuid, NvmfState, NvmfSubsystemRecord};
+use crate::frontend::nvmf_rdma::RdmaPorts;
+use crate::frontend::nvmf_tcp::{NvmfTarget, DEFAULT_MODEL};
+
+/// The transport a target listener serves (an NVMe-oF subsystem listens on each address
+/// for one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListenerTransport {
+    Tcp,
+    Rdma,
+}
+
+impl ListenerTransport {
+    /// A subsystem's configured listeners of this transport.
+    fn listeners(self, r: &NvmfSubsystemRecord) -> &BTreeSet<SocketAddr> {
+        match self {
+            ListenerTransport::Tcp => &r.listeners,
+            ListenerTransport::Rdma => &r.rdma_listeners,
+        }
+    }
+
+    fn listeners_mut(self, r: &mut NvmfSubsystemRecord) -> &mut BTreeSet<SocketAddr> {
+        match self {
+            ListenerTransport::Tcp => &mut r.listeners,
+            ListenerTransport::Rdma => &mut r.rdma_listeners,
+        }
+    }
+
+    /// The listeners of this transport that could not be started at replay.
+    fn failed(self, inner: &mut Inner) -> &mut BTreeMap<(String, SocketAddr), String> {
+        match self {
+            ListenerTransport::Tcp => &mut inner.live.listeners_failed,
+            ListenerTransport::Rdma => &mut inner.live.rdma_listeners_failed,
+        }
+    }
+
+    /// How errors name a listener: its address, with `rdma:` before an RDMA one.
+    fn name(self, addr: SocketAddr) -> String {
+        match self {
+            ListenerTransport::Tcp => addr.to_string(),
+            ListenerTransport::Rdma => format!("rdma:{addr}"),
+        }
+    }
+}
+
+/// What listens for one transport: the target itself (NVMe/TCP) or its RDMA ports.
+enum Port {
+    Tcp(Arc<NvmfTarget>),
+    Rdma(Arc<RdmaPorts>),
+}
+
+impl Port {
+    /// The live listener of `transport`, created on first use.
+    fn of(inner: &mut Inner, transport: ListenerTransport) -> Port {
+        match transport {
+            ListenerTransport::Tcp => Port::Tcp(target(inner)),
+            ListenerTransport::Rdma => Port::Rdma(rdma_ports(inner)),
+        }
+    }
+
+    fn add(&self, nqn: &str, addr: SocketAddr) -> Result<SocketAddr, RpcError> {
+        match self {
+            Port::Tcp(t) => t.add_listener(nqn, addr).map_err(rpc_err),
+            Port::Rdma(p) => p.add_listener(nqn, addr).map_err(rdma_err),
+        }
+    }
+
+    /// Stop listening; a listener that was not live (it failed at replay) is no error.
+    fn remove(&self, nqn: &str, addr: SocketAddr) {
+        match self {
+            Port::Tcp(t) => {
+                let _ = t.remove_listener(nqn, addr);
+            }
+            Port::Rdma(p) => {
+                let _ = p.remove_listener(nqn, addr);
+            }
+        }
+    }
+}
+
+impl Registry {
+    /// `nvmf_subsystem_create`. The serial defaults to a fresh one in the volumes' format,
+    /// the model to nacre's.
+    pub fn create_subsystem(
+        &self,
+        p: &NvmfSubsystemCreate,
+    ) -> Result<Option<NvmfSubsystemInfo>, RpcError> {
+        validate_nqn(&p.nqn).map_err(RpcError::invalid_params)?;
+        let serial = p
+            .serial
+            .clone()
+            .unwrap_or_else(|| serial_from_uuid(&uuid::Uuid::new_v4()));
+        let model = p.model.clone().unwrap_or_else(|| DEFAULT_MODEL.to_string());
+        self.with(|inner| {
+            if inner.state.nvmf.subsystems.contains_key(&p.nqn) {
+                return Err(RpcError::exists("subsystem", &p.nqn));
+            }
+            let t = target(inner);
+            t.create_subsystem(&p.nqn, &serial, &model, p.allow_any_host)
+                .map_err(rpc_err)?;
+            let rec = NvmfSubsystemRecord {
+                nqn: p.nqn.clone(),
+                serial: serial.clone(),
+                model: model.clone(),
+                allow_any_host: p.allow_any_host,
+                hosts: BTreeSet::new(),
+                namespaces: BTreeMap::new(),
+                listeners: BTreeSet::new(),
+                rdma_listeners: BTreeSet::new(),
+            };
+            self.commit_nvmf(
+                inner,
+                |s| {
+                    s.subsystems.insert(rec.nqn.clone(), rec.clone());
+                },
+                || {
+                    let _ = t.delete_subsystem(&p.nqn);
+                },
+            )?;
+            info!(nqn = %p.nqn, "nvmf subsystem created");
+            Ok(subsystem_info(&t, &p.nqn))
+        })
+    }
+
+    /// `nvmf_subsystem_delete`: its hosts are disconnected.
+    pub fn delete_subsystem(&self, nqn: &str) -> Result<(), RpcError> {
+        self.with(|inner| {
+            record(inner, nqn)?;
+            self.commit_nvmf(
+                inner,
+                |s| {
+                    s.subsystems.remove(nqn);
+                },
+                || {},
+            )?;
+            if let Some(ports) = inner.live.nvmf_rdma.clone() {
+                ports.forget_subsystem(nqn);
+            }
+            inner
+                .live
+                .rdma_listeners_failed
+                .retain(|(n, _), _| n != nqn);
+            let t = target(inner);
+            if let Err(e) = t.delete_subsystem(nqn) {
+                warn!(nqn = %nqn, error = %e, "nvmf subsystem was not live");
+            }
+            Ok(())
+        })
+    }
+
+    /// `nvmf_subsystem_add_ns`: export `volume` as namespace `nsid` (default: the lowest
+    /// free one). Returns the NSID.
+    pub fn add_namespace(
+        &self,
+        nqn: &str,
+        volume: &str,
+        nsid: Option<u32>,
+    ) -> Result<u32, RpcError> {
+        self.with(|inner| {
+            if let Some(nsid) = record(inner, nqn)?
+                .namespaces
+                .iter()
+                .find(|(_, v)| v.as_str() == volume)
+                .map(|(n, _)| *n)
+            {
+                // Two namespaces of one subsystem with the same NGUID confuse hosts (Linux
+                // refuses the second).
+                return Err(RpcError::busy(format!(
+                    "volume {volume:?} is already namespace {nsid} of {nqn}"
+                )));
+            }
+            let dev = inner
+                .live
+                .volumes
+                .get(volume)
+                .cloned()
+                .ok_or_else(|| RpcError::not_found("volume", volume))?;
+            let nguid = nguid_of(inner, volume)?;
+            let t = target(inner);
+            let nsid = t
+                .add_namespace(nqn, nsid, dev, nguid, volume.to_string())
+                .map_err(rpc_err)?;
+            self.commit_nvmf(
+                inner,
+                |s| {
+                    if let Some(r) = s.subsystems.get_mut(nqn) {
+                        r.namespaces.insert(nsid, volume.to_string());
+                    }
+                },
+                || {
+                    let _ = t.remove_namespace(nqn, nsid);
+                },
+            )?;
+            Ok(nsid)
+        })
+    }
+
+    /// `nvmf_subsystem_remove_ns`: hosts get a namespace-changed event.
+    pub fn remove_namespace(&self, nqn: &str, nsid: u32) -> Result<(), RpcError> {
+        self.with(|inner| {
+            if !record(inner, nqn)?.namespaces.contains_key(&nsid) {
+                return Err(RpcError::not_found("namespace", &format!("{nqn}/{nsid}")));
+            }
+            self.commit_nvmf(
+                inner,
+                |s| {
+                    if let Some(r) = s.subsystems.get_mut(nqn) {
+                        r.namespaces.remove(&nsid);
+                    }
+                },
+                || {},
+            )?;
+            let t = target(inner);
+            if let Err(e) = t.remove_namespace(nqn, nsid) {
+                warn!(nqn = %nqn, nsid, error = %e, "nvmf namespace was not live");
+            }
+            Ok(())
+        })
+    }
+
+    /// `nvmf_subsystem_add_listener`. Returns the address bound (the port actually bound
+    /// when 0 was asked for). A listener that failed at replay and is added again is no
+    /// longer reported failed.
+    pub fn add_listener(
+        &self,
+        nqn: &str,
+        addr: SocketAddr,
+        transport: ListenerTransport,
+    ) -> Result<SocketAddr, RpcError> {
+        self.with(|inner| {
+            if transport.listeners(record(inner, nqn)?).contains(&addr) {
+                return Err(RpcError::exists("listener", &transport.name(addr)));
+            }
+            let port = Port::of(inner, transport);
+            let bound = port.add(nqn, addr)?;
+            transport.failed(inner).remove(&(nqn.to_string(), bound));
+            self.commit_nvmf(
+                inner,
+                |s| {
+                    if let Some(r) = s.subsystems.get_mut(nqn) {
+                        transport.listeners_mut(r).insert(bound);
+                    }
+                },
+                || port.remove(nqn, bound),
+            )?;
+            Ok(bound)
+        })
+    }
+
+    /// `nvmf_subsystem_remove_listener`.
+    pub fn remove_listener(
+        &self,
+        nqn: &str,
+        addr: SocketAddr,
+        transport: ListenerTransport,
+    ) -> Result<(), RpcError> {
+        self.with(|inner| {
+            if !transport.listeners(record(inner, nqn)?).contains(&addr) {
+                return Err(RpcError::not_found("listener", &transport.name(addr)));
+            }
+            self.commit_nvmf(
+                inner,
+                |s| {
+                    if let Some(r) = s.subsystems.get_mut(nqn) {
+                        transport.listeners_mut(r).remove(&addr);
+                    }
+                },
+                || {},
+            )?;
+            Port::of(inner, transport).remove(nqn, addr);
+            transport.failed(inner).remove(&(nqn.to_string(), addr));
+            Ok(())
+        })
+    }
+
+    /// `nvmf_subsystem_add_host`.
+    pub fn add_host(&self, nqn: &str, host: &str) -> Result<(), RpcError> {
+        self.with(|inner| {
+            record(inner, nqn)?;
+            let t = target(inner);
+            t.add_host(nqn, host).map_err(rpc_err)?;
+            self.commit_nvmf(
+                inner,
+                |s| {
+                    if let Some(r) = s.subsystems.get_mut(nqn) {
+                        r.hosts.insert(host.to_string());
+                    }
+                },
+                || {
+                    let _ = t.remove_host(nqn, host);
+                },
+            )
+        })
+    }
+
+    /// `nvmf_subsystem_remove_host`: existing connections stay.
+    pub fn remove_host(&self, nqn: &str, host: &str) -> Result<(), RpcError> {
+        self.with(|inner| {
+            if !record(inner, nqn)?.hosts.contains(host) {
+                return Err(RpcError::not_found("host", host));
+            }
+            self.commit_nvmf(
+                inner,
+                |s| {
+                    if let Some(r) = s.subsystems.get_mut(nqn) {
+                        r.hosts.remove(host);
+                    }
+                },
+                || {},
+            )?;
+            let _ = target(inner).remove_host(nqn, host);
+            Ok(())
+        })
+    }
+
+    /// `nvmf_subsystem_allow_any_host`.
+    pub fn set_allow_any_host(&self, nqn: &str, allow: bool) -> Result<(), RpcError> {
+        self.with(|inner| {
+            let before = record(inner, nqn)?.allow_any_host;
+            let t = target(inner);
+            t.set_allow_any_host(nqn, allow).map_err(rpc_err)?;
+            self.commit_nvmf(
+                inner,
+                |s| {
+                    if let Some(r) = s.subsystems.get_mut(nqn) {
+                        r.allow_any_host = allow;
+                    }
+                },
+                || {
+                    let _ = t.set_allow_any_host(nqn, before);
+                },
+            )
+        })
+    }
+
+    /// `nvmf_get_subsystems`: each subsystem (the discovery subsystem first) with the state
+    /// of its configured listeners.
+    pub fn subsystems(&self) -> Vec<NvmfSubsystemStatus> {
+        let mut inner = self.lock();
+        let subs = target(&mut inner).subsystems();
+        with_listener_states(&inner, subs)
+    }
+
+    /// Why a configured NVMe/TCP listener is not listening (it is being retried), if it is
+    /// not.
+    pub fn listener_failure(&self, nqn: &str, addr: SocketAddr) -> Option<String> {
+        let inner = self.lock();
+        inner
+            .live
+            .listeners_failed
+            .get(&(nqn.to_string(), addr))
+            .cloned()
+    }
+
+    /// Why a configured NVMe/RDMA listener is not listening, if it is not.
+    pub fn rdma_listener_failure(&self, nqn: &str, addr: SocketAddr) -> Option<String> {
+        let inner = self.lock();
+        inner
+            .live
+            .rdma_listeners_failed
+            .get(&(nqn.to_string(), addr))
+            .cloned()
+    }
+
+    /// Apply `change` to a copy of the NVMe-oF state, persist it, and commit; `undo` reverts
+    /// the live change if persisting fails.
+    fn commit_nvmf(
+        &self,
+        inner: &mut Inner,
+        change: impl FnOnce(&mut NvmfState),
+        undo: impl FnOnce(),
+    ) -> Result<(), RpcError> {
+        let mut next = inner.state.clone();
+        change(&mut next.nvmf);
+        self.commit(inner, next, undo)
+    }
+}
+
+fn record<'a>(inner: &'a Inner, nqn: &str) -> Result<&'a NvmfSubsystemRecord, RpcError> {
+    inner
+        .state
+        .nvmf
+        .subsystems
+        .get(nqn)
+        .ok_or_else(|| RpcError::not_found("subsystem", nqn))
+}
+
+fn subsystem_info(t: &NvmfTarget, nqn: &str) -> Option<NvmfSubsystemInfo> {
+    t.subsystems().into_iter().find(|s| s.nqn == nqn)
+}
+
+/// NGUID/UUID of a namespace: the volume's UUID.
+fn nguid_of(inner: &Inner, volume: &str) -> Result<[u8; 16], RpcError> {
+    let rec = inner.volume(volume)?;
+    uuid::Uuid::parse_str(&rec.uuid)
+        .map(|u| *u.as_bytes())
+        .map_err(|e| RpcError::failed(format!("volume {volume:?} has a bad UUID: {e}")))
+}
+
+/// Bring one subsystem record to life on `t`; parts that fail are logged and skipped so the
+/// rest of the configuration still comes back.
+fn start_subsystem(
+    inner: &mut Inner,
+    t: &NvmfTarget,
+    rec: &NvmfSubsystemRecord,
+) -> Result<(), RpcError> {
+    t.create_subsystem(&rec.nqn, &rec.serial, &rec.model, rec.allow_any_host)
+        .map_err(rpc_err)?;
+    for h in &rec.hosts {
+        if let Err(e) = t.add_host(&rec.nqn, h) {
+            warn!(nqn = %rec.nqn, host = %h, error = %e, "nvmf host not restored");
+        }
+    }
+    for (&nsid, vol) in &rec.namespaces {
+        let r = match (inner.live.volumes.get(vol), nguid_of(inner, vol)) {
+            (Some(dev), Ok(nguid)) => t
+                .add_namespace(&rec.nqn, Some(nsid), dev.clone(), nguid, vol.clone())
+                .map_err(rpc_err),
+            (None, _) => Err(RpcError::failed(format!("volume {vol:?} is not open"))),
+            (_, Err(e)) => Err(e),
+        };
+        if let Err(e) = r {
+            warn!(nqn = %rec.nqn, nsid, error = %e, "nvmf namespace not restored");
+        }
+    }
+    for l in &rec.rdma_listeners {
+        let ports = rdma_ports(inner);
+        if let Err(e) = ports.add_listener(&rec.nqn, *l) {
+            // Not retried (RDMA devices come with drivers, not with time): reported by
+            // nvmf_get_subsystems until nacred restarts or the listener is re-added.
+            warn!(nqn = %rec.nqn, listener = %l, "nvmf RDMA listener not restored: {e}");
+            inner
+                .live
+                .rdma_listeners_failed
+                .insert((rec.nqn.clone(), *l), e.to_string());
+        }
+    }
+    for l in &rec.listeners {
+        if let Err(e) = t.add_listener(&rec.nqn, *l) {
+            warn!(nqn = %rec.nqn, listener = %l, error = %e, "nvmf listener not restored; retrying");
+            // Reported by the banner and nvmf_get_subsystems; retried by `listener_retry`.
+            let reason = e.to_string();
+            inner
+                .live
+                .listeners_failed
+                .insert((rec.nqn.clone(), *l), reason);
+        }
+    }
+    Ok(())
+}
+
+/// Recreate the persisted subsystems (after volumes were reopened).
+pub(super) fn replay(inner: &mut Inner) {
+    let subs: Vec<NvmfSubsystemRecord> = inner.state.nvmf.subsystems.values().cloned().collect();
+    if subs.is_empty() {
+        return;
+    }
+    let t = target(inner);
+    for rec in &subs {
+        if let Err(e) = start_subsystem(inner, &t, rec) {
+            warn!(nqn = %rec.nqn, error = %e, "nvmf subsystem not restored");
+        }
+    }
+    info!(subsystems = subs.len(), "nvmf subsystems replayed");
+}
+
+/// Each subsystem with the state of its configured listeners (NVMe/TCP ones that failed
+/// are being retried; NVMe/RDMA ones are not).
+fn with_listener_states(inner: &Inner, subs: Vec<NvmfSubsystemInfo>) -> Vec<NvmfSubsystemStatus> {
+    subs.into_iter()
+        .map(|info| {
+            let state = |address: String, reason: Option<String>| NvmfListenerState {
+                address,
+                state: if reason.is_some() {
+                    "failed"
+                } else {
+                    "listening"
+                }
+                .into(),
+                reason,
+            };
+            let mut listener_states = Vec::new();
+            if let Some(r) = inner.state.nvmf.subsystems.get(&info.nqn) {
+                let key = |l: &SocketAddr| (info.nqn.clone(), *l);
+                listener_states.extend(r.listeners.iter().map(|l| {
+                    let reason = inner.live.listeners_failed.get(&key(l));
+                    state(l.to_string(), reason.map(|r| format!("{r}; retrying")))
+                }));
+                listener_states.extend(r.rdma_listeners.iter().map(|l| {
+                    let reason = inner.live.rdma_listeners_failed.get(&key(l));
+                    state(format!("rdma:{l}"), reason.cloned())
+                }));
+            }
+            NvmfSubsystemStatus {
+                info,
+                listener_states,
+            }
+        })
+        .collect()
+}

@@ -1,0 +1,165 @@
+//! The registry's data and its one transaction rule; everything else in the registry is
+//! built on this.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::controllers::Controllers;
+use super::windows::Windows;
+use crate::control::error::RpcError;
+use crate::control::state::{self, State, VolumeRecord};
+use crate::frontend::nvmf_rdma::RdmaPorts;
+use crate::frontend::nvmf_tcp::NvmfTarget;
+use crate::frontend::vhost_user_blk::VhostBlkServer;
+use crate::volume::qos::Qos;
+use crate::volume::BlockDevice;
+
+/// Where nacred keeps things.
+#[derive(Debug, Clone)]
+pub struct DaemonConfig {
+    pub state_dir: PathBuf,
+    pub run_dir: PathBuf,
+}
+
+/// Objects that exist only while nacred runs: opened volumes and running devices.
+#[derive(Default)]
+pub(super) struct Live {
+    pub volumes: HashMap<String, Arc<dyn BlockDevice>>,
+    pub vhost_blk: HashMap<String, VhostBlkServer>,
+    pub nvmf: Option<Arc<NvmfTarget>>,
+    /// The target's NVMe/RDMA listeners (created with the first one).
+    pub nvmf_rdma: Option<Arc<RdmaPorts>>,
+    /// NVMe/RDMA listeners in the state that could not be started at replay ((nqn, address)
+    /// → reason): no RDMA device, or none with that address. Not retried.
+    pub rdma_listeners_failed: BTreeMap<(String, SocketAddr), String>,
+    /// Volumes that could not be opened at replay, with the reason (`volume_list` shows it).
+    pub failed: HashMap<String, String>,
+    /// NVMe/TCP listeners in the state that could not be bound at replay ((nqn, address) →
+    /// reason); [`super::listener_retry`] keeps trying them.
+    pub listeners_failed: BTreeMap<(String, SocketAddr), String>,
+    /// Tenants' unlocked KEKs (zeroized when dropped); see [`super::keys`].
+    pub keks: HashMap<String, Arc<crate::crypto::tenant::UnlockedKek>>,
+}
+
+/// The persisted state and the live objects built from it, under the control lock.
+pub(super) struct Inner {
+    pub state: State,
+    pub live: Live,
+}
+
+impl Inner {
+    /// The record of volume `name`, or the error that says it does not exist.
+    pub fn volume(&self, name: &str) -> Result<&VolumeRecord, RpcError> {
+        self.state
+            .volumes
+            .get(name)
+            .ok_or_else(|| RpcError::not_found("volume", name))
+    }
+}
+
+/// The one owner of nacred's objects: the persisted records, the live objects built from
+/// them, the remote controllers volumes are built over, and the QoS layer volumes are
+/// wrapped in. See the [module documentation](super) for how it is organised.
+pub struct Registry {
+    pub(super) config: DaemonConfig,
+    /// Under the control lock.
+    inner: Mutex<Inner>,
+    /// Remote NVMe-oF controllers (outside `inner`: `remote_attach` connects without the
+    /// control lock, and volumes need them while it is held).
+    pub(super) controllers: Controllers,
+    /// QoS limiter and the per-volume statistics it keeps.
+    pub(super) qos: Arc<Qos>,
+    /// GPU peer windows hosts registered (not persisted; see [`super::windows`]).
+    pub(super) windows: Windows,
+}
+
+impl Registry {
+    /// A registry over `state` (as loaded) with nothing live yet: see [`Registry::replay`].
+    pub(crate) fn new(config: DaemonConfig, state: State) -> Registry {
+        Registry {
+            config,
+            inner: Mutex::new(Inner {
+                state,
+                live: Live::default(),
+            }),
+            controllers: Default::default(),
+            qos: Qos::start(Default::default()),
+            windows: Default::default(),
+        }
+    }
+
+    pub(super) fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Run `f` under the control lock.
+    pub(super) fn with<T>(
+        &self,
+        f: impl FnOnce(&mut Inner) -> Result<T, RpcError>,
+    ) -> Result<T, RpcError> {
+        f(&mut self.lock())
+    }
+
+    /// Persist `next` atomically. Call before committing it to `Inner::state`.
+    pub(super) fn persist(&self, next: &State) -> Result<(), RpcError> {
+        state::save(&self.config.state_dir, next).map_err(|e| {
+            RpcError::failed(format!(
+                "cannot write state to {}: {e}",
+                self.config.state_dir.display()
+            ))
+        })
+    }
+
+    /// The last two steps of every change: persist `next`, then commit it in memory. If
+    /// persisting fails, `undo` tears down what the change built live, so what runs and what
+    /// would be replayed never diverge.
+    pub(super) fn commit(
+        &self,
+        inner: &mut Inner,
+        next: State,
+        undo: impl FnOnce(),
+    ) -> Result<(), RpcError> {
+        if let Err(e) = self.persist(&next) {
+            undo();
+            return Err(e);
+        }
+        inner.state = next;
+        Ok(())
+    }
+
+    /// Read the persisted records (a consistent view, under the control lock).
+    pub fn read_state<T>(&self, f: impl FnOnce(&State) -> T) -> T {
+        f(&self.lock().state)
+    }
+
+    /// The QoS layer (its telemetry serves the metrics endpoint).
+    pub fn qos(&self) -> &Arc<Qos> {
+        &self.qos
+    }
+
+    pub fn state_dir(&self) -> &Path {
+        &self.config.state_dir
+    }
+
+    pub fn run_dir(&self) -> &Path {
+        &self.config.run_dir
+    }
+
+    /// Stop every device (clients are disconnected, sockets removed). Volumes close as
+    /// their last reference drops.
+    pub fn shutdown(&self) {
+        let mut inner = self.lock();
+        for (name, dev) in inner.live.vhost_blk.drain() {
+            tracing::info!(device = %name, "stopping vhost-user-blk device");
+            dev.stop();
+        }
+        // Stops the listener retry too (it ends when nothing is left to retry).
+        inner.live.listeners_failed.clear();
+        inner.live.nvmf_rdma = None;
+        inner.live.nvmf = None;
+        inner.live.volumes.clear();
+        self.controllers.close_all();
+    }
+}
