@@ -138,7 +138,8 @@ fn rdma_selftest() {
 /// work; data survives a disconnect and reconnect; every queue gave back its thread and
 /// descriptors, and nacred is still alive; restarted, it listens again from its saved state;
 /// restarted with per-listener caps, a second silent queue evicts the first and a full
-/// listener rejects a third queue while its two serve.
+/// listener rejects a third queue while its two serve; started before its RDMA device exists,
+/// nacred retries the saved listener until the device comes up, then serves on it.
 #[test]
 fn nvme_rdma_against_nacred() {
     let Some(_bed) = prepare("nvme_rdma_against_nacred") else {
@@ -195,6 +196,10 @@ fn nvme_rdma_against_nacred() {
     assert_eq!(out.fact("cap_evicted"), "closed");
     assert_eq!(out.fact("cap_rejected"), "rejected,status=6");
     assert_eq!(out.fact("cap_served"), "yes");
+    // Started before rxe0 exists, nacred lists the saved RDMA listener as failed and retried,
+    // and once the device is up the retry makes it listen and serve.
+    assert_eq!(out.fact("retry_failed_first"), "yes");
+    assert_eq!(out.fact("retry_served"), "yes");
 }
 
 /// Real RoCEv2 between two machines: nacred's NVMe/RDMA target in one guest (rxe on its

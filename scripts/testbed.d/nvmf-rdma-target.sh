@@ -7,11 +7,13 @@
 # connects, `nvme list` shows nacre, 32 MiB O_DIRECT write/read/compare, 4 KiB writes (in-capsule),
 # Write Zeroes, DSM, disconnect, reconnect and read again; no thread or descriptor is left behind;
 # after a restart of nacred the listener is back from its state and serves again; restarted with
-# per-listener caps, a second silent queue evicts the first and a full listener rejects (status 6).
+# per-listener caps, a second silent queue evicts the first and a full listener rejects (status 6);
+# started before its RDMA device exists, nacred retries the saved listener until the device is up.
 # Facts: bad_listener, probe_recfmt, probe_qid, probe_hsqsize, probe_bad_sgl, probe_bad_key,
 # probe_idle, idle_closed_after_s,
 # discovered_trtype, model, serial, transport, io_queues, ns1_bytes, verified, small_writes, zeroed,
-# discarded, reverified, leaked, nacred_alive, replayed, cap_evicted, cap_rejected, cap_served.
+# discarded, reverified, leaked, nacred_alive, replayed, cap_evicted, cap_rejected, cap_served,
+# retry_failed_first, retry_served.
 NQN=nqn.2014-08.io.nacre.testbed:rdma-target
 MIB=$(param mib 32)
 for b in nacred nacre rdma-cm-probe; do
@@ -189,5 +191,27 @@ echo "$r"
 fact cap_rejected "$(echo "$r" | sed 's/^PROBE case=[^ ]* result=//' | tr ' ' ,)"
 verify_rw /dev/$NS1 2 16
 fact cap_served yes
+run nvme disconnect -n $NQN
+
+step "an RDMA device that comes up after nacred: the saved listener is retried and serves"
+kill $NACRED
+wait $NACRED || true
+run rdma link delete rxe0
+nacred --state-dir /tmp/nacre-state --run-dir /run/nacre --no-default --log info > /tmp/nacred.log 2>&1 &
+NACRED=$!
+wait_until 60 test -S /run/nacre/nacred.sock || fail "nacred did not start without rxe0"
+grep "NVMe/RDMA subsystem $NQN is NOT listening" /tmp/nacred.log || fail "no NOT listening line without rxe0"
+nacre nvmf list | tee /tmp/list
+grep -q "rdma:192.0.2.1:4420 (failed: .*retrying)" /tmp/list || fail "the listener is not shown as failed and retried"
+fact retry_failed_first yes
+run rdma link add rxe0 type rxe netdev dummy0
+wait_until 30 grep -q "nvmf RDMA listener restored" /tmp/nacred.log || fail "the RDMA listener was not retried"
+nacre nvmf list | tee /tmp/list
+grep -q "rdma:192.0.2.1:4420 (failed" /tmp/list && fail "still failed after it listens"
+run nvme connect -t rdma -a 192.0.2.1 -s 4420 -n $NQN || fail "nvme connect to the retried listener"
+wait_until 30 nvme_ns_dev $NQN 1 || fail "namespace 1 did not appear on the retried listener"
+NS1=$(nvme_ns_dev $NQN 1)
+verify_rw /dev/$NS1 2 20
+fact retry_served yes
 run nvme disconnect -n $NQN
 kill $NACRED

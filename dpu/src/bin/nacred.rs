@@ -377,8 +377,10 @@ fn print_attach_hints(d: &Daemon) {
             if let Some(reason) = d.registry.rdma_listener_failure(&sub.nqn, *l) {
                 // One line: a machine without RDMA still serves everything else.
                 eprintln!(
-                    "nacred: NVMe/RDMA subsystem {} is NOT listening: {reason}",
-                    sub.nqn
+                    "nacred: NVMe/RDMA subsystem {} is NOT listening: {reason}; retrying every {} s \
+                     in the background (an RDMA device may come up later)",
+                    sub.nqn,
+                    nacre_dpu::control::registry::listener_retry::RETRY_INTERVAL.as_secs()
                 );
                 continue;
             }

@@ -1,11 +1,12 @@
-//! NVMe/TCP listeners that could not be restored.
+//! NVMe-oF listeners that could not be restored.
 //!
 //! A listener saved in the state may find its port taken when nacred restarts (another
-//! service, a previous nacred still exiting). Its subsystem is restored without it, the banner
-//! and `nvmf_get_subsystems` say it is not listening and why, and a background thread tries
-//! to bind it again every [`RETRY_INTERVAL`] until it succeeds, the listener is removed, or
-//! nacred stops. Binding is local (no network round trip), so the retry takes the control lock
-//! only for the moment of each attempt.
+//! service, a previous nacred still exiting), or, for NVMe/RDMA, no RDMA device with its
+//! address yet (the NIC's driver or a soft-RoCE link comes up after nacred). Its subsystem is
+//! restored without it, the banner and `nvmf_get_subsystems` say it is not listening and why,
+//! and a background thread tries to listen again every [`RETRY_INTERVAL`] until it succeeds,
+//! the listener is removed, or nacred stops. Listening is local (no network round trip), so
+//! the retry takes the control lock only for the moment of each attempt.
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -13,21 +14,24 @@ use std::time::Duration;
 use tracing::{info, warn};
 
 use super::store::{Inner, Registry};
-use super::target::{rpc_err, target};
+use super::target::{rdma_err, rdma_ports, rpc_err, target};
 
 pub const RETRY_INTERVAL: Duration = Duration::from_secs(2);
 
 /// Start the retry thread if replay left listeners unbound.
 pub fn start(registry: &Arc<Registry>) {
-    if registry.lock().live.listeners_failed.is_empty() {
-        return;
+    {
+        let inner = registry.lock();
+        if inner.live.listeners_failed.is_empty() && inner.live.rdma_listeners_failed.is_empty() {
+            return;
+        }
     }
     let weak = Arc::downgrade(registry);
     let spawned = std::thread::Builder::new()
         .name("nvmf-listen-retry".into())
         .spawn(move || retry_loop(weak));
     if let Err(e) = spawned {
-        warn!(error = %e, "cannot start the NVMe/TCP listener retry");
+        warn!(error = %e, "cannot start the NVMe-oF listener retry");
     }
 }
 
@@ -70,5 +74,30 @@ fn retry_once(inner: &mut Inner) -> bool {
             }
         }
     }
-    !inner.live.listeners_failed.is_empty()
+    let pending: Vec<_> = inner.live.rdma_listeners_failed.keys().cloned().collect();
+    for (nqn, addr) in pending {
+        let configured = inner
+            .state
+            .nvmf
+            .subsystems
+            .get(&nqn)
+            .is_some_and(|s| s.rdma_listeners.contains(&addr));
+        if !configured {
+            inner.live.rdma_listeners_failed.remove(&(nqn, addr));
+            continue;
+        }
+        match rdma_ports(inner).add_listener(&nqn, addr) {
+            Ok(_) => {
+                info!(nqn = %nqn, listener = %addr, "nvmf RDMA listener restored");
+                inner.live.rdma_listeners_failed.remove(&(nqn, addr));
+            }
+            Err(e) => {
+                inner
+                    .live
+                    .rdma_listeners_failed
+                    .insert((nqn, addr), rdma_err(e).message);
+            }
+        }
+    }
+    !inner.live.listeners_failed.is_empty() || !inner.live.rdma_listeners_failed.is_empty()
 }

@@ -484,8 +484,8 @@ pub(super) fn replay(inner: &mut Inner) {
     info!(subsystems = subs.len(), "nvmf subsystems replayed");
 }
 
-/// Each subsystem with the state of its configured listeners (NVMe/TCP ones that failed
-/// are being retried; NVMe/RDMA ones are not).
+/// Each subsystem with the state of its configured listeners (those that failed at replay
+/// are being retried, [`super::listener_retry`]).
 fn with_listener_states(inner: &Inner, subs: Vec<NvmfSubsystemInfo>) -> Vec<NvmfSubsystemStatus> {
     subs.into_iter()
         .map(|info| {
@@ -508,7 +508,10 @@ fn with_listener_states(inner: &Inner, subs: Vec<NvmfSubsystemInfo>) -> Vec<Nvmf
                 }));
                 listener_states.extend(r.rdma_listeners.iter().map(|l| {
                     let reason = inner.live.rdma_listeners_failed.get(&key(l));
-                    state(format!("rdma:{l}"), reason.cloned())
+                    state(
+                        format!("rdma:{l}"),
+                        reason.map(|r| format!("{r}; retrying")),
+                    )
                 }));
             }
             NvmfSubsystemStatus {
