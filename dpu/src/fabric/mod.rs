@@ -23,6 +23,8 @@ pub mod controller;
 pub mod discovery;
 pub mod multipath;
 pub mod namespace;
+pub mod queue;
+pub mod rdma;
 pub mod tcp;
 
 pub use controller::{
@@ -30,6 +32,7 @@ pub use controller::{
 };
 pub use multipath::{MultipathDevice, PathPolicy};
 pub use namespace::RemoteNamespace;
+pub use queue::Transport;
 
 use nacre_shared::nvme::Status;
 use thiserror::Error;

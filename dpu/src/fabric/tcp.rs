@@ -36,49 +36,25 @@ use nacre_shared::nvme::command::{sgl, PSDT_SGL};
 use nacre_shared::nvme::fabrics::{Connect, ConnectData};
 use nacre_shared::nvme::{admin_opcode, Completion as Cqe, SglDescriptor};
 use nacre_shared::nvme_tcp::{
-    self as pdu, digest::crc32c, fes, flags, pdu_type, CommonHeader, DataHeader, Digests, IcReq,
-    IcResp, CH_LEN, DIGEST_LEN, IC_LEN,
+    self as pdu, digest::crc32c, fes, flags, pdu_type, CommonHeader, DataHeader, IcReq, IcResp,
+    CH_LEN, DIGEST_LEN, IC_LEN,
 };
 use tracing::{debug, warn};
 
 use crate::telemetry::trace::TARGET as TRACE;
 
 use super::cmd::{AdminWait, Cmd, Dir, IoData, Target};
+use super::queue::{cid_of, split_cid, FabricQueue};
+pub use super::queue::{QueueOwner, QueueParams, MAX_DEPTH};
 use super::FabricError;
-use crate::volume::{copy_from_segments, copy_to_segments, IoError};
+use crate::volume::{copy_to_segments, IoError};
 
-/// Slot index bits of a CID; the remaining 6 bits are the slot's generation.
-const IDX_BITS: u32 = 10;
-/// The deepest queue a connection supports (slot indices must fit [`IDX_BITS`]).
-pub const MAX_DEPTH: u16 = 1 << IDX_BITS;
 /// In-capsule data the admin queue always accepts (NVMe/TCP 1.0 §3.4: 8 KiB).
 pub const ADMIN_ICD: usize = 8192;
 /// The largest data PDU nacre accepts from a controller. Transfers are split by the host at
 /// the maximum transfer size (at most 1 MiB), and a controller never sends more than a
 /// command asked for, so this only bounds what a broken peer can make us read.
 const MAX_RX_DATA: usize = 1 << 20;
-
-/// What a queue tells its owner (the controller).
-pub trait QueueOwner: Send + Sync {
-    /// The connection is gone. `cmds` were outstanding (or queued) on it and have been
-    /// neither completed nor failed: the owner decides (hold and retry, or fail).
-    fn queue_closed(&self, session: u64, qid: u16, reason: String, cmds: Vec<Cmd>);
-}
-
-/// Connection parameters of one queue.
-#[derive(Debug, Clone)]
-pub struct QueueParams {
-    pub qid: u16,
-    /// Commands in flight at most (the SQ has one more entry, Connect SQSIZE = depth).
-    pub depth: u16,
-    pub digests: Digests,
-    /// Keep Alive Timeout for the admin queue's Connect (0 = none).
-    pub kato_ms: u32,
-    /// Most bytes of write data sent inside the command capsule.
-    pub icd_max: usize,
-    /// Bound on TCP connect and on each step of initialisation.
-    pub timeout: Duration,
-}
 
 /// Negotiated at ICReq/ICResp.
 #[derive(Debug, Clone, Copy)]
@@ -132,14 +108,6 @@ impl std::fmt::Debug for QueueConn {
             .field("session", &self.session)
             .finish()
     }
-}
-
-fn cid_of(idx: u16, gen: u8) -> u16 {
-    idx | ((gen as u16) << IDX_BITS)
-}
-
-fn split_cid(cid: u16) -> (usize, u8) {
-    ((cid & (MAX_DEPTH - 1)) as usize, (cid >> IDX_BITS) as u8)
 }
 
 /// A fatal protocol error: what to put in the H2CTermReq (if anything) and why.
@@ -331,7 +299,7 @@ impl QueueConn {
             // then copies into the send buffer behind the header (and digests). Sending
             // straight from the segments (writev) is the reactor work of issue 9.
             let mut data = vec![0u8; cmd.len];
-            read_cmd_data(&cmd, 0, &mut data);
+            cmd.read_data(0, &mut data);
             pdu::encode_capsule_cmd(
                 &mut tx.buf,
                 &cmd.sqe,
@@ -663,7 +631,7 @@ impl QueueConn {
                 ));
             }
             data.resize(len, 0);
-            read_cmd_data(cmd, off, &mut data);
+            cmd.read_data(off, &mut data);
             Ok(())
         })?;
         let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
@@ -893,25 +861,21 @@ impl Dest {
     }
 }
 
-/// Copy bytes `off..off+out.len()` of a command's outgoing data into `out`.
-fn read_cmd_data(cmd: &Cmd, off: usize, out: &mut [u8]) {
-    match &cmd.target {
-        Target::Io {
-            parent,
-            data: IoData::Segs { off: base },
-        } => {
-            // SAFETY: the command is outstanding, so its request's segments are valid.
-            unsafe { copy_from_segments(parent.segments(), base + off, out) }
-        }
-        Target::Io {
-            data: IoData::Inline(b),
-            ..
-        } => out.copy_from_slice(&b[off..off + out.len()]),
-        Target::Admin(w) => {
-            let b = w.buf.lock().unwrap_or_else(|p| p.into_inner());
-            let n = out.len().min(b.len().saturating_sub(off));
-            out[..n].copy_from_slice(&b[off..off + n]);
-        }
+impl FabricQueue for QueueConn {
+    fn qid(&self) -> u16 {
+        self.qid
+    }
+    fn submit(&self, cmd: Cmd) -> Result<(), Cmd> {
+        QueueConn::submit(self, cmd)
+    }
+    fn oldest_outstanding(&self) -> Option<Duration> {
+        QueueConn::oldest_outstanding(self)
+    }
+    fn shutdown(&self) {
+        QueueConn::shutdown(self)
+    }
+    fn join(&self, timeout: Duration) {
+        QueueConn::join(self, timeout)
     }
 }
 
