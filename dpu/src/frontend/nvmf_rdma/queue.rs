@@ -38,7 +38,7 @@ use rdma_sys::*;
 use tracing::{debug, warn};
 
 use super::cm::{self, CmRequest};
-use super::verbs::{self, EventChannel};
+use super::verbs::{self, EventChannel, RegBuf};
 use crate::frontend::nvmf_tcp::ctrl::{AdminReply, Controller, CtrlQueue};
 use crate::frontend::nvmf_tcp::subsystem::{Namespace, Subsystem};
 use crate::frontend::nvmf_tcp::{limits, lock, TargetInner};
@@ -135,61 +135,6 @@ struct Slot {
     /// Bytes to RDMA WRITE to the host on success (reads).
     read_len: usize,
     stats: Option<(Arc<VolumeMetrics>, Arrival)>,
-}
-
-/// A registered buffer: memory from the allocator, and its memory region.
-struct RegBuf {
-    ptr: *mut u8,
-    len: usize,
-    mr: *mut ibv_mr,
-}
-
-impl RegBuf {
-    fn new(pd: *mut ibv_pd, len: usize) -> std::io::Result<RegBuf> {
-        let layout = std::alloc::Layout::from_size_align(len.max(1), 4096)
-            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            return Err(std::io::ErrorKind::OutOfMemory.into());
-        }
-        let mut b = RegBuf {
-            ptr,
-            len,
-            mr: std::ptr::null_mut(),
-        };
-        let access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 as i32;
-        // SAFETY: `pd` is a valid protection domain; the buffer stays allocated until this
-        // RegBuf drops, which deregisters it first.
-        b.mr = unsafe { ibv_reg_mr(pd, ptr as *mut _, len, access) };
-        if b.mr.is_null() {
-            return Err(verbs::errno());
-        }
-        Ok(b)
-    }
-
-    fn lkey(&self) -> u32 {
-        // SAFETY: `mr` is valid while self lives.
-        unsafe { (*self.mr).lkey }
-    }
-
-    fn addr(&self, off: usize) -> u64 {
-        self.ptr as u64 + off as u64
-    }
-}
-
-impl Drop for RegBuf {
-    fn drop(&mut self) {
-        // SAFETY: deregistered once, then freed with the layout it was allocated with; the
-        // queue pair that could access it is destroyed before (RdmaQueue::drop).
-        unsafe {
-            if !self.mr.is_null() {
-                ibv_dereg_mr(self.mr);
-            }
-            let layout = std::alloc::Layout::from_size_align_unchecked(self.len.max(1), 4096);
-            std::alloc::dealloc(self.ptr, layout);
-        }
-    }
 }
 
 /// The queue's verbs objects and buffers, and the state completing threads share.
