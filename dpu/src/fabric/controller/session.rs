@@ -52,7 +52,7 @@ use tracing::{info, warn};
 use super::admin::{bring_up, check_identity, property_set, queue_entry_sizes, set_queue_count};
 use super::{ControllerConfig, ControllerInfo, Ctrl, NamespaceInfo, Phase, Session, St};
 use crate::fabric::cmd::{AdminWait, Cmd, Dir, Target};
-use crate::fabric::queue::{self, Queue, QueueOwner, QueueParams, MAX_DEPTH};
+use crate::fabric::queue::{self, Queue, QueueOwner, QueueParams, Transport, MAX_DEPTH};
 use crate::fabric::FabricError;
 use crate::volume::IoError;
 
@@ -360,6 +360,10 @@ impl Ctrl {
         }
         let (mut info, mqes) = info;
         info.cntlid = cntlid;
+        if cfg.transport == Transport::Rdma {
+            // Each NVMe/RDMA slot has a registered buffer of this size (rdma.rs).
+            info.max_transfer = info.max_transfer.min(crate::fabric::rdma::MAX_TRANSFER);
+        }
         // I/O queues.
         let want = cfg.io_queues.max(1);
         let granted = set_queue_count(&*admin, want, deadline)?;
