@@ -144,8 +144,10 @@ fn remote_errors_are_clear() {
     assert_eq!(code, rpc::INVALID_PARAMS);
     assert!(msg.contains("reconnect_delay_sec"), "{msg}");
     let mut bad = attach_params("s", shelf.addr.port());
-    bad["transport"] = json!("rdma");
-    assert!(n.err("remote_attach", bad).1.contains("tcp"));
+    bad["transport"] = json!("roce");
+    let (code, msg) = n.err("remote_attach", bad);
+    assert_eq!(code, rpc::INVALID_PARAMS);
+    assert!(msg.contains("\"tcp\" or \"rdma\""), "{msg}");
     let mut bad = attach_params("s", shelf.addr.port());
     bad["subnqn"] = json!("nqn.2024-01.io.nacre:nope");
     let (code, msg) = n.err("remote_attach", bad);

@@ -28,7 +28,7 @@ use super::{parse_params, to_value, Daemon, Inner, Method, RpcError};
 use crate::fabric::namespace::BlockSizeView;
 use crate::fabric::{
     discovery, Controller, ControllerConfig, MultipathDevice, NamespaceInfo, PathPolicy, Phase,
-    RemoteNamespace,
+    RemoteNamespace, Transport,
 };
 use crate::volume::stripe::StripeVolume;
 use crate::volume::BlockDevice;
@@ -37,7 +37,7 @@ pub const METHODS: &[Method] = &[
     Method {
         name: "remote_attach",
         handler: remote_attach,
-        help: "Connect to a remote NVMe-oF controller: name, address, port, subnqn, hostnqn, io_queues, queue_depth, header_digest, data_digest, reconnect_delay_sec, ctrl_loss_timeout_sec, fast_io_fail_timeout_sec, in_capsule_data_size, keep_alive_timeout_ms, io_timeout_sec, quiesce_time_ms.",
+        help: "Connect to a remote NVMe-oF controller: name, transport (tcp or rdma; default tcp), address, port, subnqn, hostnqn, io_queues, queue_depth, header_digest, data_digest, reconnect_delay_sec, ctrl_loss_timeout_sec, fast_io_fail_timeout_sec, in_capsule_data_size, keep_alive_timeout_ms, io_timeout_sec, quiesce_time_ms.",
     },
     Method {
         name: "remote_detach",
@@ -137,6 +137,9 @@ impl Registry {
 impl RemoteRecord {
     pub fn config(&self) -> ControllerConfig {
         let mut c = ControllerConfig::new(&self.address, self.port, &self.subnqn, &self.hostnqn);
+        // Records from before NVMe/RDMA say "tcp"; an unknown word cannot be persisted
+        // (new_record checks it), so TCP is only the fallback of a hand-edited state file.
+        c.transport = self.transport.parse().unwrap_or_default();
         c.hostid = uuid::Uuid::parse_str(&self.hostid)
             .map(|u| *u.as_bytes())
             .unwrap_or(c.hostid);
@@ -220,11 +223,11 @@ fn host_identity(state: &State, hostnqn: Option<&str>) -> (String, String) {
 
 fn new_record(state: &State, p: &RemoteAttach) -> Result<RemoteRecord, RpcError> {
     validate_name("remote", &p.name).map_err(RpcError::invalid_params)?;
-    if p.transport != "tcp" {
-        return Err(RpcError::invalid_params(format!(
-            "transport {:?} is not supported: use \"tcp\"",
-            p.transport
-        )));
+    let transport: Transport = p.transport.parse().map_err(RpcError::invalid_params)?;
+    if transport == Transport::Rdma && (p.header_digest || p.data_digest) {
+        return Err(RpcError::invalid_params(
+            "header_digest and data_digest are NVMe/TCP features: NVMe/RDMA has none",
+        ));
     }
     if p.address.is_empty() {
         return Err(RpcError::invalid_params("address must not be empty"));
@@ -486,12 +489,7 @@ fn remote_list(d: &Daemon, params: Value) -> Result<Value, RpcError> {
 
 fn remote_discover(d: &Daemon, params: Value) -> Result<Value, RpcError> {
     let p: RemoteDiscover = parse_params(params)?;
-    if p.transport != "tcp" {
-        return Err(RpcError::invalid_params(format!(
-            "transport {:?} is not supported: use \"tcp\"",
-            p.transport
-        )));
-    }
+    let transport: Transport = p.transport.parse().map_err(RpcError::invalid_params)?;
     let hostnqn = match &p.hostnqn {
         Some(h) => {
             validate_nqn(h).map_err(|e| RpcError::invalid_params(format!("hostnqn: {e}")))?;
@@ -499,10 +497,14 @@ fn remote_discover(d: &Daemon, params: Value) -> Result<Value, RpcError> {
         }
         None => d.with_inner(|inner| Ok(host_identity(&inner.state, None).0))?,
     };
-    let entries = discovery::discover(&p.address, p.port, &hostnqn, Duration::from_secs(3))
-        .map_err(|e| {
-            RpcError::failed(format!("discovery at {}:{} failed: {e}", p.address, p.port))
-        })?;
+    let entries = discovery::discover_over(
+        transport,
+        &p.address,
+        p.port,
+        &hostnqn,
+        Duration::from_secs(3),
+    )
+    .map_err(|e| RpcError::failed(format!("discovery at {}:{} failed: {e}", p.address, p.port)))?;
     to_value(
         entries
             .into_iter()

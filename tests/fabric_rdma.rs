@@ -1,0 +1,110 @@
+//! `remote_attach` over NVMe/RDMA where the machine has no RDMA device (the development
+//! machine and CI): one clear error, by RPC and by CLI, and nacred goes on serving. The
+//! NVMe/RDMA initiator itself is exercised against the kernel's nvmet-rdma target on
+//! soft-RoCE in the QEMU test bed (tests/testbed.rs, scenario nvmf-rdma-initiator).
+
+use nacre_shared::rpc;
+use nacre_tests::daemon::Nacred;
+use serde_json::{json, Value};
+
+const NQN: &str = "nqn.2024-01.io.nacre:shelf-rdma";
+
+fn attach(name: &str, transport: &str) -> Value {
+    json!({"name": name, "transport": transport, "address": "192.0.2.10", "port": 4420,
+           "subnqn": NQN, "io_queues": 1, "queue_depth": 16})
+}
+
+fn no_rdma_here() -> bool {
+    let n = nacre_dpu::frontend::nvmf_rdma::device_count();
+    if n > 0 {
+        eprintln!("skipping: this machine has {n} RDMA device(s); the test bed covers RDMA");
+    }
+    n == 0
+}
+
+#[test]
+fn attaching_over_rdma_without_a_device_is_one_clear_error_and_nacred_keeps_serving() {
+    if !no_rdma_here() {
+        return;
+    }
+    let n = Nacred::start_args(&["--no-default"]);
+    let (code, msg) = n.err("remote_attach", attach("r", "rdma"));
+    assert_eq!(code, rpc::OPERATION_FAILED, "{msg}");
+    assert!(
+        msg.contains("cannot attach remote \"r\"")
+            && msg.contains("NVMe/RDMA needs an RDMA device"),
+        "{msg}"
+    );
+    assert_eq!(msg.lines().count(), 1, "{msg}");
+    assert_eq!(
+        n.ok("remote_list", Value::Null),
+        json!([]),
+        "nothing half-attached"
+    );
+    // Discovery over RDMA: the same clear error.
+    let (code, msg) = n.err(
+        "remote_discover",
+        json!({"transport": "rdma", "address": "192.0.2.10", "port": 4420}),
+    );
+    assert_eq!(code, rpc::OPERATION_FAILED, "{msg}");
+    assert!(msg.contains("NVMe/RDMA needs an RDMA device"), "{msg}");
+
+    // The CLI: one line on stderr, a failing exit status.
+    let out = n.cli(&[
+        "remote",
+        "attach",
+        "r",
+        "--transport",
+        "rdma",
+        "--address",
+        "192.0.2.10",
+        "--subnqn",
+        NQN,
+    ]);
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert_eq!(e.lines().count(), 1, "{e}");
+    assert!(e.contains("NVMe/RDMA needs an RDMA device"), "{e}");
+
+    // nacred is unharmed: it still creates and lists things.
+    n.ok(
+        "volume_create",
+        json!({"name": "v", "size": 1048576, "backend": "ram"}),
+    );
+    assert_eq!(n.ok("volume_list", Value::Null)[0]["name"], "v");
+}
+
+#[test]
+fn bad_transports_and_tcp_only_options_are_refused_before_connecting() {
+    let n = Nacred::start_args(&["--no-default"]);
+    for t in ["RDMA", "roce", "", "tcp "] {
+        let (code, msg) = n.err("remote_attach", attach("r", t));
+        assert_eq!(code, rpc::INVALID_PARAMS, "{t:?}: {msg}");
+        assert!(msg.contains("\"tcp\" or \"rdma\""), "{t:?}: {msg}");
+    }
+    let mut p = attach("r", "rdma");
+    p["header_digest"] = json!(true);
+    let (code, msg) = n.err("remote_attach", p);
+    assert_eq!(code, rpc::INVALID_PARAMS);
+    assert!(msg.contains("NVMe/TCP features"), "{msg}");
+    let (code, _) = n.err(
+        "remote_discover",
+        json!({"transport": "ib", "address": "192.0.2.10"}),
+    );
+    assert_eq!(code, rpc::INVALID_PARAMS);
+    // The CLI refuses a bad word itself, before any RPC.
+    let out = n.cli(&[
+        "remote",
+        "attach",
+        "r",
+        "--transport",
+        "roce",
+        "--address",
+        "192.0.2.10",
+        "--subnqn",
+        NQN,
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(e.contains("invalid value 'roce'"), "{e}");
+}
