@@ -189,6 +189,75 @@ fn nvme_rdma_against_nacred() {
     assert_eq!(out.fact("replayed"), "yes");
 }
 
+/// nacred's NVMe/RDMA initiator against an independent target: the kernel's nvmet-rdma over
+/// soft-RoCE (rxe loopback in one guest, nacred packed into it). nacred attaches the target with
+/// `nacre remote attach --transport rdma` and serves a plain and an encrypted volume on its
+/// NVMe/TCP target to the kernel's nvme-tcp host; the plain data verifies end to end and lands
+/// as written on the target's RAM disk, and the encrypted volume's RAM disk holds exactly the
+/// ciphertext the independent Python XTS oracle computes for the known pattern. Then an RDMA CM
+/// reject and an address nothing answers each give one clear line.
+#[test]
+fn nvme_rdma_initiator_against_the_kernel_nvmet_rdma_target() {
+    let Some(_bed) = prepare("nvme_rdma_initiator_against_the_kernel_nvmet_rdma_target") else {
+        return;
+    };
+    let started = std::time::Instant::now();
+    let out = Boot::new("nvmf-rdma-initiator")
+        .pack(nacre_tests::daemon::bin("nacred"))
+        .pack(nacre_tests::daemon::bin("nacre"))
+        .param("mib", 4)
+        .timeout(Duration::from_secs(500))
+        .run()
+        .expect("boot");
+    eprintln!(
+        "nvmf-rdma-initiator: {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    out.assert_success();
+    assert_eq!(out.fact("attached"), "live");
+    assert_eq!(out.fact("transport"), "rdma");
+    assert_eq!(out.fact("io_queues"), "2");
+    assert_eq!(out.fact("namespaces"), "2");
+    assert_eq!(out.fact("plain_verified"), "4MiB");
+    assert_eq!(out.fact("plain_backing"), "match");
+    assert_eq!(out.fact("enc_readback"), "ok");
+
+    // The pattern the guest wrote: 65536 lines "%015d\n", 1 MiB, at byte 1 MiB of the volume.
+    let pattern: Vec<u8> = (0..65536u32)
+        .flat_map(|i| format!("{i:015}\n").into_bytes())
+        .collect();
+    assert_eq!(
+        out.fact("enc_pattern_sha"),
+        testbed::sha256(&pattern).unwrap(),
+        "the guest's pattern is not the one computed here"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("xts.key");
+    let hex = out.fact("enc_key");
+    assert_eq!(hex.len(), 128, "a 64-byte AES-256-XTS key: {hex}");
+    std::fs::write(&key, nacre_tests::xts_oracle::hex(&hex)).unwrap();
+    let plain = dir.path().join("plain.bin");
+    let cipher = dir.path().join("cipher.bin");
+    std::fs::write(&plain, &pattern).unwrap();
+    testbed::xts_oracle_run("encrypt", &key, &plain, &cipher, 512, MIB / 512).expect("oracle");
+    let expect = testbed::sha256(&std::fs::read(&cipher).unwrap()).unwrap();
+    let got = out.fact("enc_backing_sha");
+    assert_ne!(
+        got,
+        out.fact("enc_pattern_sha"),
+        "the target holds plaintext"
+    );
+    assert_eq!(
+        got, expect,
+        "the target's bytes are not the oracle's ciphertext"
+    );
+
+    // No listener on the port: the CM's own reject, reason 8 (invalid service ID).
+    assert_eq!(out.fact("reject_error"), "RDMA_CM_reject_reason_8");
+    assert_eq!(out.fact("unreachable_error"), "yes");
+    assert_eq!(out.fact("nacred_alive"), "yes");
+}
+
 /// Real RoCEv2 between two machines: nacred's NVMe/RDMA target in one guest (rxe on its
 /// virtio-net), the kernel's nvme-rdma host in another, joined by a QEMU socket netdev. The
 /// host discovers and connects over RDMA, `nvme list` shows nacre, 16 MiB are written, read

@@ -47,7 +47,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use nacre_shared::nvme::command::{sgl, PSDT_SGL, SQE_LEN};
+use nacre_shared::nvme::command::{PSDT_SGL, SQE_LEN};
 use nacre_shared::nvme::fabrics::{Connect, ConnectData, CONNECT_DATA_LEN};
 use nacre_shared::nvme::{admin_opcode, put_u32, put_u64, Completion as Cqe, SglDescriptor};
 use rdma_sys::*;
@@ -503,13 +503,11 @@ impl RdmaQueue {
             self.bounced_bytes
                 .fetch_add(cmd.len as u64, Ordering::Relaxed);
         } else {
-            cmd.sqe.sgl = SglDescriptor {
-                addr: 0,
-                len: 0,
-                kind: sgl::TYPE_DATA_BLOCK,
-            };
             cmd.sqe.encode(&mut capsule[..SQE_LEN]);
-            if cmd.len > 0 {
+            // Keyed SGL Data Block (NVMe Base 2.0 Figure 119): address, 24-bit length, key,
+            // identifier in byte 15. A command without data carries one of length 0 (what
+            // Linux sends; nvmet-rdma refuses any other descriptor type as an invalid field).
+            let (addr, key) = if cmd.len > 0 {
                 let d = self.data.as_ref().expect("registered at setup");
                 if cmd.dir == Dir::H2C {
                     // SAFETY: slot i is ours and its SEND is not posted yet.
@@ -518,14 +516,15 @@ impl RdmaQueue {
                     self.bounced_bytes
                         .fetch_add(cmd.len as u64, Ordering::Relaxed);
                 }
-                // Keyed SGL Data Block (NVMe Base 2.0 Figure 119): address, 24-bit length,
-                // key, identifier in byte 15.
-                let sg = &mut capsule[24..40];
-                put_u64(sg, 0, d.addr(i * MAX_TRANSFER));
-                sg[8..11].copy_from_slice(&(cmd.len as u32).to_le_bytes()[..3]);
-                put_u32(sg, 11, d.rkey());
-                sg[15] = SGL_KEYED_DATA_BLOCK_ADDRESS;
-            }
+                (d.addr(i * MAX_TRANSFER), d.rkey())
+            } else {
+                (0, 0)
+            };
+            let sg = &mut capsule[24..40];
+            put_u64(sg, 0, addr);
+            sg[8..11].copy_from_slice(&(cmd.len as u32).to_le_bytes()[..3]);
+            put_u32(sg, 11, key);
+            sg[15] = SGL_KEYED_DATA_BLOCK_ADDRESS;
         }
         let mut sge = ibv_sge {
             addr: send.addr(i * self.capsule_len),
