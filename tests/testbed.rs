@@ -258,6 +258,55 @@ fn nvme_rdma_initiator_against_the_kernel_nvmet_rdma_target() {
     assert_eq!(out.fact("nacred_alive"), "yes");
 }
 
+/// nacred's NVMe/RDMA initiator when the kernel's nvmet-rdma target goes away (soft-RoCE, one
+/// guest; reconnect_delay 1 s, ctrl_loss_timeout 8 s): the target port removed mid-write and
+/// restored 0.5 s later loses nothing (the write completes on a new session and reads back
+/// identical); a controller whose target went away is detached at once; a target gone for good
+/// gives the client an Internal Path Error once ctrl_loss_timeout has passed, not before and not
+/// much after, and the remote shows `failed` while nacred keeps serving.
+#[test]
+fn nvme_rdma_initiator_survives_a_target_flap_and_fails_cleanly_when_it_is_gone() {
+    let Some(_bed) =
+        prepare("nvme_rdma_initiator_survives_a_target_flap_and_fails_cleanly_when_it_is_gone")
+    else {
+        return;
+    };
+    let started = std::time::Instant::now();
+    let out = Boot::new("nvmf-rdma-initiator-failure")
+        .pack(nacre_tests::daemon::bin("nacred"))
+        .pack(nacre_tests::daemon::bin("nacre"))
+        .timeout(Duration::from_secs(400))
+        .run()
+        .expect("boot");
+    eprintln!(
+        "nvmf-rdma-initiator-failure: {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    out.assert_success();
+    assert_eq!(
+        out.fact("flap_in_flight"),
+        "yes",
+        "the write ended before the port went away: nothing was tested"
+    );
+    assert_eq!(out.fact("flap_verified"), "16MiB");
+    let resets: u64 = out.fact("flap_resets").parse().expect("resets");
+    assert!(
+        resets >= 1,
+        "the flap did not reset the controller: {resets}"
+    );
+    let detach: f64 = out.fact("detach_s").parse().expect("seconds");
+    assert!(detach < 1.0, "detaching a dead controller took {detach} s");
+    let lost: f64 = out.fact("lost_error_s").parse().expect("seconds");
+    assert!(
+        (7.0..=12.0).contains(&lost),
+        "the read failed after {lost} s, ctrl_loss_timeout is 8 s"
+    );
+    // Internal Path Error (SCT 3h, SC 00h): the host may retry it on another path.
+    assert_eq!(out.fact("lost_status"), "0x300");
+    assert_eq!(out.fact("lost_state"), "failed");
+    assert_eq!(out.fact("nacred_alive"), "yes");
+}
+
 /// Real RoCEv2 between two machines: nacred's NVMe/RDMA target in one guest (rxe on its
 /// virtio-net), the kernel's nvme-rdma host in another, joined by a QEMU socket netdev. The
 /// host discovers and connects over RDMA, `nvme list` shows nacre, 16 MiB are written, read
