@@ -269,6 +269,7 @@ fn print_remotes(v: &Value) {
     let mut t = Table::new(&[
         "NAME",
         "STATE",
+        "TRANSPORT",
         "ADDRESS",
         "SUBNQN",
         "NAMESPACES",
@@ -280,6 +281,7 @@ fn print_remotes(v: &Value) {
         t.row(vec![
             s("name"),
             s("state"),
+            s("transport"),
             format!("{}:{}", s("address"), r["port"]),
             s("subnqn"),
             r["namespaces"]

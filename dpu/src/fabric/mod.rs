@@ -66,6 +66,10 @@ pub enum FabricError {
     /// than risk writing to the wrong namespace.
     #[error("{0}")]
     IdentityChanged(String),
+    /// The first connection attempt of a controller failed: that attempt's error, as it was
+    /// reported (already saying whether it was the connect, a refusal or a timeout).
+    #[error("{0}")]
+    FirstAttempt(String),
     /// The controller is failed or closed.
     #[error("controller failed: {0}")]
     Failed(String),

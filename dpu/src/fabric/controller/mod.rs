@@ -348,7 +348,7 @@ impl Controller {
                     ))
                 }
                 Phase::Connecting if st.attempts > 0 => {
-                    return Err(FabricError::Connect(
+                    return Err(FabricError::FirstAttempt(
                         st.last_error.clone().unwrap_or_else(|| "unknown".into()),
                     ))
                 }
