@@ -220,7 +220,13 @@ fn nvme_rdma_initiator_against_the_kernel_nvmet_rdma_target() {
     assert_eq!(out.fact("namespaces"), "2");
     assert_eq!(out.fact("plain_verified"), "4MiB");
     assert_eq!(out.fact("plain_backing"), "match");
+    // nvmet-rdma's default inline data (a page): 4 KiB writes travel in the capsule, and the
+    // queues counted exactly the eight the guest wrote.
+    assert_eq!(out.fact("io_icd_max"), "4096");
+    assert_eq!(out.fact("small_writes"), "8x4KiB");
+    assert_eq!(out.fact("in_capsule_writes"), "8");
     assert_eq!(out.fact("enc_readback"), "ok");
+    assert_eq!(out.fact("discovered_transport"), "rdma");
 
     // The pattern the guest wrote: 65536 lines "%015d\n", 1 MiB, at byte 1 MiB of the volume.
     let pattern: Vec<u8> = (0..65536u32)
@@ -256,6 +262,8 @@ fn nvme_rdma_initiator_against_the_kernel_nvmet_rdma_target() {
     assert_eq!(out.fact("reject_error"), "RDMA_CM_reject_reason_8");
     assert_eq!(out.fact("unreachable_error"), "yes");
     assert_eq!(out.fact("nacred_alive"), "yes");
+    // Restarted, nacred attaches the remote over RDMA again from its state.
+    assert_eq!(out.fact("replayed"), "yes");
 }
 
 /// nacred's NVMe/RDMA initiator when the kernel's nvmet-rdma target goes away (soft-RoCE, one

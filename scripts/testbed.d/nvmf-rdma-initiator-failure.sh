@@ -8,7 +8,9 @@
 # 2. Port 4422 removed: `nacre remote detach` of that controller takes well under a second.
 # 3. Port 4420 removed for good: a read (NVMe passthrough on the controller, so the kernel host's
 #    multipath does not retry it) fails with a path error once ctrl_loss_timeout has passed, and
-#    the remote shows `failed`; nacred keeps serving.
+#    the remote shows `failed`; nacred keeps serving. (The same read through the kernel host's
+#    block device does not return: native multipath requeues the Internal Path Error on the only
+#    path; seen here blocking over 280 s. A target-side question, not the initiator's.)
 # Facts: flap_in_flight, flap_verified, flap_resets, detach_s, lost_error_s, lost_status, lost_state, nacred_alive.
 NQN=nqn.2014-08.io.nacre.testbed:rdma-shelf
 EXP=nqn.2014-08.io.nacre.testbed:rdma-export

@@ -9,9 +9,12 @@
 # 1 MiB, read back, and the RAM disk's bytes are printed as a sha256 with the exported XTS key, so
 # the host-side test can check them against an independent oracle. Then the clear errors: an RDMA
 # CM reject (no listener on the port) and an address nothing answers (resolution times out).
+# 4 KiB writes go inside the command capsule (counted by the queues' debug lines). Discovery over
+# RDMA lists the subsystem; a restarted nacred replays the RDMA remote and the data reads back.
 # Params: mib (plain verify size, default 4). Facts: attached, transport, io_queues, namespaces,
-# plain_verified, plain_backing, enc_readback, enc_pattern_sha, enc_backing_sha, enc_key,
-# reject_error, unreachable_error, unreachable_s, nacred_alive.
+# io_icd_max, plain_verified, plain_backing, small_writes, enc_readback, enc_pattern_sha,
+# enc_backing_sha, enc_key, discovered_transport, reject_error, unreachable_error, unreachable_s,
+# nacred_alive, in_capsule_writes, replayed.
 NQN=nqn.2014-08.io.nacre.testbed:rdma-shelf
 EXP=nqn.2014-08.io.nacre.testbed:rdma-export
 MIB=$(param mib 4)
@@ -34,10 +37,12 @@ nvmet_port 1 rdma 192.0.2.1 4420 $NQN
 
 step "start nacred"
 export NACRE_RPC=/run/nacre/nacred.sock
-nacred --state-dir /tmp/nacre-state --run-dir /run/nacre --no-default --log info > /tmp/nacred.log 2>&1 &
+# the RDMA queues' debug lines say what each queue negotiated and, when it closes, what it carried
+LOG=info,nacre_dpu::fabric::rdma=debug
+nacred --state-dir /tmp/nacre-state --run-dir /run/nacre --no-default --log $LOG > /tmp/nacred.log 2>&1 &
 NACRED=$!
 wait_until 60 test -S /run/nacre/nacred.sock || { cat /tmp/nacred.log; fail "nacred did not start"; }
-dump_nacred() { echo "--- nacred log"; cat /tmp/nacred.log; echo "---"; }
+dump_nacred() { echo "--- nacred log"; cat /tmp/nacred.log /tmp/nacred2.log 2>/dev/null; echo "---"; }
 trap dump_nacred EXIT
 
 step "attach the kernel target over NVMe/RDMA"
@@ -52,6 +57,9 @@ fact attached "$(sed -n 's/.*"state": *"\([a-z]*\)".*/\1/p' /tmp/rl | head -1)"
 fact transport "$(sed -n 's/.*"transport": *"\([a-z]*\)".*/\1/p' /tmp/rl | head -1)"
 fact io_queues "$(sed -n 's/.*"io_queues": *\([0-9]*\).*/\1/p' /tmp/rl | head -1)"
 fact namespaces "$(grep -o '"nsid": *[0-9]*' /tmp/rl | wc -l)"
+# in-capsule data the I/O queues may carry: what nvmet-rdma's IOCCSZ allows (its port's
+# inline_data_size, a page by default), capped by nacre's 8 KiB
+fact io_icd_max "$(grep 'NVMe/RDMA queue established' /tmp/nacred.log | grep 'qid=1 ' | grep -o 'icd_max=[0-9]*' | head -1 | cut -d= -f2)"
 
 step "a plain and an encrypted volume on the remote namespaces, served on nacred's NVMe/TCP target"
 head -c 32 /dev/urandom > /tmp/kek
@@ -79,6 +87,19 @@ dd if=/tmp/pp of=/dev/$P bs=1M seek=1 count=1 oflag=direct conv=fsync 2>/dev/nul
 [ "$(dd if=/dev/ram0 bs=1M skip=1 count=1 2>/dev/null | sha256sum | cut -d' ' -f1)" = \
   "$(sha256sum < /tmp/pp | cut -d' ' -f1)" ] || fail "the kernel target's RAM disk does not hold the plaintext written"
 fact plain_backing match
+# 4 KiB writes: small enough to travel inside the RDMA command capsule
+dd if=/dev/urandom of=/tmp/small bs=4k count=8 2>/dev/null
+i=0
+while [ $i -lt 8 ]; do
+    dd if=/tmp/small of=/dev/$P bs=4k skip=$i seek=$((2048 + i)) count=1 oflag=direct 2>/dev/null ||
+        fail "4 KiB write $i"
+    i=$((i + 1))
+done
+dd if=/dev/$P of=/tmp/small.back bs=4k skip=2048 count=8 iflag=direct 2>/dev/null || fail "read"
+cmp /tmp/small /tmp/small.back || fail "4 KiB writes read back differ"
+dd if=/dev/ram0 of=/tmp/small.ram bs=4k skip=2048 count=8 2>/dev/null
+cmp /tmp/small /tmp/small.ram || fail "4 KiB writes are not on the target's RAM disk"
+fact small_writes 8x4KiB
 
 step "encrypted: a known pattern at 1 MiB; the RAM disk must hold the XTS ciphertext"
 awk 'BEGIN { for (i = 0; i < 65536; i++) printf "%015d\n", i }' > /tmp/encpat
@@ -92,6 +113,13 @@ fact enc_backing_sha "$(dd if=/dev/ram1 bs=1M skip=1 count=1 2>/dev/null | sha25
 run nacre rpc volume_export_key '{"name": "enc", "path": "/tmp/xts.key", "confirm": true}' > /dev/null
 fact enc_key "$(od -An -tx1 -v /tmp/xts.key | tr -d ' \n')"
 run nvme disconnect -n $EXP
+
+step "discovery over RDMA"
+run nacre remote discover --transport rdma --address 192.0.2.1 --port 4420 > /tmp/disc || fail "discover"
+cat /tmp/disc
+grep -q "$NQN" /tmp/disc || fail "discovery over RDMA does not list $NQN"
+nacre --json remote discover --transport rdma --address 192.0.2.1 --port 4420 > /tmp/disc.json
+fact discovered_transport "$(sed -n 's/.*"transport": *"\([a-z]*\)".*/\1/p' /tmp/disc.json | head -1)"
 
 step "clear errors: an RDMA CM reject (no listener on port 4430)"
 if nacre remote attach nolistener --transport rdma --address 192.0.2.1 --port 4430 --subnqn $NQN 2>/tmp/err; then
@@ -116,5 +144,24 @@ fact unreachable_error yes
 
 kill -0 $NACRED && fact nacred_alive yes
 run nacre remote list
+
+step "restart nacred: the RDMA remote is replayed from its state, the data is still there"
+kill $NACRED
+wait $NACRED || true
+grep 'NVMe/RDMA queue closed' /tmp/nacred.log | grep -v 'qid=0 ' || true
+fact in_capsule_writes "$(grep 'NVMe/RDMA queue closed' /tmp/nacred.log | grep -o 'in_capsule=[0-9]*' |
+    cut -d= -f2 | awk '{ n += $1 } END { print n + 0 }')"
+nacred --state-dir /tmp/nacre-state --run-dir /run/nacre --no-default --log $LOG > /tmp/nacred2.log 2>&1 &
+NACRED=$!
+wait_until 60 test -S /run/nacre/nacred.sock || fail "nacred did not restart"
+wait_until 30 sh -c "nacre --json remote list shelf | grep -q '\"state\": \"live\"'" ||
+    fail "the RDMA remote is not live after the restart: $(nacre remote list)"
+run nvme connect -t tcp -a 127.0.0.1 -s 4421 -n $EXP -i 1 || fail "nvme connect after the restart"
+wait_until 30 nvme_ns_dev $EXP 2 || fail "nacred's namespaces did not come back"
+E=$(nvme_ns_dev $EXP 2)
+dd if=/dev/$E of=/tmp/encback2 bs=1M skip=1 count=1 iflag=direct 2>/dev/null || fail "read after restart"
+cmp /tmp/encpat /tmp/encback2 || fail "the encrypted volume reads back different after the restart"
+fact replayed yes
+run nvme disconnect -n $EXP
 kill $NACRED
 wait $NACRED || true

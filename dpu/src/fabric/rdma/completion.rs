@@ -75,7 +75,15 @@ impl RdmaQueue {
             v.extend(s.overflow.drain(..));
             v
         };
-        debug!(qid = self.qid, reason = %reason, outstanding = cmds.len(), "NVMe/RDMA queue closed");
+        debug!(
+            qid = self.qid,
+            reason = %reason,
+            outstanding = cmds.len(),
+            completed = self.completed.load(Ordering::Relaxed),
+            in_capsule = self.in_capsule.load(Ordering::Relaxed),
+            bounced_bytes = self.bounced_bytes.load(Ordering::Relaxed),
+            "NVMe/RDMA queue closed"
+        );
         match self.owner.upgrade() {
             Some(o) => o.queue_closed(self.session, self.qid, reason, cmds),
             None => {

@@ -136,6 +136,8 @@ pub struct RdmaQueue {
     pub completed: AtomicU64,
     /// Bytes copied between requests and slot buffers (issue 11's bounce-copy count).
     pub bounced_bytes: AtomicU64,
+    /// Writes sent inside their command capsule.
+    pub in_capsule: AtomicU64,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -237,6 +239,7 @@ impl RdmaQueue {
             disconnected: AtomicBool::new(false),
             completed: AtomicU64::new(0),
             bounced_bytes: AtomicU64::new(0),
+            in_capsule: AtomicU64::new(0),
             thread: Mutex::new(None),
         };
         let os = |what: &str, e: std::io::Error| {
@@ -340,7 +343,7 @@ impl RdmaQueue {
                 .collect();
             s.free = (0..usable as u16).rev().collect();
         }
-        debug!(qid, %addr, depth, crqsize, "NVMe/RDMA queue established");
+        debug!(qid, %addr, depth, crqsize, icd_max, "NVMe/RDMA queue established");
 
         let q = Arc::new(q);
         let qt = q.clone();
@@ -500,6 +503,7 @@ impl RdmaQueue {
             cmd.sqe.encode(&mut capsule[..SQE_LEN]);
             cmd.read_data(0, &mut capsule[SQE_LEN..SQE_LEN + cmd.len]);
             len += cmd.len;
+            self.in_capsule.fetch_add(1, Ordering::Relaxed);
             self.bounced_bytes
                 .fetch_add(cmd.len as u64, Ordering::Relaxed);
         } else {
