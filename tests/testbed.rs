@@ -386,6 +386,131 @@ fn nvme_rdma_between_two_guests() {
     }
 }
 
+/// SIGSTOPs a guest's QEMU (a machine that goes silent without a word); SIGCONT on drop, so a
+/// failing test never leaves a frozen QEMU behind.
+struct Frozen(u32);
+
+impl Frozen {
+    fn freeze(pid: u32) -> Frozen {
+        let ok = std::process::Command::new("kill")
+            .args(["-STOP", &pid.to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "cannot SIGSTOP QEMU {pid}");
+        Frozen(pid)
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-CONT", &self.0.to_string()])
+            .status();
+    }
+}
+
+/// nacred's NVMe/RDMA initiator over real RoCEv2 between two machines: nacred in one guest, the
+/// kernel's nvmet-rdma target in another, joined by a QEMU socket netdev. nacred attaches the
+/// target, serves a volume on it to the kernel's nvme-tcp host in its guest, and 8 MiB verify
+/// across the wire (both link counters show it). Then the target's QEMU is frozen (SIGSTOP: a
+/// target that goes silent, the case SPDK #1536 takes 33 s to tear down): detaching a live
+/// controller of it takes under a second, and keep-alive (KATO 4 s) declares the other one lost.
+#[test]
+fn nvme_rdma_initiator_between_two_guests_and_a_target_that_goes_silent() {
+    let Some(_bed) =
+        prepare("nvme_rdma_initiator_between_two_guests_and_a_target_that_goes_silent")
+    else {
+        return;
+    };
+    let started = std::time::Instant::now();
+    let port = testbed::free_port().expect("free port");
+    let peer = Boot::new("nvmet-rdma-peer")
+        .name("rdma-peer")
+        .ctl()
+        .qemu([
+            "-netdev".to_string(),
+            format!("socket,id=n0,listen=127.0.0.1:{port}"),
+            "-device".to_string(),
+            "virtio-net-pci,netdev=n0,mac=52:54:00:c0:03:01".to_string(),
+        ])
+        .timeout(Duration::from_secs(600))
+        .spawn()
+        .expect("target guest");
+    if let Err(e) = peer.wait_for("TB-FACT ready=yes", Duration::from_secs(240)) {
+        panic!(
+            "the target guest never served: {e}\n{}",
+            peer.lines().join("\n")
+        );
+    }
+    let ini = Boot::new("nvmf-rdma-initiator-remote")
+        .name("rdma-initiator")
+        .pack(nacre_tests::daemon::bin("nacred"))
+        .pack(nacre_tests::daemon::bin("nacre"))
+        .param("mib", 8)
+        .ctl()
+        .qemu([
+            "-netdev".to_string(),
+            format!("socket,id=n0,connect=127.0.0.1:{port}"),
+            "-device".to_string(),
+            "virtio-net-pci,netdev=n0,mac=52:54:00:c0:03:02".to_string(),
+        ])
+        .timeout(Duration::from_secs(400))
+        .spawn()
+        .expect("nacred guest");
+    if let Err(e) = ini.wait_for("TB-WAIT frozen", Duration::from_secs(300)) {
+        panic!(
+            "the nacred guest did not get to the freeze: {e}\n{}\n--- target guest:\n{}",
+            ini.lines().join("\n"),
+            peer.lines().join("\n")
+        );
+    }
+    let frozen = Frozen::freeze(peer.qemu_pid().expect("target QEMU pid"));
+    ini.signal("frozen").expect("signal the nacred guest");
+    let out = ini
+        .wait(Duration::from_secs(200))
+        .expect("nacred guest ends");
+    drop(frozen);
+    peer.signal("done").expect("signal the target guest");
+    let p = peer
+        .wait(Duration::from_secs(120))
+        .expect("target guest ends");
+    eprintln!(
+        "two-guest RDMA initiator test: {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    if !out.success() {
+        panic!(
+            "the nacred guest failed ({:?}):\n{}\n--- target guest:\n{}",
+            out.code(),
+            out.tail(80),
+            p.tail(40)
+        );
+    }
+    p.assert_success();
+    assert_eq!(out.fact("attached"), "live");
+    assert_eq!(out.fact("verified"), "8MiB");
+    for (who, o) in [("nacred", &out), ("target", &p)] {
+        for dir in ["rx_mib", "tx_mib"] {
+            let mib: u64 = o.fact(dir).parse().expect("MiB");
+            assert!(
+                mib >= 8,
+                "{who} {dir} = {mib} MiB: the data did not cross the link"
+            );
+        }
+    }
+    let detach: f64 = out.fact("silent_detach_s").parse().expect("seconds");
+    assert!(
+        detach < 1.0,
+        "detaching a controller of a silent target took {detach} s"
+    );
+    let ka: f64 = out.fact("ka_lost_s").parse().expect("seconds");
+    assert!(
+        ka <= 10.0,
+        "keep-alive (KATO 4 s) took {ka} s to declare the silent target lost"
+    );
+    assert_eq!(out.fact("nacred_alive"), "yes");
+}
+
 /// A guest's virtio-blk driver against nacred's vhost-user-blk devices: a device made with the
 /// CLI (64 MiB file volume, 4 KiB blocks, 2 queues) and the embedded default (1 GiB) show up with
 /// the right geometry; data written in one boot is on the volume's file and reads back intact
