@@ -261,6 +261,9 @@ fn nvme_rdma_initiator_against_the_kernel_nvmet_rdma_target() {
     // No listener on the port: the CM's own reject, reason 8 (invalid service ID).
     assert_eq!(out.fact("reject_error"), "RDMA_CM_reject_reason_8");
     assert_eq!(out.fact("unreachable_error"), "yes");
+    // nacred's own RDMA target as the peer: its reject's NVMe RDMA status is named.
+    assert_eq!(out.fact("status_reject"), "NVME_RDMA_CM_INVALID_HSQSIZE");
+    assert_eq!(out.fact("self_namespaces"), "2");
     assert_eq!(out.fact("nacred_alive"), "yes");
     // Restarted, nacred attaches the remote over RDMA again from its state.
     assert_eq!(out.fact("replayed"), "yes");

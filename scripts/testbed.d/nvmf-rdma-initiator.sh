@@ -14,7 +14,9 @@
 # Params: mib (plain verify size, default 4). Facts: attached, transport, io_queues, namespaces,
 # io_icd_max, plain_verified, plain_backing, small_writes, enc_readback, enc_pattern_sha,
 # enc_backing_sha, enc_key, discovered_transport, reject_error, unreachable_error, unreachable_s,
-# nacred_alive, in_capsule_writes, replayed.
+# status_reject, self_namespaces, nacred_alive, in_capsule_writes, replayed. Also nacred's own NVMe/RDMA
+# target as the peer: an I/O queue deeper than it takes is rejected with NVME_RDMA_CM_INVALID_HSQSIZE
+# (named in the one-line error), a normal one connects.
 NQN=nqn.2014-08.io.nacre.testbed:rdma-shelf
 EXP=nqn.2014-08.io.nacre.testbed:rdma-export
 MIB=$(param mib 4)
@@ -141,6 +143,21 @@ cat /tmp/err
 grep -qi "RDMA CM" /tmp/err || fail "unclear error: $(cat /tmp/err)"
 fact unreachable_error yes
 [ "$(nacre --json remote list | grep -o '"name": *"[a-z]*"' | wc -l)" = 1 ] || fail "a failed attach left a remote behind"
+
+step "nacred's own NVMe/RDMA target as the peer: a reject carrying an NVMe RDMA status, then a connection"
+run nacre rpc nvmf_subsystem_add_listener "{\"nqn\": \"$EXP\", \"address\": \"192.0.2.1\", \"port\": 4431, \"transport\": \"rdma\"}"
+# 512 entries per I/O queue: more than nacred's RDMA target takes (256), though its CAP.MQES allows it
+if nacre remote attach self --transport rdma --address 192.0.2.1 --port 4431 --subnqn $EXP \
+    --io-queues 1 --queue-depth 512 2>/tmp/err; then
+    fail "an I/O queue deeper than the target takes was accepted"
+fi
+cat /tmp/err
+[ "$(wc -l < /tmp/err)" = 1 ] || fail "the error is not one line"
+fact status_reject "$(grep -o 'NVME_RDMA_CM_[A-Z_]*' /tmp/err | head -1)"
+run nacre remote attach self --transport rdma --address 192.0.2.1 --port 4431 --subnqn $EXP \
+    --io-queues 1 --queue-depth 32 || fail "attach nacred's own RDMA target"
+fact self_namespaces "$(nacre --json remote list self | grep -o '"nsid": *[0-9]*' | wc -l)"
+run nacre remote detach self
 
 kill -0 $NACRED && fact nacred_alive yes
 run nacre remote list
