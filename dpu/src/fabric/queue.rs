@@ -157,6 +157,17 @@ mod test {
     use super::*;
 
     #[test]
+    fn cid_generation_round_trip() {
+        for idx in [0u16, 1, 511, 1023] {
+            for gen in [0u8, 1, 63] {
+                assert_eq!(split_cid(cid_of(idx, gen)), (idx as usize, gen));
+            }
+        }
+        // Same slot, different generation: a different CID.
+        assert_ne!(cid_of(5, 1), cid_of(5, 2));
+    }
+
+    #[test]
     fn transport_names_round_trip_and_bad_ones_are_refused() {
         for t in [Transport::Tcp, Transport::Rdma] {
             assert_eq!(t.as_str().parse::<Transport>(), Ok(t));
