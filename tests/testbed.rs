@@ -305,6 +305,13 @@ fn nvme_rdma_initiator_survives_a_target_flap_and_fails_cleanly_when_it_is_gone(
         resets >= 1,
         "the flap did not reset the controller: {resets}"
     );
+    // Multipath composes over RDMA controllers: one path lost, I/O goes on on the other.
+    assert_eq!(out.fact("mp_verified"), "4MiB");
+    let mp: u64 = out.fact("mp_shelfb_resets").parse().expect("resets");
+    assert!(
+        mp >= 1,
+        "the removed path's controller was never reset: {mp}"
+    );
     let detach: f64 = out.fact("detach_s").parse().expect("seconds");
     assert!(detach < 1.0, "detaching a dead controller took {detach} s");
     let lost: f64 = out.fact("lost_error_s").parse().expect("seconds");

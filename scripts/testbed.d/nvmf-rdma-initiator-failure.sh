@@ -5,13 +5,15 @@
 # kernel's nvme-tcp host is the client.
 # 1. Port 4420 removed mid-write (a 16 MiB O_DIRECT dd) and restored 0.5 s later: the write
 #    completes (nacred held the I/O and resent it on the new session) and reads back identical.
+# 1b. A round-robin multipath volume over both controllers (same namespace, two ports): port 4422
+#    removed, a 4 MiB O_DIRECT verify through it passes on the remaining path.
 # 2. Port 4422 removed: `nacre remote detach` of that controller takes well under a second.
 # 3. Port 4420 removed for good: a read (NVMe passthrough on the controller, so the kernel host's
 #    multipath does not retry it) fails with a path error once ctrl_loss_timeout has passed, and
 #    the remote shows `failed`; nacred keeps serving. (The same read through the kernel host's
 #    block device does not return: native multipath requeues the Internal Path Error on the only
 #    path; seen here blocking over 280 s. A target-side question, not the initiator's.)
-# Facts: flap_in_flight, flap_verified, flap_resets, detach_s, lost_error_s, lost_status, lost_state, nacred_alive.
+# Facts: flap_in_flight, flap_verified, flap_resets, mp_verified, mp_shelfb_resets, detach_s, lost_error_s, lost_status, lost_state, nacred_alive.
 NQN=nqn.2014-08.io.nacre.testbed:rdma-shelf
 EXP=nqn.2014-08.io.nacre.testbed:rdma-export
 for b in nacred nacre; do
@@ -73,6 +75,20 @@ cmp /tmp/pat /tmp/back || fail "data written across the flap reads back differen
 fact flap_verified 16MiB
 fact flap_resets "$(remote_field shelf resets)"
 nacre remote list
+
+step "1b. multipath over the two RDMA controllers (round-robin): one path's port removed, I/O goes on"
+run nacre rpc volume_create '{"name": "mp", "backend": "remote", "size": 0, "block_size": 512, "remote": {"extents": ["shelf:1+shelfb:1"], "multipath": "round_robin"}}'
+run nacre rpc nvmf_subsystem_add_ns "{\"nqn\": \"$EXP\", \"volume\": \"mp\", \"nsid\": 2}"
+wait_until 30 nvme_ns_dev $EXP 2 || fail "the multipath namespace did not appear"
+M=$(nvme_ns_dev $EXP 2)
+port_off 2
+verify_rw /dev/$M 4 24
+port_on 2
+fact mp_verified 4MiB
+fact mp_shelfb_resets "$(remote_field shelfb resets)"
+run nacre rpc nvmf_subsystem_remove_ns "{\"nqn\": \"$EXP\", \"nsid\": 2}"
+run nacre rpc volume_delete '{"name": "mp"}'
+wait_until 20 sh -c "nacre --json remote list shelfb | grep -q '\"state\": \"live\"'" || fail "shelfb did not come back"
 
 step "2. teardown of a controller whose target went away"
 port_off 2
