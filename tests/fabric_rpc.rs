@@ -128,6 +128,8 @@ fn remote_volume_served_over_vhost_user_blk() {
     assert!(msg.contains("rv"), "{msg}");
     let l = n.ok("remote_list", Value::Null);
     assert_eq!(l[0]["used_by"], json!(["rv"]));
+    // NVMe/TCP has no registered transport buffers: no bounce copies are counted.
+    assert_eq!(l[0]["bounce_copy_bytes"], 0);
     drop(shelf);
 }
 

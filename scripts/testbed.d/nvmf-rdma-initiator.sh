@@ -12,7 +12,7 @@
 # 4 KiB writes go inside the command capsule (counted by the queues' debug lines). Discovery over
 # RDMA lists the subsystem; a restarted nacred replays the RDMA remote and the data reads back.
 # Params: mib (plain verify size, default 4). Facts: attached, transport, io_queues, namespaces,
-# io_icd_max, plain_verified, plain_backing, small_writes, enc_readback, enc_pattern_sha,
+# io_icd_max, plain_verified, plain_backing, small_writes, bounce_copy_bytes, enc_readback, enc_pattern_sha,
 # enc_backing_sha, enc_key, discovered_transport, reject_error, unreachable_error, unreachable_s,
 # status_reject, self_namespaces, nacred_alive, in_capsule_writes, replayed. Also nacred's own NVMe/RDMA
 # target as the peer: an I/O queue deeper than it takes is rejected with NVME_RDMA_CM_INVALID_HSQSIZE
@@ -102,6 +102,8 @@ cmp /tmp/small /tmp/small.back || fail "4 KiB writes read back differ"
 dd if=/dev/ram0 of=/tmp/small.ram bs=4k skip=2048 count=8 2>/dev/null
 cmp /tmp/small /tmp/small.ram || fail "4 KiB writes are not on the target's RAM disk"
 fact small_writes 8x4KiB
+# every byte of that went through the RDMA queues' registered slot buffers (no zero copy yet)
+fact bounce_copy_bytes "$(nacre --json remote list shelf | sed -n 's/^ *"bounce_copy_bytes": *\([0-9]*\).*/\1/p' | head -1)"
 
 step "encrypted: a known pattern at 1 MiB; the RAM disk must hold the XTS ciphertext"
 awk 'BEGIN { for (i = 0; i < 65536; i++) printf "%015d\n", i }' > /tmp/encpat

@@ -431,6 +431,7 @@ fn info_of(d: &Daemon, inner: &Inner, rec: &RemoteRecord) -> RemoteInfo {
         io_queues: info.as_ref().map_or(0, |i| i.io_queues),
         queue_depth: info.as_ref().map_or(0, |i| i.queue_depth),
         resets: st.as_ref().map_or(0, |s| s.resets),
+        bounce_copy_bytes: st.as_ref().map_or(0, |s| s.bounce_copy_bytes),
         last_error: st.as_ref().and_then(|s| s.last_error.clone()),
         namespaces: namespaces
             .iter()

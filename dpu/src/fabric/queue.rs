@@ -124,6 +124,11 @@ pub trait FabricQueue: Send + Sync + fmt::Debug {
     fn shutdown(&self);
     /// Wait, bounded, for the queue's threads to end after [`FabricQueue::shutdown`].
     fn join(&self, timeout: Duration);
+    /// Bytes of command data copied between a request's memory and transport-owned
+    /// registered memory (NVMe/RDMA's slot buffers); 0 for a transport that has none.
+    fn bounce_copy_bytes(&self) -> u64 {
+        0
+    }
 }
 
 /// A queue as the controller holds it.

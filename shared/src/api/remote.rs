@@ -154,6 +154,10 @@ pub struct RemoteInfo {
     /// Sessions lost so far (each a reset of this controller alone).
     #[serde(default)]
     pub resets: u64,
+    /// Bytes of I/O data copied through transport buffers (NVMe/RDMA's registered slot
+    /// buffers; 0 over TCP): the copies zero copy would save.
+    #[serde(default)]
+    pub bounce_copy_bytes: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
     #[serde(default)]

@@ -217,6 +217,9 @@ pub struct ControllerStatus {
     pub connects: u64,
     pub held: usize,
     pub fail_fast: bool,
+    /// Bytes of I/O data copied through transport buffers (NVMe/RDMA's registered slot
+    /// buffers), over every session: what zero copy would save (issue 11).
+    pub bounce_copy_bytes: u64,
 }
 
 /// Told when a controller changes phase (multipath uses it to resubmit parked I/O).
@@ -231,9 +234,22 @@ struct Session {
     rr: AtomicUsize,
     /// The keep-alive in flight and when it was sent.
     ka: Mutex<Option<(Instant, Arc<AdminWait>)>>,
+    /// The controller's total of ended sessions' bounce copies, added to when this one ends.
+    bounced: Arc<AtomicU64>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.bounced
+            .fetch_add(self.bounce_copy_bytes(), Ordering::Relaxed);
+    }
 }
 
 impl Session {
+    fn bounce_copy_bytes(&self) -> u64 {
+        self.admin.bounce_copy_bytes() + self.io.iter().map(|q| q.bounce_copy_bytes()).sum::<u64>()
+    }
+
     fn shutdown(&self) {
         self.admin.shutdown();
         for q in &self.io {
@@ -277,6 +293,8 @@ pub struct Ctrl {
     live: AtomicBool,
     /// Commands submitted to this controller (observability; multipath tests read it).
     pub submitted: AtomicU64,
+    /// Bounce copies of the sessions that ended (see [`ControllerStatus::bounce_copy_bytes`]).
+    bounced: Arc<AtomicU64>,
 }
 
 /// The owner's handle: dropping it closes the controller.
@@ -316,6 +334,7 @@ impl Controller {
             oncs: AtomicUsize::new(usize::MAX),
             live: AtomicBool::new(false),
             submitted: AtomicU64::new(0),
+            bounced: Arc::new(AtomicU64::new(0)),
             cfg,
         });
         let c = core.clone();
@@ -445,6 +464,8 @@ impl Ctrl {
             connects: st.connects,
             held: st.held.len(),
             fail_fast: st.fail_fast,
+            bounce_copy_bytes: self.bounced.load(Ordering::Relaxed)
+                + st.session.as_ref().map_or(0, |s| s.bounce_copy_bytes()),
         }
     }
 

@@ -393,6 +393,7 @@ impl Ctrl {
                 io,
                 rr: AtomicUsize::new(0),
                 ka: Mutex::new(None),
+                bounced: self.bounced.clone(),
             }),
             info,
         ))

@@ -628,6 +628,10 @@ impl FabricQueue for RdmaQueue {
         self.disconnect();
     }
 
+    fn bounce_copy_bytes(&self) -> u64 {
+        self.bounced_bytes.load(Ordering::Relaxed)
+    }
+
     fn join(&self, timeout: Duration) {
         let deadline = Instant::now() + timeout;
         let t = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
