@@ -15,13 +15,16 @@
 //!
 //! ## Capsules and data (§3.2, NVMe Base 2.0 §4.3.2)
 //! Each slot of the queue (one command in flight) owns a send capsule (the 64-byte SQE and,
-//! on I/O queues, up to the controller's IOCCSZ of in-capsule data) and a registered data
-//! buffer of [`MAX_TRANSFER`] bytes the controller may read and write remotely. A write that
+//! on I/O queues, up to the controller's IOCCSZ of in-capsule data) and a data buffer of
+//! [`MAX_TRANSFER`] bytes in a memory region of its own, which the controller may read and
+//! write remotely (its key opens that buffer only; keys are not invalidated per command,
+//! so a stale key of a misbehaving controller still reaches the slot's buffer). A write that
 //! fits the capsule travels in it (SGL Data Block, Offset subtype); any other transfer names
 //! the slot's buffer with a Keyed SGL Data Block (type 4h, subtype 0h: address, 24-bit
 //! length, 32-bit remote key). Data is copied between the request's memory and the slot's
-//! buffer (one bounce copy per transfer): requests may point at a guest's memory, which
-//! is not registered here; a memory-registration cache for it is issue 11 item 2.
+//! buffer (one bounce copy per transfer, counted in `bounce_copy_bytes`): requests may point
+//! at a guest's memory, which is not registered here; a memory-registration cache for it is
+//! issue 11 item 2.
 //!
 //! ## Completions
 //! One thread per queue polls the completion queue: for [`BUSY_POLL`] after the last work,
@@ -124,8 +127,10 @@ pub struct RdmaQueue {
     /// Send capsules: one of `capsule_len` bytes per slot.
     send: Option<RegBuf>,
     capsule_len: usize,
-    /// Data buffers: one of [`MAX_TRANSFER`] bytes per slot, remotely readable/writable.
-    data: Option<RegBuf>,
+    /// Data buffers: one of [`MAX_TRANSFER`] bytes per slot, remotely readable/writable, each
+    /// its own memory region: a controller holds the key of the slot it was given, not of the
+    /// others (a buggy or hostile target cannot write into another command's buffer).
+    data: Vec<RegBuf>,
     /// Most write bytes sent in the capsule (0 on the admin queue).
     icd_max: usize,
     slots: Mutex<Slots>,
@@ -177,7 +182,7 @@ impl Drop for RdmaQueue {
         // Memory regions before their protection domain.
         self.recv = None;
         self.send = None;
-        self.data = None;
+        self.data.clear();
         // SAFETY: nothing is left on the domain; the id goes after every object made on its
         // device context, and before its channel (a field, dropped after this body).
         unsafe {
@@ -226,7 +231,7 @@ impl RdmaQueue {
             recv_n: depth + 1,
             send: None,
             capsule_len: SQE_LEN + icd_max,
-            data: None,
+            data: Vec::new(),
             icd_max,
             slots: Mutex::new(Slots {
                 entries: Vec::new(),
@@ -439,7 +444,10 @@ impl RdmaQueue {
         let reg = |e| ("registering buffers", e);
         self.recv = Some(RegBuf::new(self.pd, self.recv_n * RSP_LEN).map_err(reg)?);
         self.send = Some(RegBuf::new(self.pd, depth * self.capsule_len).map_err(reg)?);
-        self.data = Some(RegBuf::with_access(self.pd, depth * MAX_TRANSFER, remote).map_err(reg)?);
+        for _ in 0..depth {
+            self.data
+                .push(RegBuf::with_access(self.pd, MAX_TRANSFER, remote).map_err(reg)?);
+        }
         for r in 0..self.recv_n {
             if !self.post_recv(r) {
                 return Err(("ibv_post_recv", verbs::errno()));
@@ -474,10 +482,10 @@ impl RdmaQueue {
     /// time: before the SEND is posted, or after its response arrived.
     #[allow(clippy::mut_from_ref)]
     unsafe fn data_buf(&self, s: usize, len: usize) -> &mut [u8] {
-        let d = self.data.as_ref().expect("registered at setup");
+        let d = &self.data[s];
         debug_assert!(len <= MAX_TRANSFER);
-        // SAFETY: in bounds (slot s's region is MAX_TRANSFER bytes); exclusive per the caller.
-        unsafe { std::slice::from_raw_parts_mut(d.ptr.add(s * MAX_TRANSFER), len) }
+        // SAFETY: in bounds (slot s's buffer is MAX_TRANSFER bytes); exclusive per the caller.
+        unsafe { std::slice::from_raw_parts_mut(d.ptr, len) }
     }
 
     /// Put `cmd` in slot `idx` and post its capsule. On failure the command comes back.
@@ -512,7 +520,7 @@ impl RdmaQueue {
             // identifier in byte 15. A command without data carries one of length 0 (what
             // Linux sends; nvmet-rdma refuses any other descriptor type as an invalid field).
             let (addr, key) = if cmd.len > 0 {
-                let d = self.data.as_ref().expect("registered at setup");
+                let d = &self.data[i];
                 if cmd.dir == Dir::H2C {
                     // SAFETY: slot i is ours and its SEND is not posted yet.
                     let b = unsafe { self.data_buf(i, cmd.len) };
@@ -520,7 +528,7 @@ impl RdmaQueue {
                     self.bounced_bytes
                         .fetch_add(cmd.len as u64, Ordering::Relaxed);
                 }
-                (d.addr(i * MAX_TRANSFER), d.rkey())
+                (d.addr(0), d.rkey())
             } else {
                 (0, 0)
             };
