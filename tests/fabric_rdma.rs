@@ -108,3 +108,24 @@ fn bad_transports_and_tcp_only_options_are_refused_before_connecting() {
     let e = String::from_utf8_lossy(&out.stderr);
     assert!(e.contains("invalid value 'roce'"), "{e}");
 }
+
+#[test]
+fn remote_attach_help_teaches_rdma() {
+    let out = std::process::Command::new(nacre_tests::daemon::bin("nacre"))
+        .args(["remote", "attach", "--help"])
+        .output()
+        .expect("run nacre");
+    let raw = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{raw}");
+    // clap wraps long lines: compare with whitespace runs collapsed
+    let h = raw.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(h.contains("possible values: tcp, rdma"), "{h}");
+    assert!(
+        h.contains("--transport rdma --address"),
+        "an example over RDMA: {h}"
+    );
+    assert!(
+        h.contains("rdma link add rxe0 type rxe"),
+        "how to get soft-RoCE: {h}"
+    );
+}

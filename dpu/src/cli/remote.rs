@@ -14,7 +14,7 @@ pub enum RemoteCmd {
     /// Connect to a remote NVMe-oF controller over TCP or RDMA (SPDK:
     /// bdev_nvme_attach_controller).
     #[command(
-        after_help = "Examples:\n  nacre remote attach shelf1 --address 10.0.0.5 --subnqn nqn.2024-01.com.example:shelf1\n  nacre remote attach shelf1r --transport rdma --address 192.0.2.5 --subnqn nqn.2024-01.com.example:shelf1\n  nacre remote attach shelf1b --address 10.0.1.5 --subnqn nqn.2024-01.com.example:shelf1 \\\n      --reconnect-delay-sec 2 --ctrl-loss-timeout-sec 60 --fast-io-fail-timeout-sec 10\n\nRDMA (RoCEv2) needs an RDMA device with a route to the address (a RoCE NIC, or soft-RoCE:\n  rdma link add rxe0 type rxe netdev eth0); digests are NVMe/TCP only."
+        after_help = "Examples:\n  nacre remote attach shelf1 --address 10.0.0.5 --subnqn nqn.2024-01.com.example:shelf1\n  nacre remote attach shelf1r --transport rdma --address 192.0.2.5 \\\n      --subnqn nqn.2024-01.com.example:shelf1\n  nacre remote attach shelf1b --address 10.0.1.5 --subnqn nqn.2024-01.com.example:shelf1 \\\n      --reconnect-delay-sec 2 --ctrl-loss-timeout-sec 60 --fast-io-fail-timeout-sec 10\n\nRDMA (RoCEv2) needs an RDMA device with a route to the address (a RoCE NIC, or soft-RoCE:\n  rdma link add rxe0 type rxe netdev eth0); digests are NVMe/TCP only."
     )]
     Attach(AttachArgs),
     /// Disconnect a remote controller that no volume uses.
