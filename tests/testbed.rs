@@ -276,9 +276,10 @@ fn nvme_rdma_initiator_against_the_kernel_nvmet_rdma_target() {
 /// nacred's NVMe/RDMA initiator when the kernel's nvmet-rdma target goes away (soft-RoCE, one
 /// guest; reconnect_delay 1 s, ctrl_loss_timeout 8 s): the target port removed mid-write and
 /// restored 0.5 s later loses nothing (the write completes on a new session and reads back
-/// identical); a controller whose target went away is detached at once; a target gone for good
-/// gives the client an Internal Path Error once ctrl_loss_timeout has passed, not before and not
-/// much after, and the remote shows `failed` while nacred keeps serving.
+/// identical); multipath over two RDMA controllers survives one port's removal; a controller
+/// whose target went away is detached at once; a target gone for good gives the client an
+/// Internal Path Error once fast_io_fail_timeout (4 s) has passed while reconnection goes on, and
+/// the remote shows `failed` at ctrl_loss_timeout (8 s) while nacred keeps serving.
 #[test]
 fn nvme_rdma_initiator_survives_a_target_flap_and_fails_cleanly_when_it_is_gone() {
     let Some(_bed) =
@@ -318,10 +319,18 @@ fn nvme_rdma_initiator_survives_a_target_flap_and_fails_cleanly_when_it_is_gone(
     );
     let detach: f64 = out.fact("detach_s").parse().expect("seconds");
     assert!(detach < 1.0, "detaching a dead controller took {detach} s");
+    // fast_io_fail_timeout (4 s) fails the held read while reconnection goes on; the
+    // controller fails for good at ctrl_loss_timeout (8 s).
     let lost: f64 = out.fact("lost_error_s").parse().expect("seconds");
     assert!(
-        (7.0..=12.0).contains(&lost),
-        "the read failed after {lost} s, ctrl_loss_timeout is 8 s"
+        (3.5..=7.0).contains(&lost),
+        "the read failed after {lost} s, fast_io_fail_timeout is 4 s"
+    );
+    assert_eq!(out.fact("state_after_fast_fail"), "connecting");
+    let failed: f64 = out.fact("lost_state_s").parse().expect("seconds");
+    assert!(
+        (7.5..=12.0).contains(&failed),
+        "the remote failed after {failed} s, ctrl_loss_timeout is 8 s"
     );
     // Internal Path Error (SCT 3h, SC 00h): the host may retry it on another path.
     assert_eq!(out.fact("lost_status"), "0x300");

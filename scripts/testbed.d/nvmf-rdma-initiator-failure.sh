@@ -1,7 +1,7 @@
 # nacred's NVMe/RDMA initiator when the kernel's nvmet-rdma target goes away, over soft-RoCE, in one guest
 # Set up like nvmf-rdma-initiator.sh (rxe on dummy0 192.0.2.1, nacred packed in): the kernel target
 # serves one RAM disk on two RDMA ports, 4420 and 4422; nacred attaches both (reconnect_delay 1 s,
-# ctrl_loss_timeout 8 s), serves a volume on port 4420's namespace on its NVMe/TCP target, and the
+# ctrl_loss_timeout 8 s; fast_io_fail_timeout 4 s on 4420), serves a volume on port 4420's namespace on its NVMe/TCP target, and the
 # kernel's nvme-tcp host is the client.
 # 1. Port 4420 removed mid-write (a 16 MiB O_DIRECT dd) and restored 0.5 s later: the write
 #    completes (nacred held the I/O and resent it on the new session) and reads back identical.
@@ -9,11 +9,13 @@
 #    removed, a 4 MiB O_DIRECT verify through it passes on the remaining path.
 # 2. Port 4422 removed: `nacre remote detach` of that controller takes well under a second.
 # 3. Port 4420 removed for good: a read (NVMe passthrough on the controller, so the kernel host's
-#    multipath does not retry it) fails with a path error once ctrl_loss_timeout has passed, and
-#    the remote shows `failed`; nacred keeps serving. (The same read through the kernel host's
+#    multipath does not retry it) is held, then fails with a path error once fast_io_fail_timeout
+#    has passed; the remote goes on reconnecting (`connecting`) until ctrl_loss_timeout, then
+#    shows `failed`; nacred keeps serving. (The same read through the kernel host's
 #    block device does not return: native multipath requeues the Internal Path Error on the only
 #    path; seen here blocking over 280 s. A target-side question, not the initiator's.)
-# Facts: flap_in_flight, flap_verified, flap_resets, mp_verified, mp_shelfb_resets, detach_s, lost_error_s, lost_status, lost_state, nacred_alive.
+# Facts: flap_in_flight, flap_verified, flap_resets, mp_verified, mp_shelfb_resets, detach_s,
+# lost_error_s, lost_status, state_after_fast_fail, lost_state, lost_state_s, nacred_alive.
 NQN=nqn.2014-08.io.nacre.testbed:rdma-shelf
 EXP=nqn.2014-08.io.nacre.testbed:rdma-export
 for b in nacred nacre; do
@@ -42,11 +44,12 @@ NACRED=$!
 wait_until 60 test -S /run/nacre/nacred.sock || { cat /tmp/nacred.log; fail "nacred did not start"; }
 dump_nacred() { echo "--- nacred log"; cat /tmp/nacred.log; echo "---"; }
 trap dump_nacred EXIT
-for r in "shelf 4420" "shelfb 4422"; do
+# shelf also fails held I/O fast: after 4 s without a connection, while it goes on reconnecting
+for r in "shelf 4420 4" "shelfb 4422 0"; do
     set -- $r
     run nacre remote attach "$1" --transport rdma --address 192.0.2.1 --port "$2" --subnqn $NQN \
-        --io-queues 2 --queue-depth 32 --reconnect-delay-sec 1 --ctrl-loss-timeout-sec 8 ||
-        fail "attach $1"
+        --io-queues 2 --queue-depth 32 --reconnect-delay-sec 1 --ctrl-loss-timeout-sec 8 \
+        --fast-io-fail-timeout-sec "$3" || fail "attach $1"
 done
 run nacre rpc volume_create '{"name": "v", "backend": "remote", "size": 0, "block_size": 512, "remote": {"extents": ["shelf:1"]}}'
 run nacre rpc nvmf_subsystem_create "{\"nqn\": \"$EXP\", \"allow_any_host\": true}"
@@ -108,9 +111,11 @@ fact lost_error_s "$(elapsed "$t")"
 cat /tmp/pt.out
 # nvme-cli prints the status field (SCT << 8 | SC) in parentheses
 fact lost_status "$(grep -o 'NVMe status: .*(0x[0-9a-f]*)' /tmp/pt.out | grep -o '0x[0-9a-f]*' | tail -1)"
+fact state_after_fast_fail "$(remote_field shelf state)"
 wait_until 20 sh -c "[ \"\$(nacre --json remote list shelf | grep -c '\"state\": \"failed\"')\" = 1 ]" ||
     fail "the remote is not failed: $(nacre remote list)"
 fact lost_state failed
+fact lost_state_s "$(elapsed "$t")"
 kill -0 $NACRED && fact nacred_alive yes
 run nvme disconnect -n $EXP
 kill $NACRED
