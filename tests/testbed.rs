@@ -229,6 +229,9 @@ fn nvme_rdma_initiator_against_the_kernel_nvmet_rdma_target() {
     // every transfer is copied through the queues' registered buffers (issue 11: no zero copy).
     let bounced: u64 = out.fact("bounce_copy_bytes").parse().expect("bytes");
     assert!(bounced >= 9 * MIB, "bounce copies counted: {bounced}");
+    // A stripe over both RDMA-attached namespaces: each 128 KiB unit on the RAM disk the
+    // layout names.
+    assert_eq!(out.fact("stripe_verified"), "1MiB");
     assert_eq!(out.fact("enc_readback"), "ok");
     assert_eq!(out.fact("discovered_transport"), "rdma");
 
@@ -267,7 +270,7 @@ fn nvme_rdma_initiator_against_the_kernel_nvmet_rdma_target() {
     assert_eq!(out.fact("unreachable_error"), "yes");
     // nacred's own RDMA target as the peer: its reject's NVMe RDMA status is named.
     assert_eq!(out.fact("status_reject"), "NVME_RDMA_CM_INVALID_HSQSIZE");
-    assert_eq!(out.fact("self_namespaces"), "2");
+    assert_eq!(out.fact("self_namespaces"), "3");
     assert_eq!(out.fact("nacred_alive"), "yes");
     // Restarted, nacred attaches the remote over RDMA again from its state.
     assert_eq!(out.fact("replayed"), "yes");

@@ -12,7 +12,7 @@
 # 4 KiB writes go inside the command capsule (counted by the queues' debug lines). Discovery over
 # RDMA lists the subsystem; a restarted nacred replays the RDMA remote and the data reads back.
 # Params: mib (plain verify size, default 4). Facts: attached, transport, io_queues, namespaces,
-# io_icd_max, plain_verified, plain_backing, small_writes, bounce_copy_bytes, enc_readback, enc_pattern_sha,
+# io_icd_max, plain_verified, plain_backing, small_writes, bounce_copy_bytes, stripe_verified, enc_readback, enc_pattern_sha,
 # enc_backing_sha, enc_key, discovered_transport, reject_error, unreachable_error, unreachable_s,
 # status_reject, self_namespaces, nacred_alive, in_capsule_writes, replayed. Also nacred's own NVMe/RDMA
 # target as the peer: an I/O queue deeper than it takes is rejected with NVME_RDMA_CM_INVALID_HSQSIZE
@@ -71,11 +71,15 @@ run nacre rpc volume_create '{"name": "enc", "backend": "remote", "size": 0, "bl
 run nacre rpc nvmf_subsystem_create "{\"nqn\": \"$EXP\", \"allow_any_host\": true}"
 run nacre rpc nvmf_subsystem_add_ns "{\"nqn\": \"$EXP\", \"volume\": \"plain\", \"nsid\": 1}"
 run nacre rpc nvmf_subsystem_add_ns "{\"nqn\": \"$EXP\", \"volume\": \"enc\", \"nsid\": 2}"
+# a stripe over both remote namespaces (128 KiB units: even units on namespace 1, odd on 2)
+run nacre rpc volume_create '{"name": "stripe", "backend": "remote", "size": 0, "block_size": 512, "remote": {"extents": ["shelf:1", "shelf:2"], "stripe_size": 131072}}'
+run nacre rpc nvmf_subsystem_add_ns "{\"nqn\": \"$EXP\", \"volume\": \"stripe\", \"nsid\": 3}"
 run nacre rpc nvmf_subsystem_add_listener "{\"nqn\": \"$EXP\", \"address\": \"127.0.0.1\", \"port\": 4421}"
 run nvme connect -t tcp -a 127.0.0.1 -s 4421 -n $EXP -i 1 || fail "nvme connect to nacred"
-wait_until 30 nvme_ns_dev $EXP 2 || fail "nacred's namespaces did not appear"
+wait_until 30 nvme_ns_dev $EXP 3 || fail "nacred's namespaces did not appear"
 P=$(nvme_ns_dev $EXP 1)
 E=$(nvme_ns_dev $EXP 2)
+S=$(nvme_ns_dev $EXP 3)
 nvme list
 
 step "plain: write, read back, compare ($MIB MiB, O_DIRECT) through nacred to the kernel target"
@@ -104,6 +108,19 @@ cmp /tmp/small /tmp/small.ram || fail "4 KiB writes are not on the target's RAM 
 fact small_writes 8x4KiB
 # every byte of that went through the RDMA queues' registered slot buffers (no zero copy yet)
 fact bounce_copy_bytes "$(nacre --json remote list shelf | sed -n 's/^ *"bounce_copy_bytes": *\([0-9]*\).*/\1/p' | head -1)"
+
+step "stripe over the two remote namespaces: 1 MiB at 24 MiB lands unit by unit on both RAM disks"
+dd if=/dev/urandom of=/tmp/sp bs=128k count=8 2>/dev/null
+dd if=/tmp/sp of=/dev/$S bs=1M seek=24 count=1 oflag=direct conv=fsync 2>/dev/null || fail "stripe write"
+dd if=/dev/$S of=/tmp/sp.back bs=1M skip=24 count=1 iflag=direct 2>/dev/null || fail "stripe read"
+cmp /tmp/sp /tmp/sp.back || fail "stripe read back differs"
+# volume unit 192 + k: namespace 1 + (k % 2), at byte (96 + k / 2) * 128 KiB = 12 MiB + k / 2 units
+for k in 0 1 2 3 4 5 6 7; do
+    dd if=/tmp/sp bs=128k skip=$k count=1 2>/dev/null > /tmp/u.want
+    dd if=/dev/ram$((k % 2)) bs=128k skip=$((96 + k / 2)) count=1 2>/dev/null > /tmp/u.got
+    cmp /tmp/u.want /tmp/u.got || fail "stripe unit $k is not where the layout puts it"
+done
+fact stripe_verified 1MiB
 
 step "encrypted: a known pattern at 1 MiB; the RAM disk must hold the XTS ciphertext"
 awk 'BEGIN { for (i = 0; i < 65536; i++) printf "%015d\n", i }' > /tmp/encpat
