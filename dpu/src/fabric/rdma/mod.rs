@@ -532,11 +532,7 @@ impl RdmaQueue {
             } else {
                 (0, 0)
             };
-            let sg = &mut capsule[24..40];
-            put_u64(sg, 0, addr);
-            sg[8..11].copy_from_slice(&(cmd.len as u32).to_le_bytes()[..3]);
-            put_u32(sg, 11, key);
-            sg[15] = SGL_KEYED_DATA_BLOCK_ADDRESS;
+            capsule[24..40].copy_from_slice(&keyed_sgl(addr, cmd.len as u32, key));
         }
         let mut sge = ibv_sge {
             addr: send.addr(i * self.capsule_len),
@@ -593,6 +589,18 @@ impl RdmaQueue {
         s.free.push(i as u16);
         failed
     }
+}
+
+/// A Keyed SGL Data Block descriptor, Address subtype (NVMe Base 2.0 §4.3.2, Figure 119):
+/// bytes 0-7 address, 8-10 length (24 bits), 11-14 key, 15 the identifier (type 4h, subtype
+/// 0h). `len` is below 2^24 ([`MAX_TRANSFER`] is 128 KiB).
+fn keyed_sgl(addr: u64, len: u32, key: u32) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    put_u64(&mut b, 0, addr);
+    b[8..11].copy_from_slice(&len.to_le_bytes()[..3]);
+    put_u32(&mut b, 11, key);
+    b[15] = SGL_KEYED_DATA_BLOCK_ADDRESS;
+    b
 }
 
 impl FabricQueue for RdmaQueue {
@@ -657,6 +665,28 @@ impl FabricQueue for RdmaQueue {
 #[cfg(test)]
 mod test {
     use super::*;
+
+    #[test]
+    fn keyed_sgl_layout_matches_figure_119() {
+        let b = keyed_sgl(0x1122_3344_5566_7788, 0x02_0000, 0xAABB_CCDD);
+        assert_eq!(&b[..8], &[0x88, 0x77, 0x66, 0x55, 0x44, 0x33, 0x22, 0x11]);
+        assert_eq!(
+            &b[8..11],
+            &[0x00, 0x00, 0x02],
+            "24-bit length, little-endian"
+        );
+        assert_eq!(&b[11..15], &[0xDD, 0xCC, 0xBB, 0xAA], "key");
+        assert_eq!(
+            b[15], 0x40,
+            "type 4h (keyed data block), subtype 0h (address)"
+        );
+        // What a command without data carries (Linux's nvme_rdma_set_sg_null).
+        assert_eq!(keyed_sgl(0, 0, 0), {
+            let mut z = [0u8; 16];
+            z[15] = 0x40;
+            z
+        });
+    }
 
     #[test]
     fn without_an_rdma_device_opening_a_queue_says_so_in_one_line() {
