@@ -3,6 +3,10 @@
 //! NVMe/RDMA initiator itself is exercised against the kernel's nvmet-rdma target on
 //! soft-RoCE in the QEMU test bed (tests/testbed.rs, scenario nvmf-rdma-initiator).
 
+use std::sync::Arc;
+
+use nacre_dpu::frontend::nvmf_tcp::NvmfTarget;
+use nacre_dpu::volume::ram::RamVolume;
 use nacre_shared::rpc;
 use nacre_tests::daemon::Nacred;
 use serde_json::{json, Value};
@@ -128,4 +132,40 @@ fn remote_attach_help_teaches_rdma() {
         h.contains("rdma link add rxe0 type rxe"),
         "how to get soft-RoCE: {h}"
     );
+}
+
+/// The same subsystem at the same portal over the other transport is another path (a shelf's
+/// RoCE and TCP ports share address and port number), not a duplicate; over the same one it is.
+#[test]
+fn the_same_portal_over_another_transport_is_not_a_duplicate() {
+    let target = NvmfTarget::new();
+    target
+        .create_subsystem(NQN, "SHELFRDMA", "nacre shelf", true)
+        .unwrap();
+    let vol = Arc::new(RamVolume::new(8 << 20, 512).unwrap());
+    target
+        .add_namespace(NQN, Some(1), vol, [0x55; 16], "v".into())
+        .unwrap();
+    let addr = target
+        .add_listener(NQN, "127.0.0.1:0".parse().unwrap())
+        .unwrap();
+    let n = Nacred::start_args(&["--no-default"]);
+    let tcp = |name: &str| {
+        json!({"name": name, "transport": "tcp", "address": "127.0.0.1", "port": addr.port(),
+               "subnqn": NQN, "io_queues": 1, "queue_depth": 16})
+    };
+    assert_eq!(n.ok("remote_attach", tcp("t"))["state"], "live");
+    let (code, msg) = n.err("remote_attach", tcp("t2"));
+    assert_eq!(code, rpc::BUSY, "{msg}");
+    assert!(
+        msg.contains("already connects") && msg.contains("over tcp"),
+        "{msg}"
+    );
+    let mut rdma = tcp("r");
+    rdma["transport"] = json!("rdma");
+    let (code, msg) = n.err("remote_attach", rdma);
+    assert_ne!(code, rpc::BUSY, "{msg}");
+    if no_rdma_here() {
+        assert!(msg.contains("NVMe/RDMA needs an RDMA device"), "{msg}");
+    }
 }

@@ -91,9 +91,10 @@ pub struct RemoteRecord {
 #[derive(Default)]
 pub struct Registry {
     ctrls: Mutex<HashMap<String, Arc<Controller>>>,
-    /// Remotes being attached (name → address, port, subsystem NQN): `remote_attach`
-    /// connects without the control-plane lock, so the name and target are reserved here.
-    attaching: Mutex<HashMap<String, (String, u16, String)>>,
+    /// Remotes being attached (name → transport, address, port, subsystem NQN):
+    /// `remote_attach` connects without the control-plane lock, so the name and target are
+    /// reserved here.
+    attaching: Mutex<HashMap<String, (String, String, u16, String)>>,
 }
 
 /// A name reserved in [`Registry::attaching`]; released on drop.
@@ -305,30 +306,37 @@ fn remote_attach(d: &Daemon, params: Value) -> Result<Value, RpcError> {
             return Err(RpcError::exists("remote", &p.name));
         }
         let rec = new_record(&inner.state, &p)?;
-        let same = |a: &str, port: u16, nqn: &str| {
-            a == rec.address && port == rec.port && nqn == rec.subnqn
+        // The same subsystem at the same portal over another transport is another path
+        // (a shelf's RoCE and TCP ports share address and port number).
+        let same = |t: &str, a: &str, port: u16, nqn: &str| {
+            t == rec.transport && a == rec.address && port == rec.port && nqn == rec.subnqn
         };
         if let Some(other) = inner
             .state
             .remotes
             .values()
-            .find(|r| same(&r.address, r.port, &r.subnqn))
+            .find(|r| same(&r.transport, &r.address, r.port, &r.subnqn))
             .map(|r| r.name.clone())
             .or_else(|| {
                 attaching
                     .iter()
-                    .find(|(_, (a, port, nqn))| same(a, *port, nqn))
+                    .find(|(_, (t, a, port, nqn))| same(t, a, *port, nqn))
                     .map(|(n, _)| n.clone())
             })
         {
             return Err(RpcError::busy(format!(
-                "remote {:?} already connects to {} at {}:{}",
-                other, rec.subnqn, rec.address, rec.port
+                "remote {:?} already connects to {} at {}:{} over {}",
+                other, rec.subnqn, rec.address, rec.port, rec.transport
             )));
         }
         attaching.insert(
             rec.name.clone(),
-            (rec.address.clone(), rec.port, rec.subnqn.clone()),
+            (
+                rec.transport.clone(),
+                rec.address.clone(),
+                rec.port,
+                rec.subnqn.clone(),
+            ),
         );
         let reserved = Attaching {
             registry: &d.remotes,
