@@ -320,6 +320,11 @@ fn nvme_rdma_initiator_survives_a_target_flap_and_fails_cleanly_when_it_is_gone(
         mp >= 1,
         "the removed path's controller was never reset: {mp}"
     );
+    // RoCE first, TCP as the fallback: a failover volume over an RDMA and a TCP path to the
+    // same namespace keeps working with the RDMA port gone (the RDMA controller was still
+    // reconnecting, so the TCP path carried it).
+    assert_eq!(out.fact("mpx_verified"), "2MiB");
+    assert_eq!(out.fact("mpx_rdma_state"), "connecting");
     let detach: f64 = out.fact("detach_s").parse().expect("seconds");
     assert!(detach < 1.0, "detaching a dead controller took {detach} s");
     // fast_io_fail_timeout (4 s) fails the held read while reconnection goes on; the

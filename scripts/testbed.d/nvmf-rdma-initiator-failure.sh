@@ -7,6 +7,8 @@
 #    completes (nacred held the I/O and resent it on the new session) and reads back identical.
 # 1b. A round-robin multipath volume over both controllers (same namespace, two ports): port 4422
 #    removed, a 4 MiB O_DIRECT verify through it passes on the remaining path.
+# 1c. RoCE first, TCP as the fallback: the subsystem also on nvmet-tcp (127.0.0.1:4423); a failover
+#    multipath volume over shelf (RDMA) and shelft (TCP) verifies 2 MiB with port 4420 removed.
 # 2. Port 4422 removed: `nacre remote detach` of that controller takes well under a second.
 # 3. Port 4420 removed for good: a read (NVMe passthrough on the controller, so the kernel host's
 #    multipath does not retry it) is held, then fails with a path error once fast_io_fail_timeout
@@ -14,14 +16,14 @@
 #    shows `failed`; nacred keeps serving. (The same read through the kernel host's
 #    block device does not return: native multipath requeues the Internal Path Error on the only
 #    path; seen here blocking over 280 s. A target-side question, not the initiator's.)
-# Facts: flap_in_flight, flap_verified, flap_resets, mp_verified, mp_shelfb_resets, detach_s,
-# lost_error_s, lost_status, state_after_fast_fail, lost_state, lost_state_s, nacred_alive.
+# Facts: flap_in_flight, flap_verified, flap_resets, mp_verified, mp_shelfb_resets, mpx_verified,
+# mpx_rdma_state, detach_s, lost_error_s, lost_status, state_after_fast_fail, lost_state, lost_state_s, nacred_alive.
 NQN=nqn.2014-08.io.nacre.testbed:rdma-shelf
 EXP=nqn.2014-08.io.nacre.testbed:rdma-export
 for b in nacred nacre; do
     command -v $b >/dev/null || fail "no $b in the guest (run with --pack target/debug/$b)"
 done
-modprobe rdma_rxe; modprobe rdma_ucm; modprobe nvmet-rdma; modprobe nvme-tcp
+modprobe rdma_rxe; modprobe rdma_ucm; modprobe nvmet-rdma; modprobe nvmet-tcp; modprobe nvme-tcp
 modprobe brd rd_nr=1 rd_size=32768
 modprobe dummy numdummies=0
 ip link add dummy0 type dummy
@@ -32,6 +34,7 @@ rdma link add rxe0 type rxe netdev dummy0 || fail "rdma link add (crc32 module m
 nvmet_subsys $NQN 1 /dev/ram0
 nvmet_port 1 rdma 192.0.2.1 4420 $NQN
 nvmet_port 2 rdma 192.0.2.1 4422 $NQN
+nvmet_port 3 tcp 127.0.0.1 4423 $NQN
 port_off() { rm "/sys/kernel/config/nvmet/ports/$1/subsystems/$NQN"; }
 port_on() { ln -s "/sys/kernel/config/nvmet/subsystems/$NQN" "/sys/kernel/config/nvmet/ports/$1/subsystems/$NQN"; }
 remote_field() {  # remote_field NAME FIELD: a string or number field of `nacre remote list NAME`
@@ -92,6 +95,25 @@ fact mp_shelfb_resets "$(remote_field shelfb resets)"
 run nacre rpc nvmf_subsystem_remove_ns "{\"nqn\": \"$EXP\", \"nsid\": 2}"
 run nacre rpc volume_delete '{"name": "mp"}'
 wait_until 20 sh -c "nacre --json remote list shelfb | grep -q '\"state\": \"live\"'" || fail "shelfb did not come back"
+
+step "1c. RoCE first, TCP as the fallback: a failover multipath volume over an RDMA and a TCP path"
+run nacre remote attach shelft --transport tcp --address 127.0.0.1 --port 4423 --subnqn $NQN \
+    --io-queues 1 --queue-depth 32 --reconnect-delay-sec 1 --ctrl-loss-timeout-sec 8 || fail "attach shelft"
+run nacre rpc volume_create '{"name": "mpx", "backend": "remote", "size": 0, "block_size": 512, "remote": {"extents": ["shelf:1+shelft:1"], "multipath": "failover"}}'
+run nacre rpc nvmf_subsystem_add_ns "{\"nqn\": \"$EXP\", \"volume\": \"mpx\", \"nsid\": 3}"
+wait_until 30 nvme_ns_dev $EXP 3 || fail "the cross-transport multipath namespace did not appear"
+X=$(nvme_ns_dev $EXP 3)
+verify_rw /dev/$X 2 28
+port_off 1
+verify_rw /dev/$X 2 28
+# the RDMA path could not have carried that: its controller is still reconnecting
+fact mpx_rdma_state "$(remote_field shelf state)"
+port_on 1
+fact mpx_verified 2MiB
+run nacre rpc nvmf_subsystem_remove_ns "{\"nqn\": \"$EXP\", \"nsid\": 3}"
+run nacre rpc volume_delete '{"name": "mpx"}'
+run nacre remote detach shelft
+wait_until 20 sh -c "nacre --json remote list shelf | grep -q '\"state\": \"live\"'" || fail "shelf did not come back"
 
 step "2. teardown of a controller whose target went away"
 port_off 2
