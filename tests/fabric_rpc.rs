@@ -128,6 +128,8 @@ fn remote_volume_served_over_vhost_user_blk() {
     assert!(msg.contains("rv"), "{msg}");
     let l = n.ok("remote_list", Value::Null);
     assert_eq!(l[0]["used_by"], json!(["rv"]));
+    // NVMe/TCP has no registered transport buffers: no bounce copies are counted.
+    assert_eq!(l[0]["bounce_copy_bytes"], 0);
     drop(shelf);
 }
 
@@ -144,8 +146,10 @@ fn remote_errors_are_clear() {
     assert_eq!(code, rpc::INVALID_PARAMS);
     assert!(msg.contains("reconnect_delay_sec"), "{msg}");
     let mut bad = attach_params("s", shelf.addr.port());
-    bad["transport"] = json!("rdma");
-    assert!(n.err("remote_attach", bad).1.contains("tcp"));
+    bad["transport"] = json!("roce");
+    let (code, msg) = n.err("remote_attach", bad);
+    assert_eq!(code, rpc::INVALID_PARAMS);
+    assert!(msg.contains("\"tcp\" or \"rdma\""), "{msg}");
     let mut bad = attach_params("s", shelf.addr.port());
     bad["subnqn"] = json!("nqn.2024-01.io.nacre:nope");
     let (code, msg) = n.err("remote_attach", bad);

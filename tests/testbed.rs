@@ -202,6 +202,163 @@ fn nvme_rdma_against_nacred() {
     assert_eq!(out.fact("retry_served"), "yes");
 }
 
+/// nacred's NVMe/RDMA initiator against an independent target: the kernel's nvmet-rdma over
+/// soft-RoCE (rxe loopback in one guest, nacred packed into it). nacred attaches the target with
+/// `nacre remote attach --transport rdma` and serves a plain and an encrypted volume on its
+/// NVMe/TCP target to the kernel's nvme-tcp host; the plain data verifies end to end and lands
+/// as written on the target's RAM disk, and the encrypted volume's RAM disk holds exactly the
+/// ciphertext the independent Python XTS oracle computes for the known pattern. Then an RDMA CM
+/// reject and an address nothing answers each give one clear line.
+#[test]
+fn nvme_rdma_initiator_against_the_kernel_nvmet_rdma_target() {
+    let Some(_bed) = prepare("nvme_rdma_initiator_against_the_kernel_nvmet_rdma_target") else {
+        return;
+    };
+    let started = std::time::Instant::now();
+    let out = Boot::new("nvmf-rdma-initiator")
+        .pack(nacre_tests::daemon::bin("nacred"))
+        .pack(nacre_tests::daemon::bin("nacre"))
+        .param("mib", 4)
+        .timeout(Duration::from_secs(500))
+        .run()
+        .expect("boot");
+    eprintln!(
+        "nvmf-rdma-initiator: {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    out.assert_success();
+    assert_eq!(out.fact("attached"), "live");
+    assert_eq!(out.fact("transport"), "rdma");
+    assert_eq!(out.fact("io_queues"), "2");
+    assert_eq!(out.fact("namespaces"), "2");
+    assert_eq!(out.fact("plain_verified"), "4MiB");
+    assert_eq!(out.fact("plain_backing"), "match");
+    // nvmet-rdma's default inline data (a page): 4 KiB writes travel in the capsule, and the
+    // queues counted exactly the eight the guest wrote.
+    assert_eq!(out.fact("io_icd_max"), "4096");
+    assert_eq!(out.fact("small_writes"), "8x4KiB");
+    assert_eq!(out.fact("in_capsule_writes"), "8");
+    // Counted in remote_list: at least the 4 + 1 MiB written and the 4 MiB read back, since
+    // every transfer is copied through the queues' registered buffers (issue 11: no zero copy).
+    let bounced: u64 = out.fact("bounce_copy_bytes").parse().expect("bytes");
+    assert!(bounced >= 9 * MIB, "bounce copies counted: {bounced}");
+    // A stripe over both RDMA-attached namespaces: each 128 KiB unit on the RAM disk the
+    // layout names.
+    assert_eq!(out.fact("stripe_verified"), "1MiB");
+    assert_eq!(out.fact("enc_readback"), "ok");
+    assert_eq!(out.fact("discovered_transport"), "rdma");
+
+    // The pattern the guest wrote: 65536 lines "%015d\n", 1 MiB, at byte 1 MiB of the volume.
+    let pattern: Vec<u8> = (0..65536u32)
+        .flat_map(|i| format!("{i:015}\n").into_bytes())
+        .collect();
+    assert_eq!(
+        out.fact("enc_pattern_sha"),
+        testbed::sha256(&pattern).unwrap(),
+        "the guest's pattern is not the one computed here"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("xts.key");
+    let hex = out.fact("enc_key");
+    assert_eq!(hex.len(), 128, "a 64-byte AES-256-XTS key: {hex}");
+    std::fs::write(&key, nacre_tests::xts_oracle::hex(&hex)).unwrap();
+    let plain = dir.path().join("plain.bin");
+    let cipher = dir.path().join("cipher.bin");
+    std::fs::write(&plain, &pattern).unwrap();
+    testbed::xts_oracle_run("encrypt", &key, &plain, &cipher, 512, MIB / 512).expect("oracle");
+    let expect = testbed::sha256(&std::fs::read(&cipher).unwrap()).unwrap();
+    let got = out.fact("enc_backing_sha");
+    assert_ne!(
+        got,
+        out.fact("enc_pattern_sha"),
+        "the target holds plaintext"
+    );
+    assert_eq!(
+        got, expect,
+        "the target's bytes are not the oracle's ciphertext"
+    );
+
+    // No listener on the port: the CM's own reject, reason 8 (invalid service ID).
+    assert_eq!(out.fact("reject_error"), "RDMA_CM_reject_reason_8");
+    assert_eq!(out.fact("unreachable_error"), "yes");
+    // nacred's own RDMA target as the peer: its reject's NVMe RDMA status is named.
+    assert_eq!(out.fact("status_reject"), "NVME_RDMA_CM_INVALID_HSQSIZE");
+    assert_eq!(out.fact("self_namespaces"), "3");
+    assert_eq!(out.fact("nacred_alive"), "yes");
+    // Restarted, nacred attaches the remote over RDMA again from its state.
+    assert_eq!(out.fact("replayed"), "yes");
+}
+
+/// nacred's NVMe/RDMA initiator when the kernel's nvmet-rdma target goes away (soft-RoCE, one
+/// guest; reconnect_delay 1 s, ctrl_loss_timeout 8 s): the target port removed mid-write and
+/// restored 0.5 s later loses nothing (the write completes on a new session and reads back
+/// identical); multipath over two RDMA controllers survives one port's removal; a controller
+/// whose target went away is detached at once; a target gone for good gives the client an
+/// Internal Path Error once fast_io_fail_timeout (4 s) has passed while reconnection goes on, and
+/// the remote shows `failed` at ctrl_loss_timeout (8 s) while nacred keeps serving.
+#[test]
+fn nvme_rdma_initiator_survives_a_target_flap_and_fails_cleanly_when_it_is_gone() {
+    let Some(_bed) =
+        prepare("nvme_rdma_initiator_survives_a_target_flap_and_fails_cleanly_when_it_is_gone")
+    else {
+        return;
+    };
+    let started = std::time::Instant::now();
+    let out = Boot::new("nvmf-rdma-initiator-failure")
+        .pack(nacre_tests::daemon::bin("nacred"))
+        .pack(nacre_tests::daemon::bin("nacre"))
+        .timeout(Duration::from_secs(400))
+        .run()
+        .expect("boot");
+    eprintln!(
+        "nvmf-rdma-initiator-failure: {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    out.assert_success();
+    assert_eq!(
+        out.fact("flap_in_flight"),
+        "yes",
+        "the write ended before the port went away: nothing was tested"
+    );
+    assert_eq!(out.fact("flap_verified"), "16MiB");
+    let resets: u64 = out.fact("flap_resets").parse().expect("resets");
+    assert!(
+        resets >= 1,
+        "the flap did not reset the controller: {resets}"
+    );
+    // Multipath composes over RDMA controllers: one path lost, I/O goes on on the other.
+    assert_eq!(out.fact("mp_verified"), "4MiB");
+    let mp: u64 = out.fact("mp_shelfb_resets").parse().expect("resets");
+    assert!(
+        mp >= 1,
+        "the removed path's controller was never reset: {mp}"
+    );
+    // RoCE first, TCP as the fallback: a failover volume over an RDMA and a TCP path to the
+    // same namespace keeps working with the RDMA port gone (the RDMA controller was still
+    // reconnecting, so the TCP path carried it).
+    assert_eq!(out.fact("mpx_verified"), "2MiB");
+    assert_eq!(out.fact("mpx_rdma_state"), "connecting");
+    let detach: f64 = out.fact("detach_s").parse().expect("seconds");
+    assert!(detach < 1.0, "detaching a dead controller took {detach} s");
+    // fast_io_fail_timeout (4 s) fails the held read while reconnection goes on; the
+    // controller fails for good at ctrl_loss_timeout (8 s).
+    let lost: f64 = out.fact("lost_error_s").parse().expect("seconds");
+    assert!(
+        (3.5..=7.0).contains(&lost),
+        "the read failed after {lost} s, fast_io_fail_timeout is 4 s"
+    );
+    assert_eq!(out.fact("state_after_fast_fail"), "connecting");
+    let failed: f64 = out.fact("lost_state_s").parse().expect("seconds");
+    assert!(
+        (7.5..=12.0).contains(&failed),
+        "the remote failed after {failed} s, ctrl_loss_timeout is 8 s"
+    );
+    // Internal Path Error (SCT 3h, SC 00h): the host may retry it on another path.
+    assert_eq!(out.fact("lost_status"), "0x300");
+    assert_eq!(out.fact("lost_state"), "failed");
+    assert_eq!(out.fact("nacred_alive"), "yes");
+}
+
 /// Real RoCEv2 between two machines: nacred's NVMe/RDMA target in one guest (rxe on its
 /// virtio-net), the kernel's nvme-rdma host in another, joined by a QEMU socket netdev. The
 /// host discovers and connects over RDMA, `nvme list` shows nacre, 16 MiB are written, read
@@ -271,6 +428,131 @@ fn nvme_rdma_between_two_guests() {
             );
         }
     }
+}
+
+/// SIGSTOPs a guest's QEMU (a machine that goes silent without a word); SIGCONT on drop, so a
+/// failing test never leaves a frozen QEMU behind.
+struct Frozen(u32);
+
+impl Frozen {
+    fn freeze(pid: u32) -> Frozen {
+        let ok = std::process::Command::new("kill")
+            .args(["-STOP", &pid.to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "cannot SIGSTOP QEMU {pid}");
+        Frozen(pid)
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill")
+            .args(["-CONT", &self.0.to_string()])
+            .status();
+    }
+}
+
+/// nacred's NVMe/RDMA initiator over real RoCEv2 between two machines: nacred in one guest, the
+/// kernel's nvmet-rdma target in another, joined by a QEMU socket netdev. nacred attaches the
+/// target, serves a volume on it to the kernel's nvme-tcp host in its guest, and 8 MiB verify
+/// across the wire (both link counters show it). Then the target's QEMU is frozen (SIGSTOP: a
+/// target that goes silent, the case SPDK #1536 takes 33 s to tear down): detaching a live
+/// controller of it takes under a second, and keep-alive (KATO 4 s) declares the other one lost.
+#[test]
+fn nvme_rdma_initiator_between_two_guests_and_a_target_that_goes_silent() {
+    let Some(_bed) =
+        prepare("nvme_rdma_initiator_between_two_guests_and_a_target_that_goes_silent")
+    else {
+        return;
+    };
+    let started = std::time::Instant::now();
+    let port = testbed::free_port().expect("free port");
+    let peer = Boot::new("nvmet-rdma-peer")
+        .name("rdma-peer")
+        .ctl()
+        .qemu([
+            "-netdev".to_string(),
+            format!("socket,id=n0,listen=127.0.0.1:{port}"),
+            "-device".to_string(),
+            "virtio-net-pci,netdev=n0,mac=52:54:00:c0:03:01".to_string(),
+        ])
+        .timeout(Duration::from_secs(600))
+        .spawn()
+        .expect("target guest");
+    if let Err(e) = peer.wait_for("TB-FACT ready=yes", Duration::from_secs(240)) {
+        panic!(
+            "the target guest never served: {e}\n{}",
+            peer.lines().join("\n")
+        );
+    }
+    let ini = Boot::new("nvmf-rdma-initiator-remote")
+        .name("rdma-initiator")
+        .pack(nacre_tests::daemon::bin("nacred"))
+        .pack(nacre_tests::daemon::bin("nacre"))
+        .param("mib", 8)
+        .ctl()
+        .qemu([
+            "-netdev".to_string(),
+            format!("socket,id=n0,connect=127.0.0.1:{port}"),
+            "-device".to_string(),
+            "virtio-net-pci,netdev=n0,mac=52:54:00:c0:03:02".to_string(),
+        ])
+        .timeout(Duration::from_secs(400))
+        .spawn()
+        .expect("nacred guest");
+    if let Err(e) = ini.wait_for("TB-WAIT frozen", Duration::from_secs(300)) {
+        panic!(
+            "the nacred guest did not get to the freeze: {e}\n{}\n--- target guest:\n{}",
+            ini.lines().join("\n"),
+            peer.lines().join("\n")
+        );
+    }
+    let frozen = Frozen::freeze(peer.qemu_pid().expect("target QEMU pid"));
+    ini.signal("frozen").expect("signal the nacred guest");
+    let out = ini
+        .wait(Duration::from_secs(200))
+        .expect("nacred guest ends");
+    drop(frozen);
+    peer.signal("done").expect("signal the target guest");
+    let p = peer
+        .wait(Duration::from_secs(120))
+        .expect("target guest ends");
+    eprintln!(
+        "two-guest RDMA initiator test: {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+    if !out.success() {
+        panic!(
+            "the nacred guest failed ({:?}):\n{}\n--- target guest:\n{}",
+            out.code(),
+            out.tail(80),
+            p.tail(40)
+        );
+    }
+    p.assert_success();
+    assert_eq!(out.fact("attached"), "live");
+    assert_eq!(out.fact("verified"), "8MiB");
+    for (who, o) in [("nacred", &out), ("target", &p)] {
+        for dir in ["rx_mib", "tx_mib"] {
+            let mib: u64 = o.fact(dir).parse().expect("MiB");
+            assert!(
+                mib >= 8,
+                "{who} {dir} = {mib} MiB: the data did not cross the link"
+            );
+        }
+    }
+    let detach: f64 = out.fact("silent_detach_s").parse().expect("seconds");
+    assert!(
+        detach < 1.0,
+        "detaching a controller of a silent target took {detach} s"
+    );
+    let ka: f64 = out.fact("ka_lost_s").parse().expect("seconds");
+    assert!(
+        ka <= 10.0,
+        "keep-alive (KATO 4 s) took {ka} s to declare the silent target lost"
+    );
+    assert_eq!(out.fact("nacred_alive"), "yes");
 }
 
 /// A guest's virtio-blk driver against nacred's vhost-user-blk devices: a device made with the

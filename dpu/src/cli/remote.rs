@@ -11,9 +11,10 @@ use super::Ctx;
 
 #[derive(Subcommand, Debug)]
 pub enum RemoteCmd {
-    /// Connect to a remote NVMe-oF/TCP controller (SPDK: bdev_nvme_attach_controller).
+    /// Connect to a remote NVMe-oF controller over TCP or RDMA (SPDK:
+    /// bdev_nvme_attach_controller).
     #[command(
-        after_help = "Examples:\n  nacre remote attach shelf1 --address 10.0.0.5 --subnqn nqn.2024-01.com.example:shelf1\n  nacre remote attach shelf1b --address 10.0.1.5 --subnqn nqn.2024-01.com.example:shelf1 \\\n      --reconnect-delay-sec 2 --ctrl-loss-timeout-sec 60 --fast-io-fail-timeout-sec 10"
+        after_help = "Examples:\n  nacre remote attach shelf1 --address 10.0.0.5 --subnqn nqn.2024-01.com.example:shelf1\n  nacre remote attach shelf1r --transport rdma --address 192.0.2.5 \\\n      --subnqn nqn.2024-01.com.example:shelf1\n  nacre remote attach shelf1b --address 10.0.1.5 --subnqn nqn.2024-01.com.example:shelf1 \\\n      --reconnect-delay-sec 2 --ctrl-loss-timeout-sec 60 --fast-io-fail-timeout-sec 10\n\nRDMA (RoCEv2) needs an RDMA device with a route to the address (a RoCE NIC, or soft-RoCE:\n  rdma link add rxe0 type rxe netdev eth0); digests are NVMe/TCP only."
     )]
     Attach(AttachArgs),
     /// Disconnect a remote controller that no volume uses.
@@ -31,8 +32,8 @@ pub enum RemoteCmd {
     /// List the subsystems a portal's discovery controller offers.
     #[command(after_help = "Examples:\n  nacre remote discover --address 192.0.2.10 --port 4420")]
     Discover {
-        /// Transport: tcp.
-        #[arg(long, default_value = "tcp")]
+        /// Transport: tcp or rdma.
+        #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
         transport: String,
         /// The portal's address.
         #[arg(long)]
@@ -53,8 +54,8 @@ pub enum RemoteCmd {
 pub struct AttachArgs {
     /// nacre's name for the controller (volumes say NAME:NSID).
     pub name: String,
-    /// Transport: tcp.
-    #[arg(long, default_value = "tcp")]
+    /// Transport: tcp (NVMe/TCP) or rdma (NVMe/RDMA, e.g. RoCEv2).
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
     pub transport: String,
     /// The target's address.
     #[arg(long)]
@@ -68,7 +69,7 @@ pub struct AttachArgs {
     /// Host NQN [default: nacred's own].
     #[arg(long)]
     pub hostnqn: Option<String>,
-    /// I/O queues (TCP connections) [default: 4].
+    /// I/O queues (TCP or RDMA connections) [default: 4].
     #[arg(long)]
     pub io_queues: Option<u16>,
     /// Commands in flight per queue [default: 128].
@@ -268,6 +269,7 @@ fn print_remotes(v: &Value) {
     let mut t = Table::new(&[
         "NAME",
         "STATE",
+        "TRANSPORT",
         "ADDRESS",
         "SUBNQN",
         "NAMESPACES",
@@ -279,6 +281,7 @@ fn print_remotes(v: &Value) {
         t.row(vec![
             s("name"),
             s("state"),
+            s("transport"),
             format!("{}:{}", s("address"), r["port"]),
             s("subnqn"),
             r["namespaces"]

@@ -13,7 +13,7 @@ pub const METHODS: &[Method] = &[
     Method {
         name: "remote_attach",
         handler: remote_attach,
-        help: "Connect to a remote NVMe-oF controller: name, address, port, subnqn, hostnqn, io_queues, queue_depth, header_digest, data_digest, reconnect_delay_sec, ctrl_loss_timeout_sec, fast_io_fail_timeout_sec, in_capsule_data_size, keep_alive_timeout_ms, io_timeout_sec, quiesce_time_ms.",
+        help: "Connect to a remote NVMe-oF controller: name, transport (tcp or rdma; default tcp), address, port, subnqn, hostnqn, io_queues, queue_depth, header_digest, data_digest, reconnect_delay_sec, ctrl_loss_timeout_sec, fast_io_fail_timeout_sec, in_capsule_data_size, keep_alive_timeout_ms, io_timeout_sec, quiesce_time_ms.",
     },
     Method {
         name: "remote_detach",

@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 
 use nacre_shared::nvme::{Command, Completion as Cqe, Status};
 
-use crate::volume::{Completion, IoError, IoResult, Segments};
+use crate::volume::{
+    copy_from_segments, copy_to_segments, IoCompletion, IoError, IoResult, Segments,
+};
 
 /// Which way a command's data moves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,14 +35,19 @@ pub enum Dir {
 pub struct IoParent {
     segs: Segments,
     tag: u64,
-    done: Arc<dyn Completion>,
+    done: Arc<dyn IoCompletion>,
     pending: AtomicUsize,
     err: Mutex<Option<IoError>>,
 }
 
 impl IoParent {
     /// A parent that completes `done` after `children` calls to [`IoParent::child_done`].
-    pub fn new(segs: Segments, tag: u64, done: Arc<dyn Completion>, children: usize) -> Arc<Self> {
+    pub fn new(
+        segs: Segments,
+        tag: u64,
+        done: Arc<dyn IoCompletion>,
+        children: usize,
+    ) -> Arc<Self> {
         Arc::new(IoParent {
             segs,
             tag,
@@ -152,6 +159,62 @@ pub struct Cmd {
 impl Cmd {
     pub fn is_io(&self) -> bool {
         matches!(self.target, Target::Io { .. })
+    }
+
+    /// Copy bytes `off..off+out.len()` of the command's outgoing data into `out` (what a
+    /// transport sends: in-capsule data, H2CData, or the registered buffer the controller
+    /// reads with RDMA READ). Bytes past an admin buffer's end read as zero.
+    pub fn read_data(&self, off: usize, out: &mut [u8]) {
+        match &self.target {
+            Target::Io {
+                parent,
+                data: IoData::Segs { off: base },
+            } => {
+                // SAFETY: the command is outstanding (its holder calls this), so its
+                // request's segments are valid.
+                unsafe { copy_from_segments(parent.segments(), base + off, out) }
+            }
+            Target::Io {
+                data: IoData::Inline(b),
+                ..
+            } => {
+                let n = out.len().min(b.len().saturating_sub(off));
+                out[..n].copy_from_slice(&b[off..off + n]);
+                out[n..].fill(0);
+            }
+            Target::Admin(w) => {
+                let b = w.buf.lock().unwrap_or_else(|p| p.into_inner());
+                let n = out.len().min(b.len().saturating_sub(off));
+                out[..n].copy_from_slice(&b[off..off + n]);
+                out[n..].fill(0);
+            }
+        }
+    }
+
+    /// Copy `src` into the command's incoming data at byte `off` (read data that arrived in
+    /// a registered buffer). Admin buffers grow to fit; inline data takes none.
+    pub fn write_data(&self, off: usize, src: &[u8]) {
+        match &self.target {
+            Target::Io {
+                parent,
+                data: IoData::Segs { off: base },
+            } => {
+                // SAFETY: the command is outstanding (its holder calls this, once, before
+                // completing it), so its request's segments are valid and ours to write.
+                unsafe { copy_to_segments(parent.segments(), base + off, src) }
+            }
+            Target::Io {
+                data: IoData::Inline(_),
+                ..
+            } => {}
+            Target::Admin(w) => {
+                let mut b = w.buf.lock().unwrap_or_else(|p| p.into_inner());
+                if b.len() < off + src.len() {
+                    b.resize(off + src.len(), 0);
+                }
+                b[off..off + src.len()].copy_from_slice(src);
+            }
+        }
     }
 
     /// End the command with an NVMe completion.

@@ -13,7 +13,7 @@ use nacre_shared::nvme_tcp::Digests;
 
 use super::cmd::{Cmd, Dir};
 use super::controller::{admin_cmd, enable};
-use super::tcp::{QueueConn, QueueOwner, QueueParams};
+use super::queue::{self, FabricQueue, QueueOwner, QueueParams, Transport};
 use super::FabricError;
 
 struct NoOwner;
@@ -25,8 +25,20 @@ impl QueueOwner for NoOwner {
     }
 }
 
-/// Read the discovery log of the portal at `address:port`.
+/// Read the discovery log of the NVMe/TCP portal at `address:port`.
 pub fn discover(
+    address: &str,
+    port: u16,
+    hostnqn: &str,
+    timeout: Duration,
+) -> Result<Vec<DiscoveryEntry>, FabricError> {
+    discover_over(Transport::Tcp, address, port, hostnqn, timeout)
+}
+
+/// Read the discovery log of the portal at `address:port` over `transport` (the discovery
+/// controller is an admin queue like any other: the transport is below the queue seam).
+pub fn discover_over(
+    transport: Transport,
     address: &str,
     port: u16,
     hostnqn: &str,
@@ -34,7 +46,7 @@ pub fn discover(
 ) -> Result<Vec<DiscoveryEntry>, FabricError> {
     let mut cfg = super::ControllerConfig::new(address, port, DISCOVERY_NQN, hostnqn);
     cfg.connect_timeout = timeout;
-    let addr = cfg.socket_addr()?;
+    cfg.transport = transport;
     let owner: Arc<dyn QueueOwner> = Arc::new(NoOwner);
     let weak: Weak<dyn QueueOwner> = Arc::downgrade(&owner);
     let cd = ConnectData {
@@ -51,16 +63,16 @@ pub fn discover(
         icd_max: 0,
         timeout,
     };
-    let (q, _) = QueueConn::open(addr, params, &cd, 0, weak)?;
+    let (q, _) = queue::open(&cfg, params, &cd, 0, weak)?;
     let deadline = Instant::now() + timeout * 4;
     let res = (|| {
-        enable(&q, deadline)?;
+        enable(&*q, deadline)?;
         // Header first for NUMREC, then the whole page (GENCTR may change in between; a
         // host would re-read, a one-shot listing does not need to).
-        let head = get_log(&q, discovery::HEADER_LEN, deadline)?;
+        let head = get_log(&*q, discovery::HEADER_LEN, deadline)?;
         let n = get_u64(&head, 8).min(1024) as usize;
         let page = get_log(
-            &q,
+            &*q,
             discovery::HEADER_LEN + n * discovery::ENTRY_LEN,
             deadline,
         )?;
@@ -72,7 +84,7 @@ pub fn discover(
     res
 }
 
-fn get_log(q: &Arc<QueueConn>, len: usize, deadline: Instant) -> Result<Vec<u8>, FabricError> {
+fn get_log(q: &dyn FabricQueue, len: usize, deadline: Instant) -> Result<Vec<u8>, FabricError> {
     let mut sqe = Command {
         opcode: admin_opcode::GET_LOG_PAGE,
         ..Default::default()

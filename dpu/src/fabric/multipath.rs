@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use super::controller::PhaseListener;
 use super::{FabricError, RemoteNamespace};
-use crate::volume::{BlockDevice, Completion, Geometry, IoError, IoKind, IoRequest, IoResult};
+use crate::volume::{BlockDevice, Geometry, IoCompletion, IoError, IoKind, IoRequest, IoResult};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -39,7 +39,7 @@ struct Parked {
     len: u64,
     segs: crate::volume::Segments,
     tag: u64,
-    done: Arc<dyn Completion>,
+    done: Arc<dyn IoCompletion>,
 }
 
 impl Parked {
@@ -149,7 +149,7 @@ impl Inner {
     fn dispatch(self: &Arc<Self>, p: Arc<Parked>) {
         match self.pick() {
             Some(i) => {
-                let done: Arc<dyn Completion> = Arc::new(PathDone {
+                let done: Arc<dyn IoCompletion> = Arc::new(PathDone {
                     mp: Arc::downgrade(self),
                     req: p.clone(),
                 });
@@ -200,7 +200,7 @@ struct PathDone {
     req: Arc<Parked>,
 }
 
-impl Completion for PathDone {
+impl IoCompletion for PathDone {
     fn complete(&self, _tag: u64, result: IoResult) {
         match (result, self.mp.upgrade()) {
             (Err(IoError::PathLost), Some(mp)) => {
@@ -217,7 +217,7 @@ impl BlockDevice for MultipathDevice {
         self.geo
     }
 
-    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         if let Err(e) = self.geo.check(&req) {
             done.complete(req.tag, Err(e));
             return;

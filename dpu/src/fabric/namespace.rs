@@ -13,7 +13,7 @@ use nacre_shared::nvme::{io_opcode, Command};
 
 use super::cmd::{Cmd, Dir, IoData, IoParent, Target};
 use super::controller::{Ctrl, NamespaceInfo};
-use crate::volume::{BlockDevice, Completion, Geometry, IoError, IoKind, IoRequest};
+use crate::volume::{BlockDevice, Geometry, IoCompletion, IoError, IoKind, IoRequest};
 
 /// Most blocks one Read/Write/Write Zeroes can name (NLB is 16 bits, zero-based).
 const MAX_NLB: u64 = 1 << 16;
@@ -79,7 +79,7 @@ impl BlockDevice for RemoteNamespace {
         }
     }
 
-    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         if let Err(e) = self.geometry().check(&req) {
             done.complete(req.tag, Err(e));
             return;
@@ -238,7 +238,7 @@ impl BlockDevice for BlockSizeView {
         self.geo
     }
 
-    fn submit(&self, req: IoRequest, done: &Arc<dyn Completion>) {
+    fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
         if let Err(e) = self.geo.check(&req) {
             done.complete(req.tag, Err(e));
             return;

@@ -186,12 +186,6 @@ pub trait IoCompletion: Send + Sync {
     fn complete(&self, tag: u64, result: IoResult);
 }
 
-/// The name [`IoCompletion`] had until it was renamed for clashing with the NVMe completion
-/// queue entry. Only `fabric/` and `frontend/nvmf_rdma/` still say `Completion`: they are
-/// being rewritten on another branch, and the rename stays out of their way until it is
-/// merged; then they take the new name and this alias goes.
-pub(crate) use self::IoCompletion as Completion;
-
 /// Size and block size of a volume as the data path sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Geometry {

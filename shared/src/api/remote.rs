@@ -21,7 +21,8 @@ pub const DEFAULT_PORT: u16 = 4420;
 pub struct RemoteAttach {
     /// nacre's name for the controller; volumes refer to its namespaces as `NAME:NSID`.
     pub name: String,
-    /// Only `tcp` for now.
+    /// `tcp` (default) or `rdma` (NVMe/RDMA: RoCEv2, InfiniBand, iWARP; needs an RDMA
+    /// device with a route to `address`).
     #[serde(default = "default_transport")]
     pub transport: String,
     /// Portal address (IP or host name).
@@ -34,7 +35,7 @@ pub struct RemoteAttach {
     /// the same for every remote).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hostnqn: Option<String>,
-    /// I/O queues (TCP connections) to open; the controller may grant fewer. Default 4.
+    /// I/O queues (TCP or RDMA connections) to open; the controller may grant fewer. Default 4.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub io_queues: Option<u16>,
     /// Commands in flight per I/O queue. Default 128.
@@ -153,6 +154,10 @@ pub struct RemoteInfo {
     /// Sessions lost so far (each a reset of this controller alone).
     #[serde(default)]
     pub resets: u64,
+    /// Bytes of I/O data copied through transport buffers (NVMe/RDMA's registered slot
+    /// buffers; 0 over TCP): the copies zero copy would save.
+    #[serde(default)]
+    pub bounce_copy_bytes: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
     #[serde(default)]

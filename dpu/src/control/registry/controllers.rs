@@ -14,8 +14,8 @@ use nacre_shared::nvme_tcp::Digests;
 use crate::control::state::RemoteRecord;
 use crate::fabric::{Controller, ControllerConfig};
 
-/// A remote being attached: address, port, subsystem NQN.
-type Target = (String, u16, String);
+/// A remote being attached: transport, address, port, subsystem NQN.
+type Target = (String, String, u16, String);
 
 #[derive(Default)]
 pub(super) struct Controllers {
@@ -63,14 +63,19 @@ impl Controllers {
     /// only the target can clash: `Err` names the remote being attached to it.
     pub fn reserve(&self, rec: &RemoteRecord) -> Result<Attaching<'_>, String> {
         let mut attaching = self.attaching();
-        if let Some((other, _)) = attaching.iter().find(|(_, (a, port, nqn))| {
-            *a == rec.address && *port == rec.port && *nqn == rec.subnqn
+        if let Some((other, _)) = attaching.iter().find(|(_, (t, a, port, nqn))| {
+            *t == rec.transport && *a == rec.address && *port == rec.port && *nqn == rec.subnqn
         }) {
             return Err(other.clone());
         }
         attaching.insert(
             rec.name.clone(),
-            (rec.address.clone(), rec.port, rec.subnqn.clone()),
+            (
+                rec.transport.clone(),
+                rec.address.clone(),
+                rec.port,
+                rec.subnqn.clone(),
+            ),
         );
         Ok(Attaching {
             controllers: self,
@@ -95,6 +100,9 @@ impl Controllers {
 /// The fabric's configuration of a persisted remote.
 pub(super) fn config(rec: &RemoteRecord) -> ControllerConfig {
     let mut c = ControllerConfig::new(&rec.address, rec.port, &rec.subnqn, &rec.hostnqn);
+    // Records from before NVMe/RDMA say "tcp"; an unknown word cannot be persisted
+    // (new_record checks it), so TCP is only the fallback of a hand-edited state file.
+    c.transport = rec.transport.parse().unwrap_or_default();
     c.hostid = uuid::Uuid::parse_str(&rec.hostid)
         .map(|u| *u.as_bytes())
         .unwrap_or(c.hostid);

@@ -20,7 +20,7 @@ use super::controllers::config;
 use super::store::{Inner, Registry};
 use crate::control::error::RpcError;
 use crate::control::state::{RemoteRecord, State};
-use crate::fabric::{discovery, Controller, Phase};
+use crate::fabric::{discovery, Controller, Phase, Transport};
 
 /// A remote controller's state as `remote_list` and the metrics report it.
 fn phase_name(phase: Option<Phase>) -> &'static str {
@@ -57,15 +57,18 @@ impl Registry {
             let rec = new_record(&inner.state, p)?;
             let busy = |other: &str| {
                 RpcError::busy(format!(
-                    "remote {:?} already connects to {} at {}:{}",
-                    other, rec.subnqn, rec.address, rec.port
+                    "remote {:?} already connects to {} at {}:{} over {}",
+                    other, rec.subnqn, rec.address, rec.port, rec.transport
                 ))
             };
-            if let Some(other) =
-                inner.state.remotes.values().find(|r| {
-                    r.address == rec.address && r.port == rec.port && r.subnqn == rec.subnqn
-                })
-            {
+            // The same subsystem at the same portal over another transport is another path
+            // (a shelf's RoCE and TCP ports share address and port number).
+            if let Some(other) = inner.state.remotes.values().find(|r| {
+                r.transport == rec.transport
+                    && r.address == rec.address
+                    && r.port == rec.port
+                    && r.subnqn == rec.subnqn
+            }) {
                 return Err(busy(&other.name));
             }
             let reserved = self
@@ -145,12 +148,7 @@ impl Registry {
     /// `remote_discover`: read a portal's discovery log, as nacred's host identity (the one
     /// its remotes use) unless another host NQN is given.
     pub fn discover(&self, p: &RemoteDiscover) -> Result<Vec<DiscoveredSubsystem>, RpcError> {
-        if p.transport != "tcp" {
-            return Err(RpcError::invalid_params(format!(
-                "transport {:?} is not supported: use \"tcp\"",
-                p.transport
-            )));
-        }
+        let transport: Transport = p.transport.parse().map_err(RpcError::invalid_params)?;
         let hostnqn = match &p.hostnqn {
             Some(h) => {
                 validate_nqn(h).map_err(|e| RpcError::invalid_params(format!("hostnqn: {e}")))?;
@@ -158,10 +156,16 @@ impl Registry {
             }
             None => self.read_state(|state| host_identity(state, None).0),
         };
-        let entries = discovery::discover(&p.address, p.port, &hostnqn, Duration::from_secs(3))
-            .map_err(|e| {
-                RpcError::failed(format!("discovery at {}:{} failed: {e}", p.address, p.port))
-            })?;
+        let entries = discovery::discover_over(
+            transport,
+            &p.address,
+            p.port,
+            &hostnqn,
+            Duration::from_secs(3),
+        )
+        .map_err(|e| {
+            RpcError::failed(format!("discovery at {}:{} failed: {e}", p.address, p.port))
+        })?;
         Ok(entries
             .into_iter()
             .map(|e| DiscoveredSubsystem {
@@ -226,6 +230,7 @@ impl Registry {
             io_queues: info.as_ref().map_or(0, |i| i.io_queues),
             queue_depth: info.as_ref().map_or(0, |i| i.queue_depth),
             resets: st.as_ref().map_or(0, |s| s.resets),
+            bounce_copy_bytes: st.as_ref().map_or(0, |s| s.bounce_copy_bytes),
             last_error: st.as_ref().and_then(|s| s.last_error.clone()),
             namespaces: namespaces
                 .iter()
@@ -322,11 +327,11 @@ fn host_identity(state: &State, hostnqn: Option<&str>) -> (String, String) {
 
 fn new_record(state: &State, p: &RemoteAttach) -> Result<RemoteRecord, RpcError> {
     validate_name("remote", &p.name).map_err(RpcError::invalid_params)?;
-    if p.transport != "tcp" {
-        return Err(RpcError::invalid_params(format!(
-            "transport {:?} is not supported: use \"tcp\"",
-            p.transport
-        )));
+    let transport: Transport = p.transport.parse().map_err(RpcError::invalid_params)?;
+    if transport == Transport::Rdma && (p.header_digest || p.data_digest) {
+        return Err(RpcError::invalid_params(
+            "header_digest and data_digest are NVMe/TCP features: NVMe/RDMA has none",
+        ));
     }
     if p.address.is_empty() {
         return Err(RpcError::invalid_params("address must not be empty"));

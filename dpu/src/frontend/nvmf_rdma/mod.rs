@@ -32,7 +32,7 @@
 
 pub mod cm;
 mod queue;
-mod verbs;
+pub(crate) mod verbs;
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;

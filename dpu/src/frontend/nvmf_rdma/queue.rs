@@ -35,8 +35,8 @@ use rdma_sys::*;
 use tracing::{debug, warn};
 
 use super::cm::{self, CmRequest};
-use super::verbs::{self, EventChannel};
-use crate::frontend::nvmf_tcp::ctrl::{AdminReply, Controller, CtrlQueue};
+use super::verbs::{self, EventChannel, RegBuf};
+use crate::frontend::nvmf_tcp::ctrl::{AdminReply, CtrlQueue, TargetController};
 use crate::frontend::nvmf_tcp::fabrics::{
     self, fabrics_connect, invalid_param, HostQueue, QueueRules,
 };
@@ -139,61 +139,6 @@ struct Slot {
     /// Bytes to RDMA WRITE to the host on success (reads).
     read_len: usize,
     stats: Option<(Arc<VolumeMetrics>, Arrival)>,
-}
-
-/// A registered buffer: memory from the allocator, and its memory region.
-struct RegBuf {
-    ptr: *mut u8,
-    len: usize,
-    mr: *mut ibv_mr,
-}
-
-impl RegBuf {
-    fn new(pd: *mut ibv_pd, len: usize) -> std::io::Result<RegBuf> {
-        let layout = std::alloc::Layout::from_size_align(len.max(1), 4096)
-            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            return Err(std::io::ErrorKind::OutOfMemory.into());
-        }
-        let mut b = RegBuf {
-            ptr,
-            len,
-            mr: std::ptr::null_mut(),
-        };
-        let access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 as i32;
-        // SAFETY: `pd` is a valid protection domain; the buffer stays allocated until this
-        // RegBuf drops, which deregisters it first.
-        b.mr = unsafe { ibv_reg_mr(pd, ptr as *mut _, len, access) };
-        if b.mr.is_null() {
-            return Err(verbs::errno());
-        }
-        Ok(b)
-    }
-
-    fn lkey(&self) -> u32 {
-        // SAFETY: `mr` is valid while self lives.
-        unsafe { (*self.mr).lkey }
-    }
-
-    fn addr(&self, off: usize) -> u64 {
-        self.ptr as u64 + off as u64
-    }
-}
-
-impl Drop for RegBuf {
-    fn drop(&mut self) {
-        // SAFETY: deregistered once, then freed with the layout it was allocated with; the
-        // queue pair that could access it is destroyed before (RdmaQueue::drop).
-        unsafe {
-            if !self.mr.is_null() {
-                ibv_dereg_mr(self.mr);
-            }
-            let layout = std::alloc::Layout::from_size_align_unchecked(self.len.max(1), 4096);
-            std::alloc::dealloc(self.ptr, layout);
-        }
-    }
 }
 
 /// The queue's verbs objects and buffers, and the state completing threads share.
@@ -456,7 +401,7 @@ impl CtrlQueue for RdmaQueue {
     }
 }
 
-impl volume::Completion for RdmaQueue {
+impl volume::IoCompletion for RdmaQueue {
     fn complete(&self, tag: u64, result: IoResult) {
         let s = tag as usize;
         if s >= self.slots.len() {
@@ -681,7 +626,7 @@ struct Conn {
     req: CmRequest,
     listener: SocketAddr,
     local_ip: IpAddr,
-    ctrl: Option<Arc<Controller>>,
+    ctrl: Option<Arc<TargetController>>,
     subsys: Option<Arc<Subsystem>>,
     host_counted: Option<HostQueue>,
     ns_gen: u64,
@@ -693,7 +638,7 @@ struct Conn {
     /// has been polled.
     backlog: VecDeque<(usize, usize)>,
     /// `q` as the completion handle requests carry.
-    done: Arc<dyn volume::Completion>,
+    done: Arc<dyn volume::IoCompletion>,
     /// This queue's place in its listener's counts; given back when the queue ends.
     slot: Option<ConnSlot>,
 }

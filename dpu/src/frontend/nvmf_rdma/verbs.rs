@@ -1,6 +1,7 @@
 //! The few librdmacm/libibverbs calls the NVMe/RDMA target makes, behind owners that free
 //! what they hold: an RDMA CM event channel, CM events copied out of librdmacm's memory,
-//! registered buffers, and socket address conversion. Everything `unsafe` about verbs that
+//! registered buffers, and socket address conversion. The NVMe/RDMA host queues
+//! (`fabric::rdma`) use them too. Everything `unsafe` about verbs that
 //! is not tied to one queue's life lives here; the queue's own resources are in `queue.rs`.
 
 use std::io;
@@ -11,12 +12,12 @@ use std::ptr::NonNull;
 use rdma_sys::*;
 
 /// The last OS error as an `io::Error` (librdmacm and libibverbs report through errno).
-pub(super) fn errno() -> io::Error {
+pub(crate) fn errno() -> io::Error {
     io::Error::last_os_error()
 }
 
 /// A C status return (`0` or `-1`/`-errno`) as a Result.
-pub(super) fn check(rc: i32) -> io::Result<()> {
+pub(crate) fn check(rc: i32) -> io::Result<()> {
     match rc {
         0 => Ok(()),
         rc if rc > 0 => Err(io::Error::from_raw_os_error(rc)),
@@ -41,7 +42,7 @@ pub fn device_count() -> usize {
 }
 
 /// An RDMA CM event channel: the file descriptor CM events for its ids arrive on.
-pub(super) struct EventChannel(NonNull<rdma_event_channel>);
+pub(crate) struct EventChannel(NonNull<rdma_event_channel>);
 
 // SAFETY: the channel is a file descriptor wrapper; librdmacm's calls on it are thread-safe,
 // and only its owner gets events from it.
@@ -51,7 +52,7 @@ unsafe impl Sync for EventChannel {}
 
 /// A CM event, copied out so the event can be acknowledged at once (librdmacm frees its
 /// private data on acknowledgement, and `rdma_migrate_id`/`rdma_destroy_id` wait for it).
-pub(super) struct CmEvent {
+pub(crate) struct CmEvent {
     pub kind: u32,
     pub id: *mut rdma_cm_id,
     pub status: i32,
@@ -64,7 +65,7 @@ pub(super) struct CmEvent {
 }
 
 impl EventChannel {
-    pub(super) fn new() -> io::Result<Self> {
+    pub(crate) fn new() -> io::Result<Self> {
         // SAFETY: plain constructor; a null return sets errno.
         let ch = unsafe { rdma_create_event_channel() };
         let ch = NonNull::new(ch).ok_or_else(errno)?;
@@ -79,17 +80,17 @@ impl EventChannel {
         Ok(ch)
     }
 
-    pub(super) fn raw(&self) -> *mut rdma_event_channel {
+    pub(crate) fn raw(&self) -> *mut rdma_event_channel {
         self.0.as_ptr()
     }
 
-    pub(super) fn fd(&self) -> RawFd {
+    pub(crate) fn fd(&self) -> RawFd {
         // SAFETY: the channel is valid for self's life; `fd` is a plain field.
         unsafe { (*self.0.as_ptr()).fd }
     }
 
     /// The next event, waiting at most `timeout_ms` (0: do not wait).
-    pub(super) fn get(&self, timeout_ms: i32) -> io::Result<Option<CmEvent>> {
+    pub(crate) fn get(&self, timeout_ms: i32) -> io::Result<Option<CmEvent>> {
         if timeout_ms > 0 && !wait_readable(&[self.fd()], timeout_ms)? {
             return Ok(None);
         }
@@ -139,7 +140,7 @@ impl Drop for EventChannel {
 }
 
 /// Wait until one of `fds` is readable or `timeout_ms` passes; true if one is readable.
-pub(super) fn wait_readable(fds: &[RawFd], timeout_ms: i32) -> io::Result<bool> {
+pub(crate) fn wait_readable(fds: &[RawFd], timeout_ms: i32) -> io::Result<bool> {
     let mut p: Vec<libc::pollfd> = fds
         .iter()
         .map(|&fd| libc::pollfd {
@@ -161,10 +162,10 @@ pub(super) fn wait_readable(fds: &[RawFd], timeout_ms: i32) -> io::Result<bool> 
 }
 
 /// A socket address in the C layout librdmacm takes.
-pub(super) struct RawAddr(libc::sockaddr_storage);
+pub(crate) struct RawAddr(libc::sockaddr_storage);
 
 impl RawAddr {
-    pub(super) fn new(a: SocketAddr) -> Self {
+    pub(crate) fn new(a: SocketAddr) -> Self {
         // SAFETY: sockaddr_storage is plain data; all-zero is a valid (unspecified) value.
         let mut s: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
         match a {
@@ -197,7 +198,7 @@ impl RawAddr {
         RawAddr(s)
     }
 
-    pub(super) fn as_mut_ptr(&mut self) -> *mut libc::sockaddr {
+    pub(crate) fn as_mut_ptr(&mut self) -> *mut libc::sockaddr {
         &mut self.0 as *mut _ as *mut libc::sockaddr
     }
 }
@@ -206,7 +207,7 @@ impl RawAddr {
 ///
 /// # Safety
 /// `sa` must be null or point to a valid socket address.
-pub(super) unsafe fn ip_of(sa: *const libc::sockaddr) -> Option<std::net::IpAddr> {
+pub(crate) unsafe fn ip_of(sa: *const libc::sockaddr) -> Option<std::net::IpAddr> {
     if sa.is_null() {
         return None;
     }
@@ -225,3 +226,78 @@ pub(super) unsafe fn ip_of(sa: *const libc::sockaddr) -> Option<std::net::IpAddr
         }
     }
 }
+
+/// A registered buffer: memory from the allocator, and its memory region.
+pub(crate) struct RegBuf {
+    pub(crate) ptr: *mut u8,
+    len: usize,
+    mr: *mut ibv_mr,
+}
+
+impl RegBuf {
+    /// A buffer only the local device writes (RECV rings, send capsules, target-side data
+    /// buffers the target moves with its own READ/WRITE).
+    pub(crate) fn new(pd: *mut ibv_pd, len: usize) -> std::io::Result<RegBuf> {
+        Self::with_access(pd, len, ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 as i32)
+    }
+
+    /// A buffer registered with `access` (e.g. remote read/write for the data a peer moves
+    /// with RDMA READ/WRITE against our keyed SGLs).
+    pub(crate) fn with_access(pd: *mut ibv_pd, len: usize, access: i32) -> std::io::Result<RegBuf> {
+        let layout = std::alloc::Layout::from_size_align(len.max(1), 4096)
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(std::io::ErrorKind::OutOfMemory.into());
+        }
+        let mut b = RegBuf {
+            ptr,
+            len,
+            mr: std::ptr::null_mut(),
+        };
+        // SAFETY: `pd` is a valid protection domain; the buffer stays allocated until this
+        // RegBuf drops, which deregisters it first.
+        b.mr = unsafe { ibv_reg_mr(pd, ptr as *mut _, len, access) };
+        if b.mr.is_null() {
+            return Err(errno());
+        }
+        Ok(b)
+    }
+
+    pub(crate) fn lkey(&self) -> u32 {
+        // SAFETY: `mr` is valid while self lives.
+        unsafe { (*self.mr).lkey }
+    }
+
+    /// The remote key a peer names this buffer with.
+    #[allow(dead_code)] // used by the NVMe/RDMA host queues (fabric::rdma)
+    pub(crate) fn rkey(&self) -> u32 {
+        // SAFETY: `mr` is valid while self lives.
+        unsafe { (*self.mr).rkey }
+    }
+
+    pub(crate) fn addr(&self, off: usize) -> u64 {
+        self.ptr as u64 + off as u64
+    }
+}
+
+impl Drop for RegBuf {
+    fn drop(&mut self) {
+        // SAFETY: deregistered once, then freed with the layout it was allocated with; the
+        // queue pair that could access it is destroyed before (by its owner's Drop).
+        unsafe {
+            if !self.mr.is_null() {
+                ibv_dereg_mr(self.mr);
+            }
+            let layout = std::alloc::Layout::from_size_align_unchecked(self.len.max(1), 4096);
+            std::alloc::dealloc(self.ptr, layout);
+        }
+    }
+}
+
+// SAFETY: the buffer is plain memory and its region; who may touch which bytes is the
+// owner's rule (a slot's holder), and verbs calls on a region are thread-safe.
+unsafe impl Send for RegBuf {}
+// SAFETY: as above.
+unsafe impl Sync for RegBuf {}

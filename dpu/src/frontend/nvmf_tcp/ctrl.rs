@@ -20,12 +20,6 @@ use tracing::debug;
 use super::subsystem::{discovery_log, Subsystem};
 use super::{limits, lock, Clock, TargetInner, FIRMWARE_REVISION};
 
-/// The name [`TargetController`] had until it was renamed for clashing with the fabric's
-/// [`crate::fabric::Controller`]. Only `frontend/nvmf_rdma/` still says `Controller`: it is
-/// being reworked on another branch, and the rename stays out of its way until that is merged;
-/// then it takes the new name and this alias goes.
-pub(crate) use self::TargetController as Controller;
-
 /// What a controller needs of one of its queues, whatever transport carries it (NVMe/TCP:
 /// `conn::Queue`; NVMe/RDMA: `nvmf_rdma`'s queue): keep-alive accounting, the SMART log's
 /// counters, teardown, and completing a parked Asynchronous Event Request.

@@ -1,0 +1,486 @@
+//! One NVMe/TCP queue: a TCP connection carrying one submission/completion queue pair
+//! (NVMe/TCP Transport 1.0 §3.3: one connection per queue).
+//!
+//! Life of a connection:
+//! 1. Connection initialisation (§3.6.2.2-3): the host sends ICReq with HPDA 0 (Linux nvmet
+//!    requires it), the digests it wants and MAXR2T 0 (one R2T per command at a time), and
+//!    reads ICResp: CPDA (where our data PDUs must start), the digests the controller
+//!    enabled (they must be the ones we asked for) and MAXH2CDATA.
+//! 2. Two threads per connection. The *writer* owns the socket's send side: submitters only
+//!    append encoded PDUs to a buffer and wake it, so a submitter never blocks on the network
+//!    and many PDUs leave in one `write`. The *reader* owns the receive side: it parses every
+//!    PDU, copies C2HData into the request's memory (from the read buffer, or from a small
+//!    private chunk the socket is read into: the memory may be a guest's, which no Rust
+//!    reference may cover), answers R2Ts with H2CData, and completes commands (CapsuleResp,
+//!    or C2HData with SUCCESS, §3.6.2.8).
+//! 3. Commands in flight live in a slot table of `depth` entries. The CID is the slot index
+//!    plus a 6-bit generation that changes each time the slot is reused, so a completion for
+//!    a command that is not (or no longer) outstanding is recognised as such, and a slot is
+//!    only reused after its completion has been fully processed. Commands beyond `depth` wait
+//!    in an overflow list and go out as slots free.
+//! 4. Any transport or protocol error (a malformed PDU, a digest mismatch, an unknown CID, a
+//!    C2HTermReq, EOF) is fatal to the connection (§3.6.2.4): the host sends H2CTermReq where
+//!    it makes sense and closes. When the reader exits it takes every outstanding command out
+//!    of the table, under the same lock submitters use, and hands them to the owner: nothing
+//!    can touch a command's memory after that, so the owner may safely resubmit it elsewhere.
+//!
+//! The reader (receive side) is in `rx.rs`; connection set-up, submission and the writer here.
+
+use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use nacre_shared::nvme::command::{sgl, PSDT_SGL};
+use nacre_shared::nvme::fabrics::{Connect, ConnectData};
+use nacre_shared::nvme::{admin_opcode, Completion as Cqe, SglDescriptor};
+use nacre_shared::nvme_tcp::{self as pdu, pdu_type, CommonHeader, IcReq, IcResp, CH_LEN, IC_LEN};
+use tracing::debug;
+
+use crate::telemetry::trace::TARGET as TRACE;
+
+use super::cmd::{AdminWait, Cmd, Dir, Target};
+use super::queue::{cid_of, FabricQueue};
+pub use super::queue::{QueueOwner, QueueParams, MAX_DEPTH};
+use super::FabricError;
+use crate::volume::IoError;
+
+mod rx;
+
+/// In-capsule data the admin queue always accepts (NVMe/TCP 1.0 §3.4: 8 KiB).
+pub const ADMIN_ICD: usize = 8192;
+/// The largest data PDU nacre accepts from a controller. Transfers are split by the host at
+/// the maximum transfer size (at most 1 MiB), and a controller never sends more than a
+/// command asked for, so this only bounds what a broken peer can make us read.
+const MAX_RX_DATA: usize = 1 << 20;
+
+/// Negotiated at ICReq/ICResp.
+#[derive(Debug, Clone, Copy)]
+struct Negotiated {
+    cpda: u8,
+    maxh2cdata: usize,
+}
+
+struct Slot {
+    gen: u8,
+    cmd: Option<Cmd>,
+    /// When the command went out (for the I/O timeout).
+    issued: Instant,
+}
+
+struct Slots {
+    entries: Vec<Slot>,
+    free: Vec<u16>,
+    overflow: VecDeque<Cmd>,
+    closed: bool,
+}
+
+struct Tx {
+    buf: Vec<u8>,
+    /// The writer is asleep on the condition variable: only then is a wake-up (a futex
+    /// system call) needed; while it is sending it picks new PDUs up by itself.
+    waiting: bool,
+    closed: bool,
+}
+
+pub struct QueueConn {
+    pub qid: u16,
+    session: u64,
+    stream: TcpStream,
+    params: QueueParams,
+    neg: Negotiated,
+    slots: Mutex<Slots>,
+    tx: Mutex<Tx>,
+    tx_cv: Condvar,
+    owner: Weak<dyn QueueOwner>,
+    dead: AtomicBool,
+    /// Commands completed on this connection (observability).
+    pub completed: AtomicU64,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for QueueConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueueConn")
+            .field("qid", &self.qid)
+            .field("session", &self.session)
+            .finish()
+    }
+}
+
+/// A fatal protocol error: what to put in the H2CTermReq (if anything) and why.
+struct Fatal {
+    reason: String,
+    term: Option<(u16, u32, Vec<u8>)>,
+}
+
+impl Fatal {
+    fn io(e: std::io::Error) -> Self {
+        Fatal {
+            reason: format!("connection lost: {e}"),
+            term: None,
+        }
+    }
+    fn proto(reason: impl Into<String>, fes: u16, fei: u32, hdr: &[u8]) -> Self {
+        Fatal {
+            reason: reason.into(),
+            term: Some((fes, fei, hdr.to_vec())),
+        }
+    }
+    fn quiet(reason: impl Into<String>) -> Self {
+        Fatal {
+            reason: reason.into(),
+            term: None,
+        }
+    }
+}
+
+impl QueueConn {
+    /// Connect TCP, exchange ICReq/ICResp, start the reader and writer, and send Fabrics
+    /// Connect (NVMe-oF 1.1 §3.3). Returns the queue and the Connect completion (CNTLID in
+    /// Dword 0 for the admin queue).
+    pub fn open(
+        addr: SocketAddr,
+        params: QueueParams,
+        connect_data: &ConnectData,
+        session: u64,
+        owner: Weak<dyn QueueOwner>,
+    ) -> Result<(Arc<QueueConn>, Cqe), FabricError> {
+        let deadline = Instant::now() + params.timeout;
+        let stream = TcpStream::connect_timeout(&addr, params.timeout)
+            .map_err(|e| FabricError::Connect(format!("cannot connect to {addr}: {e}")))?;
+        let _ = stream.set_nodelay(true);
+        let neg = initialize(&stream, &params)?;
+        let depth = params.depth.clamp(1, MAX_DEPTH);
+        let q = Arc::new(QueueConn {
+            qid: params.qid,
+            session,
+            stream: stream.try_clone().map_err(FabricError::io)?,
+            neg,
+            slots: Mutex::new(Slots {
+                entries: (0..depth)
+                    .map(|_| Slot {
+                        gen: 0,
+                        cmd: None,
+                        issued: Instant::now(),
+                    })
+                    .collect(),
+                free: (0..depth).rev().collect(),
+                overflow: VecDeque::new(),
+                closed: false,
+            }),
+            tx: Mutex::new(Tx {
+                buf: Vec::with_capacity(64 << 10),
+                waiting: false,
+                closed: false,
+            }),
+            tx_cv: Condvar::new(),
+            owner,
+            dead: AtomicBool::new(false),
+            completed: AtomicU64::new(0),
+            threads: Mutex::new(Vec::new()),
+            params,
+        });
+        // The socket has no timeouts from here on: the reader blocks until data or shutdown,
+        // and a silent controller is caught by keep-alive, not by a socket timeout.
+        let _ = stream.set_read_timeout(None);
+        let _ = stream.set_write_timeout(None);
+        let rs = stream.try_clone().map_err(FabricError::io)?;
+        let (qr, qw) = (q.clone(), q.clone());
+        let name = format!("nvmf-q{}", q.qid);
+        let r = std::thread::Builder::new()
+            .name(format!("{name}-rx"))
+            .spawn(move || qr.reader(rs))
+            .map_err(FabricError::io)?;
+        let w = std::thread::Builder::new()
+            .name(format!("{name}-tx"))
+            .spawn(move || qw.writer(stream))
+            .map_err(FabricError::io)?;
+        q.threads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend([r, w]);
+
+        // Fabrics Connect: SQSIZE is zero-based, and one entry more than the commands we put
+        // in flight keeps a full SQ distinguishable from an empty one.
+        let sqe = Connect {
+            recfmt: 0,
+            qid: q.qid,
+            sqsize: depth,
+            cattr: 0,
+            kato: q.params.kato_ms,
+        }
+        .to_command(0);
+        let w = AdminWait::with_buf(connect_data.encode());
+        let len = nacre_shared::nvme::fabrics::CONNECT_DATA_LEN;
+        if let Err(c) = q.submit(Cmd {
+            sqe,
+            dir: Dir::H2C,
+            len,
+            target: Target::Admin(w.clone()),
+            release: true,
+        }) {
+            c.fail(IoError::PathLost);
+        }
+        let cqe = match w.wait_until(deadline) {
+            Some(Ok(c)) => c,
+            Some(Err(e)) => {
+                q.shutdown();
+                return Err(FabricError::Connect(format!("Connect qid {}: {e}", q.qid)));
+            }
+            None => {
+                q.shutdown();
+                return Err(FabricError::Timeout(format!("Connect qid {}", q.qid)));
+            }
+        };
+        if !cqe.status().is_success() {
+            q.shutdown();
+            return Err(FabricError::Refused(format!(
+                "controller refused Connect for queue {}: {}",
+                q.qid,
+                cqe.status()
+            )));
+        }
+        Ok((q, cqe))
+    }
+
+    pub fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+    }
+
+    /// Submit a command. Never blocks on the network. Returns the command back if the
+    /// connection is closed (the caller holds or fails it).
+    pub fn submit(&self, cmd: Cmd) -> Result<(), Cmd> {
+        let mut s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if s.closed {
+            return Err(cmd);
+        }
+        match s.free.pop() {
+            Some(idx) => {
+                let wake = self.issue(&mut s, idx, cmd);
+                drop(s);
+                if wake {
+                    self.tx_cv.notify_one();
+                }
+            }
+            None => s.overflow.push_back(cmd),
+        }
+        Ok(())
+    }
+
+    /// Put `cmd` in slot `idx` and append its capsule to the send buffer. Returns whether
+    /// the writer must be woken.
+    fn issue(&self, s: &mut Slots, idx: u16, mut cmd: Cmd) -> bool {
+        let slot = &mut s.entries[idx as usize];
+        slot.gen = slot.gen.wrapping_add(1) & 0x3F;
+        let cid = cid_of(idx, slot.gen);
+        cmd.sqe.cid = cid;
+        tracing::trace!(target: TRACE, qid = self.qid, cid = format_args!("{cid:#06x}"),
+            opcode = cmd.sqe.opcode, len = cmd.len, "fabric: command sent");
+        cmd.sqe.flags = (cmd.sqe.flags & !0xC0) | PSDT_SGL;
+        // Fabrics commands (Connect data) always travel in the capsule (NVMe-oF 1.1 §3.3:
+        // a controller accepts Connect data in-capsule whatever its IOCCSZ).
+        let in_capsule = cmd.dir == Dir::H2C
+            && (cmd.len <= self.icd_max() || cmd.sqe.opcode == admin_opcode::FABRICS);
+        cmd.sqe.sgl = if in_capsule {
+            SglDescriptor::in_capsule(cmd.len as u32)
+        } else {
+            SglDescriptor {
+                addr: 0,
+                len: cmd.len as u32,
+                kind: sgl::TRANSPORT_DATA_BLOCK,
+            }
+        };
+        let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+        if in_capsule && cmd.len > 0 {
+            // Two copies: the command's segments are gathered into `data`, which the encoder
+            // then copies into the send buffer behind the header (and digests). Sending
+            // straight from the segments (writev) is the reactor work of issue 9.
+            let mut data = vec![0u8; cmd.len];
+            cmd.read_data(0, &mut data);
+            pdu::encode_capsule_cmd(
+                &mut tx.buf,
+                &cmd.sqe,
+                &data,
+                self.params.digests,
+                self.neg.cpda,
+            );
+        } else {
+            pdu::encode_capsule_cmd(
+                &mut tx.buf,
+                &cmd.sqe,
+                &[],
+                self.params.digests,
+                self.neg.cpda,
+            );
+        }
+        let wake = tx.waiting;
+        drop(tx);
+        slot.cmd = Some(cmd);
+        slot.issued = Instant::now();
+        wake
+    }
+
+    /// How long the oldest outstanding command has been waiting (commands waiting for a free
+    /// slot count too: they wait on the controller just the same).
+    pub fn oldest_outstanding(&self) -> Option<Duration> {
+        let s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        s.entries
+            .iter()
+            .filter(|e| e.cmd.is_some())
+            .map(|e| e.issued.elapsed())
+            .max()
+    }
+
+    fn icd_max(&self) -> usize {
+        if self.qid == 0 {
+            ADMIN_ICD
+        } else {
+            self.params.icd_max
+        }
+    }
+
+    /// Close the connection: the reader and writer stop, and the reader hands outstanding
+    /// commands to the owner. Returns at once; it never waits on the peer.
+    pub fn shutdown(&self) {
+        self.dead.store(true, Ordering::Release);
+        let _ = self.stream.shutdown(Shutdown::Both);
+        let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+        tx.closed = true;
+        drop(tx);
+        self.tx_cv.notify_all();
+    }
+
+    /// Wait (bounded) for the reader and writer to exit after [`QueueConn::shutdown`].
+    pub fn join(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        let threads: Vec<_> = self
+            .threads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+            .collect();
+        for t in threads {
+            while !t.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            }
+        }
+    }
+
+    fn writer(self: Arc<Self>, mut stream: TcpStream) {
+        let mut out = Vec::with_capacity(64 << 10);
+        loop {
+            {
+                let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+                while tx.buf.is_empty() && !tx.closed {
+                    tx.waiting = true;
+                    tx = self.tx_cv.wait(tx).unwrap_or_else(|p| p.into_inner());
+                    tx.waiting = false;
+                }
+                if tx.buf.is_empty() && tx.closed {
+                    return;
+                }
+                std::mem::swap(&mut tx.buf, &mut out);
+            }
+            if let Err(e) = stream.write_all(&out) {
+                if !self.is_dead() {
+                    debug!(qid = self.qid, error = %e, "send failed");
+                }
+                self.shutdown();
+                return;
+            }
+            out.clear();
+            if out.capacity() > (4 << 20) {
+                out = Vec::with_capacity(64 << 10);
+            }
+        }
+    }
+}
+
+impl FabricQueue for QueueConn {
+    fn qid(&self) -> u16 {
+        self.qid
+    }
+    fn submit(&self, cmd: Cmd) -> Result<(), Cmd> {
+        QueueConn::submit(self, cmd)
+    }
+    fn oldest_outstanding(&self) -> Option<Duration> {
+        QueueConn::oldest_outstanding(self)
+    }
+    fn shutdown(&self) {
+        QueueConn::shutdown(self)
+    }
+    fn join(&self, timeout: Duration) {
+        QueueConn::join(self, timeout)
+    }
+}
+
+/// ICReq/ICResp on a fresh socket (§3.6.2.2-3), bounded by the queue's timeout.
+fn initialize(stream: &TcpStream, p: &QueueParams) -> Result<Negotiated, FabricError> {
+    let _ = stream.set_read_timeout(Some(p.timeout));
+    let _ = stream.set_write_timeout(Some(p.timeout));
+    let mut v = Vec::new();
+    IcReq {
+        pfv: 0,
+        hpda: 0,
+        digests: p.digests,
+        maxr2t: 0,
+    }
+    .encode(&mut v);
+    let mut s = stream;
+    s.write_all(&v)
+        .map_err(|e| FabricError::Connect(format!("ICReq: {e}")))?;
+    let mut r = [0u8; IC_LEN];
+    s.read_exact(&mut r[..CH_LEN])
+        .map_err(|e| FabricError::Connect(format!("no ICResp: {e}")))?;
+    let ch = CommonHeader::decode(&r);
+    if ch.pdu_type == pdu_type::C2H_TERM_REQ {
+        return Err(FabricError::Refused(
+            "controller rejected ICReq with a C2HTermReq".into(),
+        ));
+    }
+    if ch.pdu_type != pdu_type::IC_RESP || ch.hlen as usize != IC_LEN || ch.plen as usize != IC_LEN
+    {
+        return Err(FabricError::Protocol(format!(
+            "expected ICResp, got PDU type {:#04x} hlen {} plen {}",
+            ch.pdu_type, ch.hlen, ch.plen
+        )));
+    }
+    s.read_exact(&mut r[CH_LEN..])
+        .map_err(|e| FabricError::Connect(format!("short ICResp: {e}")))?;
+    let ic = IcResp::decode(&r);
+    if ic.pfv != 0 {
+        return Err(FabricError::Protocol(format!(
+            "controller speaks NVMe/TCP PDU format version {}",
+            ic.pfv
+        )));
+    }
+    if ic.cpda > pdu::MAX_PDA {
+        return Err(FabricError::Protocol(format!(
+            "ICResp CPDA {} > 31",
+            ic.cpda
+        )));
+    }
+    if ic.digests != p.digests {
+        return Err(FabricError::Protocol(format!(
+            "controller enabled digests {:?}, host asked for {:?}",
+            ic.digests, p.digests
+        )));
+    }
+    let maxh2cdata = ic.maxh2cdata as usize;
+    if maxh2cdata < 4096 || maxh2cdata % 4 != 0 {
+        return Err(FabricError::Protocol(format!(
+            "ICResp MAXH2CDATA {maxh2cdata} is below 4096 or not a multiple of 4"
+        )));
+    }
+    Ok(Negotiated {
+        cpda: ic.cpda,
+        maxh2cdata,
+    })
+}
