@@ -11,16 +11,18 @@
 # CM reject (no listener on the port) and an address nothing answers (resolution times out).
 # 4 KiB writes go inside the command capsule (counted by the queues' debug lines). Discovery over
 # RDMA lists the subsystem; a restarted nacred replays the RDMA remote and the data reads back.
+# Zero copy: libblkio (vhost-verify) drives vhost-user-blk devices on the plain and the encrypted
+# volume; the queues' bounce-copy count stays where it was while every byte moves directly.
 # Params: mib (plain verify size, default 4). Facts: attached, transport, io_queues, namespaces,
 # io_icd_max, plain_verified, plain_backing, small_writes, bounce_copy_bytes, stripe_verified, enc_readback, enc_pattern_sha,
-# enc_backing_sha, enc_key, discovered_transport, reject_error, unreachable_error, unreachable_s,
+# enc_backing_sha, enc_key, zc_bounce_bytes, zc_direct_bytes, discovered_transport, reject_error, unreachable_error, unreachable_s,
 # status_reject, self_namespaces, nacred_alive, in_capsule_writes, replayed. Also nacred's own NVMe/RDMA
 # target as the peer: an I/O queue deeper than it takes is rejected with NVME_RDMA_CM_INVALID_HSQSIZE
 # (named in the one-line error), a normal one connects.
 NQN=nqn.2014-08.io.nacre.testbed:rdma-shelf
 EXP=nqn.2014-08.io.nacre.testbed:rdma-export
 MIB=$(param mib 4)
-for b in nacred nacre; do
+for b in nacred nacre vhost-verify; do
     command -v $b >/dev/null || fail "no $b in the guest (run with --pack target/debug/$b)"
 done
 modprobe rdma_rxe; modprobe rdma_ucm; modprobe nvmet-rdma; modprobe nvme-tcp
@@ -134,6 +136,26 @@ fact enc_backing_sha "$(dd if=/dev/ram1 bs=1M skip=1 count=1 2>/dev/null | sha25
 run nacre rpc volume_export_key '{"name": "enc", "path": "/tmp/xts.key", "confirm": true}' > /dev/null
 fact enc_key "$(od -An -tx1 -v /tmp/xts.key | tr -d ' \n')"
 run nvme disconnect -n $EXP
+
+step "zero copy: vhost-user-blk requests move between guest memory and the target with no copy"
+# libblkio (vhost-verify) is the guest driver; its requests are single contiguous buffers in the
+# memory it shares with nacred, which nacred announces, and the RDMA queues register once
+counter() { nacre --json remote list shelf | sed -n "s/^ *\"$1\": *\([0-9]*\).*/\1/p" | head -1; }
+B0=$(counter bounce_copy_bytes)
+D0=$(counter direct_bytes)
+run nacre rpc vhost_blk_create '{"name": "vplain", "volume": "plain"}'
+run nacre rpc vhost_blk_create '{"name": "venc", "volume": "enc"}'
+# 2 MiB in 128 KiB requests (keyed SGLs straight at guest memory) and 1 MiB in 4 KiB requests
+# (writes in the capsule, gathered from guest memory), plain; 1 MiB encrypted (the ciphertext
+# buffers are announced: the XTS copy is the only one)
+run vhost-verify /run/nacre/vhost-vplain.sock 6 2 128 || fail "vhost verify, plain, 128 KiB"
+run vhost-verify /run/nacre/vhost-vplain.sock 9 1 4 || fail "vhost verify, plain, 4 KiB"
+run vhost-verify /run/nacre/vhost-venc.sock 4 1 128 || fail "vhost verify, encrypted"
+fact zc_bounce_bytes "$(($(counter bounce_copy_bytes) - B0))"
+fact zc_direct_bytes "$(($(counter direct_bytes) - D0))"
+nacre remote list
+run nacre rpc vhost_blk_delete '{"name": "vplain"}'
+run nacre rpc vhost_blk_delete '{"name": "venc"}'
 
 step "discovery over RDMA"
 run nacre remote discover --transport rdma --address 192.0.2.1 --port 4420 > /tmp/disc || fail "discover"

@@ -161,6 +161,33 @@ impl Cmd {
         matches!(self.target, Target::Io { .. })
     }
 
+    /// Where the command's data lies when it is one contiguous range of one of its request's
+    /// segments: the memory a transport may hand its device directly instead of copying
+    /// (NVMe/RDMA, issue 11 item 2). `None` for data spread over several segments, data the
+    /// initiator built, admin buffers, and commands without data.
+    pub fn contiguous_data(&self) -> Option<*mut u8> {
+        let Target::Io {
+            parent,
+            data: IoData::Segs { off },
+        } = &self.target
+        else {
+            return None;
+        };
+        if self.len == 0 {
+            return None;
+        }
+        let mut at = 0usize;
+        for s in parent.segments() {
+            let end = at + s.len();
+            if *off < end {
+                // The command starts in this segment: it must end in it too.
+                return (*off + self.len <= end).then(|| s.as_ptr().wrapping_add(*off - at));
+            }
+            at = end;
+        }
+        None
+    }
+
     /// Copy bytes `off..off+out.len()` of the command's outgoing data into `out` (what a
     /// transport sends: in-capsule data, H2CData, or the registered buffer the controller
     /// reads with RDMA READ). Bytes past an admin buffer's end read as zero.

@@ -129,6 +129,12 @@ pub trait FabricQueue: Send + Sync + fmt::Debug {
     fn bounce_copy_bytes(&self) -> u64 {
         0
     }
+    /// Bytes of command data the device moved straight from or into the request's own
+    /// memory (announced in [`crate::volume::dma`] and registered by the transport): the
+    /// zero-copy path. 0 for a transport that has none.
+    fn direct_bytes(&self) -> u64 {
+        0
+    }
 }
 
 /// A queue as the controller holds it.

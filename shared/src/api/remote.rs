@@ -158,6 +158,11 @@ pub struct RemoteInfo {
     /// buffers; 0 over TCP): the copies zero copy would save.
     #[serde(default)]
     pub bounce_copy_bytes: u64,
+    /// Bytes of I/O data the device moved straight from or into the requests' own memory
+    /// (guest memory of a vhost-user-blk device, an encrypted volume's ciphertext buffers):
+    /// NVMe/RDMA's zero-copy path.
+    #[serde(default)]
+    pub direct_bytes: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
     #[serde(default)]

@@ -231,6 +231,7 @@ impl Registry {
             queue_depth: info.as_ref().map_or(0, |i| i.queue_depth),
             resets: st.as_ref().map_or(0, |s| s.resets),
             bounce_copy_bytes: st.as_ref().map_or(0, |s| s.bounce_copy_bytes),
+            direct_bytes: st.as_ref().map_or(0, |s| s.direct_bytes),
             last_error: st.as_ref().and_then(|s| s.last_error.clone()),
             namespaces: namespaces
                 .iter()

@@ -220,6 +220,9 @@ pub struct ControllerStatus {
     /// Bytes of I/O data copied through transport buffers (NVMe/RDMA's registered slot
     /// buffers), over every session: what zero copy would save (issue 11).
     pub bounce_copy_bytes: u64,
+    /// Bytes of I/O data the device moved straight from or into the requests' memory, over
+    /// every session (the zero-copy path).
+    pub direct_bytes: u64,
 }
 
 /// Told when a controller changes phase (multipath uses it to resubmit parked I/O).
@@ -236,18 +239,26 @@ struct Session {
     ka: Mutex<Option<(Instant, Arc<AdminWait>)>>,
     /// The controller's total of ended sessions' bounce copies, added to when this one ends.
     bounced: Arc<AtomicU64>,
+    /// The same for bytes moved directly (zero copy).
+    direct: Arc<AtomicU64>,
 }
 
 impl Drop for Session {
     fn drop(&mut self) {
         self.bounced
             .fetch_add(self.bounce_copy_bytes(), Ordering::Relaxed);
+        self.direct
+            .fetch_add(self.direct_bytes(), Ordering::Relaxed);
     }
 }
 
 impl Session {
     fn bounce_copy_bytes(&self) -> u64 {
         self.admin.bounce_copy_bytes() + self.io.iter().map(|q| q.bounce_copy_bytes()).sum::<u64>()
+    }
+
+    fn direct_bytes(&self) -> u64 {
+        self.admin.direct_bytes() + self.io.iter().map(|q| q.direct_bytes()).sum::<u64>()
     }
 
     fn shutdown(&self) {
@@ -295,6 +306,8 @@ pub struct Ctrl {
     pub submitted: AtomicU64,
     /// Bounce copies of the sessions that ended (see [`ControllerStatus::bounce_copy_bytes`]).
     bounced: Arc<AtomicU64>,
+    /// Bytes moved directly by ended sessions (see [`ControllerStatus::direct_bytes`]).
+    direct: Arc<AtomicU64>,
 }
 
 /// The owner's handle: dropping it closes the controller.
@@ -335,6 +348,7 @@ impl Controller {
             live: AtomicBool::new(false),
             submitted: AtomicU64::new(0),
             bounced: Arc::new(AtomicU64::new(0)),
+            direct: Arc::new(AtomicU64::new(0)),
             cfg,
         });
         let c = core.clone();
@@ -466,6 +480,8 @@ impl Ctrl {
             fail_fast: st.fail_fast,
             bounce_copy_bytes: self.bounced.load(Ordering::Relaxed)
                 + st.session.as_ref().map_or(0, |s| s.bounce_copy_bytes()),
+            direct_bytes: self.direct.load(Ordering::Relaxed)
+                + st.session.as_ref().map_or(0, |s| s.direct_bytes()),
         }
     }
 

@@ -394,6 +394,7 @@ impl Ctrl {
                 rr: AtomicUsize::new(0),
                 ka: Mutex::new(None),
                 bounced: self.bounced.clone(),
+                direct: self.direct.clone(),
             }),
             info,
         ))

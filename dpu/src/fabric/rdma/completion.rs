@@ -213,23 +213,27 @@ impl RdmaQueue {
             return Err("cannot re-post a RECV buffer".into());
         }
         let (idx, gen) = split_cid(cqe.cid);
-        let cmd = {
+        let taken = {
             let mut s = self.lock();
             match s.entries.get_mut(idx) {
                 Some(slot) if slot.gen == gen && slot.cmd.is_some() => {
                     slot.answered = true;
-                    slot.cmd.take()
+                    slot.cmd.take().map(|c| (c, slot.direct.take()))
                 }
                 _ => None,
             }
         };
-        let Some(cmd) = cmd else {
+        let Some((cmd, direct)) = taken else {
             return Err(format!(
                 "response for CID {:#06x}, which is not outstanding",
                 cqe.cid
             ));
         };
-        if cmd.dir == Dir::C2H && cmd.len > 0 && cqe.status().is_success() {
+        // Data moved straight into the request's memory needs no copy; its registration is
+        // held until here (the controller's RDMA WRITEs precede its response).
+        let copy_out = direct.is_none();
+        drop(direct);
+        if copy_out && cmd.dir == Dir::C2H && cmd.len > 0 && cqe.status().is_success() {
             // SAFETY: the slot is answered but not released (only this thread releases),
             // and the controller's RDMA WRITEs precede its response on the queue pair.
             let b = unsafe { self.data_buf(idx, cmd.len) };

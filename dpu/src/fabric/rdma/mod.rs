@@ -21,10 +21,24 @@
 //! so a stale key of a misbehaving controller still reaches the slot's buffer). A write that
 //! fits the capsule travels in it (SGL Data Block, Offset subtype); any other transfer names
 //! the slot's buffer with a Keyed SGL Data Block (type 4h, subtype 0h: address, 24-bit
-//! length, 32-bit remote key). Data is copied between the request's memory and the slot's
-//! buffer (one bounce copy per transfer, counted in `bounce_copy_bytes`): requests may point
-//! at a guest's memory, which is not registered here; a memory-registration cache for it is
-//! issue 11 item 2.
+//! length, 32-bit remote key).
+//!
+//! ## Zero copy
+//! When a command's data is one contiguous range inside memory a frontend announced
+//! ([`dma`]: a vhost-user-blk driver's memory table, an encrypted volume's ciphertext
+//! buffers), the controller moves it straight from or into that memory: the region is
+//! registered in the queue's protection domain the first time a command uses it (one
+//! registration per region and queue, kept as the region's attachment until the region is
+//! withdrawn or the queue goes), the Keyed SGL names the request's own address under the
+//! region's key, and a write small enough for the capsule is gathered from it by a second
+//! SGE of the SEND. Anything else (data spread over several segments: Linux nvmet-rdma
+//! takes one data descriptor per command, MSDBD 1; memory nobody announced) is copied
+//! through the slot's buffer. Both are counted: `direct_bytes` and `bounce_copy_bytes`.
+//!
+//! The price of zero copy is trust: a region's key opens the whole region (a guest's
+//! memory table) to the controller for as long as it is registered, as SPDK's initiator
+//! does with its memory maps. Binding a memory window per command (type 2, invalidated at
+//! the response) would narrow each key to its command's range; not done yet.
 //!
 //! ## Completions
 //! One thread per queue polls the completion queue: for [`BUSY_POLL`] after the last work,
@@ -64,7 +78,7 @@ use crate::frontend::nvmf_rdma::cm::{self, CmRequest};
 mod completion;
 mod connect;
 use crate::frontend::nvmf_rdma::verbs::{self, EventChannel, RawAddr, RegBuf};
-use crate::volume::IoError;
+use crate::volume::{dma, IoError};
 pub use connect::reject_name;
 use connect::{event_name, no_rdma, wait_cm};
 
@@ -101,6 +115,47 @@ struct Slot {
     sending: bool,
     /// The response has arrived (the command is done with).
     answered: bool,
+    /// The command's data is moved by the controller straight from or into the request's
+    /// memory under this registration (held until the slot is reused or the queue goes).
+    direct: Option<Direct>,
+}
+
+/// A region announced in [`dma`], registered in one queue's protection domain for the
+/// controller's RDMA READ and WRITE (a [`dma::Region`] attachment keyed by that domain).
+struct DirectMr {
+    mr: *mut ibv_mr,
+}
+
+// SAFETY: an ibv_mr is used by one thread at a time here (its keys are read, it is
+// deregistered once, on drop); libibverbs objects carry no thread affinity.
+unsafe impl Send for DirectMr {}
+// SAFETY: as above; shared references only read the keys.
+unsafe impl Sync for DirectMr {}
+
+impl DirectMr {
+    fn lkey(&self) -> u32 {
+        // SAFETY: a registered memory region until this value drops.
+        unsafe { (*self.mr).lkey }
+    }
+
+    fn rkey(&self) -> u32 {
+        // SAFETY: as above.
+        unsafe { (*self.mr).rkey }
+    }
+}
+
+impl Drop for DirectMr {
+    fn drop(&mut self) {
+        // SAFETY: registered by `RdmaQueue::direct`, deregistered once, here; the queue
+        // detaches its registrations (so they drop) before it deallocates their domain.
+        unsafe { ibv_dereg_mr(self.mr) };
+    }
+}
+
+/// What a command sent from or into announced memory holds until its response.
+struct Direct {
+    _region: Arc<dma::Region>,
+    mr: Arc<DirectMr>,
 }
 
 struct Slots {
@@ -143,6 +198,10 @@ pub struct RdmaQueue {
     pub bounced_bytes: AtomicU64,
     /// Writes sent inside their command capsule.
     pub in_capsule: AtomicU64,
+    /// Bytes the controller moved straight from or into request memory (no copy).
+    pub direct_bytes: AtomicU64,
+    /// Regions registered in this queue's domain, detached (deregistered) when it goes.
+    attached: Mutex<Vec<Weak<dma::Region>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -179,7 +238,28 @@ impl Drop for RdmaQueue {
                 ibv_destroy_comp_channel(self.comp);
             }
         }
-        // Memory regions before their protection domain.
+        // Memory regions before their protection domain: the registrations of announced
+        // memory this queue made (held by the regions, and by slots of commands that were
+        // handed back when the queue died), then its own buffers.
+        for slot in &mut self
+            .slots
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .entries
+        {
+            slot.direct = None;
+        }
+        let key = self.pd as usize;
+        for r in self
+            .attached
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+        {
+            if let Some(r) = r.upgrade() {
+                r.detach(key);
+            }
+        }
         self.recv = None;
         self.send = None;
         self.data.clear();
@@ -245,6 +325,8 @@ impl RdmaQueue {
             completed: AtomicU64::new(0),
             bounced_bytes: AtomicU64::new(0),
             in_capsule: AtomicU64::new(0),
+            direct_bytes: AtomicU64::new(0),
+            attached: Mutex::new(Vec::new()),
             thread: Mutex::new(None),
         };
         let os = |what: &str, e: std::io::Error| {
@@ -344,6 +426,7 @@ impl RdmaQueue {
                     issued: Instant::now(),
                     sending: false,
                     answered: false,
+                    direct: None,
                 })
                 .collect();
             s.free = (0..usable as u16).rev().collect();
@@ -432,7 +515,8 @@ impl RdmaQueue {
             attr.qp_type = ibv_qp_type::IBV_QPT_RC;
             attr.cap.max_send_wr = (depth + 1) as u32;
             attr.cap.max_recv_wr = self.recv_n as u32;
-            attr.cap.max_send_sge = 1;
+            // The SQE, and in-capsule data sent straight from request memory.
+            attr.cap.max_send_sge = 2;
             attr.cap.max_recv_sge = 1;
             if rdma_create_qp(self.id, self.pd, &mut attr) != 0 {
                 return Err(("rdma_create_qp", verbs::errno()));
@@ -489,6 +573,43 @@ impl RdmaQueue {
         unsafe { std::slice::from_raw_parts_mut(d.ptr, len) }
     }
 
+    /// The address and registration under which the controller may move `cmd`'s data
+    /// straight from or into the request's memory: when that data is one contiguous range
+    /// inside memory a frontend announced ([`dma`]: a vhost-user-blk driver's memory table, an
+    /// encrypted volume's ciphertext buffers). The region is registered in this queue's
+    /// domain the first time, and stays registered while both live.
+    fn direct(&self, cmd: &Cmd) -> Option<(u64, Direct)> {
+        let ptr = cmd.contiguous_data()?;
+        let region = dma::lookup(ptr, cmd.len)?;
+        let pd = self.pd;
+        let mr = region.attachment(pd as usize, || {
+            let access = (ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
+                | ibv_access_flags::IBV_ACCESS_REMOTE_READ
+                | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE)
+                .0 as i32;
+            // SAFETY: the region is mapped memory its announcer keeps mapped while it is
+            // announced, and the registration is dropped (deregistered) with the region or
+            // with this queue, whichever goes first.
+            let mr = unsafe { ibv_reg_mr(pd, region.base().cast(), region.len(), access) };
+            if mr.is_null() {
+                debug!(qid = self.qid, len = region.len(), error = %verbs::errno(),
+                    "cannot register announced memory: its I/O is copied");
+                return None;
+            }
+            let mut attached = self.attached.lock().unwrap_or_else(|p| p.into_inner());
+            attached.retain(|w| w.strong_count() > 0);
+            attached.push(Arc::downgrade(&region));
+            Some(DirectMr { mr })
+        })?;
+        Some((
+            ptr as u64,
+            Direct {
+                _region: region,
+                mr,
+            },
+        ))
+    }
+
     /// Put `cmd` in slot `idx` and post its capsule. On failure the command comes back.
     fn issue(&self, s: &mut Slots, idx: u16, mut cmd: Cmd) -> Result<(), Cmd> {
         let i = idx as usize;
@@ -506,45 +627,67 @@ impl RdmaQueue {
         let capsule = unsafe {
             std::slice::from_raw_parts_mut(send.ptr.add(i * self.capsule_len), self.capsule_len)
         };
-        let mut len = SQE_LEN;
+        let direct = if cmd.len > 0 { self.direct(&cmd) } else { None };
+        let mut sges = [ibv_sge {
+            addr: send.addr(i * self.capsule_len),
+            length: SQE_LEN as u32,
+            lkey: send.lkey(),
+        }; 2];
+        let mut nsge = 1;
         if in_capsule {
             cmd.sqe.sgl = SglDescriptor::in_capsule(cmd.len as u32);
             cmd.sqe.encode(&mut capsule[..SQE_LEN]);
-            cmd.read_data(0, &mut capsule[SQE_LEN..SQE_LEN + cmd.len]);
-            len += cmd.len;
+            match &direct {
+                // The data follows the SQE in the same SEND, gathered from request memory.
+                Some((addr, d)) => {
+                    sges[1] = ibv_sge {
+                        addr: *addr,
+                        length: cmd.len as u32,
+                        lkey: d.mr.lkey(),
+                    };
+                    nsge = 2;
+                    self.direct_bytes
+                        .fetch_add(cmd.len as u64, Ordering::Relaxed);
+                }
+                None => {
+                    cmd.read_data(0, &mut capsule[SQE_LEN..SQE_LEN + cmd.len]);
+                    sges[0].length += cmd.len as u32;
+                    self.bounced_bytes
+                        .fetch_add(cmd.len as u64, Ordering::Relaxed);
+                }
+            }
             self.in_capsule.fetch_add(1, Ordering::Relaxed);
-            self.bounced_bytes
-                .fetch_add(cmd.len as u64, Ordering::Relaxed);
         } else {
             cmd.sqe.encode(&mut capsule[..SQE_LEN]);
             // Keyed SGL Data Block (NVMe Base 2.0 Figure 119): address, 24-bit length, key,
             // identifier in byte 15. A command without data carries one of length 0 (what
             // Linux sends; nvmet-rdma refuses any other descriptor type as an invalid field).
-            let (addr, key) = if cmd.len > 0 {
-                let d = &self.data[i];
-                if cmd.dir == Dir::H2C {
-                    // SAFETY: slot i is ours and its SEND is not posted yet.
-                    let b = unsafe { self.data_buf(i, cmd.len) };
-                    cmd.read_data(0, b);
-                    self.bounced_bytes
+            let (addr, key) = match &direct {
+                Some((addr, d)) => {
+                    self.direct_bytes
                         .fetch_add(cmd.len as u64, Ordering::Relaxed);
+                    (*addr, d.mr.rkey())
                 }
-                (d.addr(0), d.rkey())
-            } else {
-                (0, 0)
+                None if cmd.len > 0 => {
+                    let d = &self.data[i];
+                    if cmd.dir == Dir::H2C {
+                        // SAFETY: slot i is ours and its SEND is not posted yet.
+                        let b = unsafe { self.data_buf(i, cmd.len) };
+                        cmd.read_data(0, b);
+                        self.bounced_bytes
+                            .fetch_add(cmd.len as u64, Ordering::Relaxed);
+                    }
+                    (d.addr(0), d.rkey())
+                }
+                None => (0, 0),
             };
             capsule[24..40].copy_from_slice(&keyed_sgl(addr, cmd.len as u32, key));
         }
-        let mut sge = ibv_sge {
-            addr: send.addr(i * self.capsule_len),
-            length: len as u32,
-            lkey: send.lkey(),
-        };
         // SAFETY: plain data; all-zero is valid.
         let mut wr: ibv_send_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = WR_SEND | i as u64;
-        wr.sg_list = &mut sge;
-        wr.num_sge = 1;
+        wr.sg_list = sges.as_mut_ptr();
+        wr.num_sge = nsge;
         wr.opcode = ibv_wr_opcode::IBV_WR_SEND;
         wr.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
@@ -555,11 +698,13 @@ impl RdmaQueue {
         slot.sending = true;
         slot.answered = false;
         slot.issued = Instant::now();
+        slot.direct = direct.map(|(_, d)| d);
         // SAFETY: the queue pair lives as long as self; the request and its SGE are copied
         // by the provider; the capsule and data buffer are the slot's until it is freed.
         let rc = unsafe { ibv_post_send((*self.id).qp, &mut wr, &mut bad) };
         if rc != 0 {
             slot.sending = false;
+            slot.direct = None;
             s.free.push(idx);
             warn!(
                 qid = self.qid,
@@ -647,6 +792,10 @@ impl FabricQueue for RdmaQueue {
 
     fn bounce_copy_bytes(&self) -> u64 {
         self.bounced_bytes.load(Ordering::Relaxed)
+    }
+
+    fn direct_bytes(&self) -> u64 {
+        self.direct_bytes.load(Ordering::Relaxed)
     }
 
     fn join(&self, timeout: Duration) {
