@@ -247,6 +247,11 @@ fn nvme_rdma_initiator_against_the_kernel_nvmet_rdma_target() {
     assert_eq!(out.fact("zc_bounce_bytes"), "0");
     let direct: u64 = out.fact("zc_direct_bytes").parse().expect("bytes");
     assert!(direct >= 8 * MIB, "moved directly: {direct}");
+    // Registered once per region and device (the queues share a protection domain), not
+    // once per queue: at least the three guest memory tables, each once.
+    let regions: u64 = out.fact("zc_regions").parse().expect("count");
+    assert!(regions >= 3, "regions registered: {regions}");
+    assert_eq!(out.fact("zc_registrations"), out.fact("zc_regions"));
     // Counted in remote_list: at least the 4 + 1 MiB written and the 4 MiB read back, since
     // every transfer is copied through the queues' registered buffers (issue 11: no zero copy).
     let bounced: u64 = out.fact("bounce_copy_bytes").parse().expect("bytes");

@@ -15,7 +15,7 @@
 # volume; the queues' bounce-copy count stays where it was while every byte moves directly.
 # Params: mib (plain verify size, default 4). Facts: attached, transport, io_queues, namespaces,
 # io_icd_max, plain_verified, plain_backing, small_writes, bounce_copy_bytes, stripe_verified, enc_readback, enc_pattern_sha,
-# enc_backing_sha, enc_key, zc_bounce_bytes, zc_direct_bytes, discovered_transport, reject_error, unreachable_error, unreachable_s,
+# enc_backing_sha, enc_key, zc_bounce_bytes, zc_direct_bytes, zc_registrations, zc_regions, discovered_transport, reject_error, unreachable_error, unreachable_s,
 # status_reject, self_namespaces, nacred_alive, in_capsule_writes, replayed. Also nacred's own NVMe/RDMA
 # target as the peer: an I/O queue deeper than it takes is rejected with NVME_RDMA_CM_INVALID_HSQSIZE
 # (named in the one-line error), a normal one connects.
@@ -153,6 +153,10 @@ run vhost-verify /run/nacre/vhost-vplain.sock 9 1 4 || fail "vhost verify, plain
 run vhost-verify /run/nacre/vhost-venc.sock 4 1 128 || fail "vhost verify, encrypted"
 fact zc_bounce_bytes "$(($(counter bounce_copy_bytes) - B0))"
 fact zc_direct_bytes "$(($(counter direct_bytes) - D0))"
+# each announced region (three guest memory tables, the ciphertext buffers) is registered once
+# for the device, though the commands spread over two I/O queues
+fact zc_registrations "$(grep -c 'zero copy: announced memory registered' /tmp/nacred.log)"
+fact zc_regions "$(grep 'zero copy: announced memory registered' /tmp/nacred.log | grep -o 'region=[0-9]*' | sort -u | wc -l)"
 nacre remote list
 run nacre rpc vhost_blk_delete '{"name": "vplain"}'
 run nacre rpc vhost_blk_delete '{"name": "venc"}'

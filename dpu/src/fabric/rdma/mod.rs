@@ -27,9 +27,9 @@
 //! When a command's data is one contiguous range inside memory a frontend announced
 //! ([`dma`]: a vhost-user-blk driver's memory table, an encrypted volume's ciphertext
 //! buffers), the controller moves it straight from or into that memory: the region is
-//! registered in the queue's protection domain the first time a command uses it (one
-//! registration per region and queue, kept as the region's attachment until the region is
-//! withdrawn or the queue goes), the Keyed SGL names the request's own address under the
+//! registered the first time a command uses it, in a protection domain every queue to the
+//! same RDMA device shares (one registration per region and device, kept as the region's
+//! attachment until the region is withdrawn or the device's last queue goes), the Keyed SGL names the request's own address under the
 //! region's key, and a write small enough for the capsule is gathered from it by a second
 //! SGE of the SEND. Anything else (data spread over several segments: Linux nvmet-rdma
 //! takes one data descriptor per command, MSDBD 1; memory nobody announced) is copied
@@ -59,7 +59,7 @@
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -120,10 +120,93 @@ struct Slot {
     direct: Option<Direct>,
 }
 
-/// A region announced in [`dma`], registered in one queue's protection domain for the
+/// A protection domain shared by every queue the initiator opens on one RDMA device: memory
+/// announced for zero copy is registered once per device (a guest's memory table once, not
+/// once per queue), and the domain lives as long as a queue or a registration uses it.
+struct Pd {
+    pd: *mut ibv_pd,
+    ctx: usize,
+    /// Queues open on the domain; the last one to go drops the zero-copy registrations, so
+    /// no guest memory stays pinned for a device nacred no longer talks to.
+    queues: AtomicUsize,
+    /// Regions registered in the domain (each holds its registration as an attachment).
+    attached: Mutex<Vec<Weak<dma::Region>>>,
+}
+
+// SAFETY: an ibv_pd has no thread affinity; it is deallocated once, when the last reference
+// (a queue's or a registration's) goes.
+unsafe impl Send for Pd {}
+// SAFETY: as above; shared references only pass the pointer to libibverbs calls that are
+// thread-safe (registration, queue pair creation).
+unsafe impl Sync for Pd {}
+
+impl Drop for Pd {
+    fn drop(&mut self) {
+        // SAFETY: nothing is left on the domain: every queue pair and buffer registered in
+        // it belonged to a queue or a registration holding this `Pd`, all gone now. The
+        // device context stays open while librdmacm knows the device.
+        unsafe { ibv_dealloc_pd(self.pd) };
+    }
+}
+
+/// The domains in use, by device context.
+static PDS: Mutex<Vec<(usize, Weak<Pd>)>> = Mutex::new(Vec::new());
+
+impl Pd {
+    /// The domain of device context `ctx` (allocated if no queue holds one), counted as used
+    /// by one more queue.
+    fn for_queue(ctx: *mut ibv_context) -> Result<Arc<Pd>, std::io::Error> {
+        let mut pds = PDS.lock().unwrap_or_else(|p| p.into_inner());
+        pds.retain(|(_, w)| w.strong_count() > 0);
+        let pd = match pds
+            .iter()
+            .find_map(|(c, w)| (*c == ctx as usize).then(|| w.upgrade()))
+        {
+            Some(Some(pd)) => pd,
+            _ => {
+                // SAFETY: `ctx` is the open device context of a resolved CM id.
+                let raw = unsafe { ibv_alloc_pd(ctx) };
+                if raw.is_null() {
+                    return Err(verbs::errno());
+                }
+                let pd = Arc::new(Pd {
+                    pd: raw,
+                    ctx: ctx as usize,
+                    queues: AtomicUsize::new(0),
+                    attached: Mutex::new(Vec::new()),
+                });
+                pds.push((pd.ctx, Arc::downgrade(&pd)));
+                pd
+            }
+        };
+        pd.queues.fetch_add(1, Ordering::AcqRel);
+        Ok(pd)
+    }
+
+    /// A queue on the domain is gone; the last one drops the zero-copy registrations.
+    fn queue_gone(&self) {
+        if self.queues.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        let key = self.pd as usize;
+        let regions: Vec<_> = self
+            .attached
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain(..)
+            .collect();
+        for r in regions.iter().filter_map(Weak::upgrade) {
+            r.detach(key);
+        }
+    }
+}
+
+/// A region announced in [`dma`], registered in a device's shared protection domain for the
 /// controller's RDMA READ and WRITE (a [`dma::Region`] attachment keyed by that domain).
 struct DirectMr {
     mr: *mut ibv_mr,
+    /// Deallocated only after this registration is gone.
+    _pd: Arc<Pd>,
 }
 
 // SAFETY: an ibv_mr is used by one thread at a time here (its keys are read, it is
@@ -200,8 +283,8 @@ pub struct RdmaQueue {
     pub in_capsule: AtomicU64,
     /// Bytes the controller moved straight from or into request memory (no copy).
     pub direct_bytes: AtomicU64,
-    /// Regions registered in this queue's domain, detached (deregistered) when it goes.
-    attached: Mutex<Vec<Weak<dma::Region>>>,
+    /// The device's shared protection domain (`pd` is its pointer).
+    shared_pd: Option<Arc<Pd>>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -238,9 +321,9 @@ impl Drop for RdmaQueue {
                 ibv_destroy_comp_channel(self.comp);
             }
         }
-        // Memory regions before their protection domain: the registrations of announced
-        // memory this queue made (held by the regions, and by slots of commands that were
-        // handed back when the queue died), then its own buffers.
+        // Memory regions before their protection domain: what slots of commands handed
+        // back when the queue died still hold, the queue's own buffers, and (if this was
+        // the device's last queue) the zero-copy registrations of announced memory.
         for slot in &mut self
             .slots
             .get_mut()
@@ -249,26 +332,16 @@ impl Drop for RdmaQueue {
         {
             slot.direct = None;
         }
-        let key = self.pd as usize;
-        for r in self
-            .attached
-            .get_mut()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-        {
-            if let Some(r) = r.upgrade() {
-                r.detach(key);
-            }
-        }
         self.recv = None;
         self.send = None;
         self.data.clear();
-        // SAFETY: nothing is left on the domain; the id goes after every object made on its
-        // device context, and before its channel (a field, dropped after this body).
+        if let Some(pd) = self.shared_pd.take() {
+            pd.queue_gone();
+        }
+        // SAFETY: the id goes after every object made on its device context (the shared
+        // domain may outlive it: librdmacm keeps the context open), and before its channel
+        // (a field, dropped after this body).
         unsafe {
-            if !self.pd.is_null() {
-                ibv_dealloc_pd(self.pd);
-            }
             if !self.id.is_null() {
                 rdma_destroy_id(self.id);
             }
@@ -326,7 +399,7 @@ impl RdmaQueue {
             bounced_bytes: AtomicU64::new(0),
             in_capsule: AtomicU64::new(0),
             direct_bytes: AtomicU64::new(0),
-            attached: Mutex::new(Vec::new()),
+            shared_pd: None,
             thread: Mutex::new(None),
         };
         let os = |what: &str, e: std::io::Error| {
@@ -492,10 +565,9 @@ impl RdmaQueue {
         // object is recorded in `self` at once, so Drop frees it.
         unsafe {
             let ctx = (*self.id).verbs;
-            self.pd = ibv_alloc_pd(ctx);
-            if self.pd.is_null() {
-                return Err(("ibv_alloc_pd", verbs::errno()));
-            }
+            let pd = Pd::for_queue(ctx).map_err(|e| ("ibv_alloc_pd", e))?;
+            self.pd = pd.pd;
+            self.shared_pd = Some(pd);
             self.comp = ibv_create_comp_channel(ctx);
             if self.comp.is_null() {
                 return Err(("ibv_create_comp_channel", verbs::errno()));
@@ -581,7 +653,8 @@ impl RdmaQueue {
     fn direct(&self, cmd: &Cmd) -> Option<(u64, Direct)> {
         let ptr = cmd.contiguous_data()?;
         let region = dma::lookup(ptr, cmd.len)?;
-        let pd = self.pd;
+        let shared = self.shared_pd.as_ref()?;
+        let pd = shared.pd;
         let mr = region.attachment(pd as usize, || {
             let access = (ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
                 | ibv_access_flags::IBV_ACCESS_REMOTE_READ
@@ -596,10 +669,18 @@ impl RdmaQueue {
                     "cannot register announced memory: its I/O is copied");
                 return None;
             }
-            let mut attached = self.attached.lock().unwrap_or_else(|p| p.into_inner());
+            debug!(
+                region = region.id(),
+                len = region.len(),
+                "zero copy: announced memory registered"
+            );
+            let mut attached = shared.attached.lock().unwrap_or_else(|p| p.into_inner());
             attached.retain(|w| w.strong_count() > 0);
             attached.push(Arc::downgrade(&region));
-            Some(DirectMr { mr })
+            Some(DirectMr {
+                mr,
+                _pd: shared.clone(),
+            })
         })?;
         Some((
             ptr as u64,
