@@ -382,6 +382,15 @@ fn grafana_dashboard_queries_work_against_prometheus() {
         prom.query(r#"nacre_remote_connects_total{remote="shelf"}"#),
         Some(1.0)
     );
+    // Over NVMe/TCP nothing is copied through transport buffers, nothing moved by RDMA.
+    assert_eq!(
+        prom.query(r#"nacre_remote_bounce_copy_bytes_total{remote="shelf"}"#),
+        Some(0.0)
+    );
+    assert_eq!(
+        prom.query(r#"nacre_remote_direct_bytes_total{remote="shelf"}"#),
+        Some(0.0)
+    );
     // The device series name the volume they serve, and the limit set above is exported.
     assert_eq!(
         prom.query(r#"nacre_device_info{device="vg-dev",kind="vhost-blk",volume="vg"}"#),

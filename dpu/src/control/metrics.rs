@@ -1,7 +1,8 @@
 //! The daemon's own series on the Prometheus endpoint, rendered at scrape time from the
 //! registry: devices (vhost-user-blk devices and NVMe-oF namespaces, each with the volume it
 //! serves, so per-device rates join the volume series `on (volume)`), remote controller path
-//! states, sessions lost (reconnects) and established, and the configured QoS limits.
+//! states, sessions lost (reconnects) and established, bytes copied through transport
+//! buffers and moved directly (zero copy), and the configured QoS limits.
 
 use std::fmt::Write;
 use std::sync::Arc;
@@ -94,7 +95,7 @@ fn render_daemon_series(r: &Registry) -> String {
             );
         }
     }
-    let counters: [Counter; 2] = [
+    let counters: [Counter; 4] = [
         (
             "nacre_remote_resets_total",
             "Sessions of a remote controller lost (each one a reconnect).",
@@ -104,6 +105,16 @@ fn render_daemon_series(r: &Registry) -> String {
             "nacre_remote_connects_total",
             "Sessions of a remote controller established.",
             |p| p.connects,
+        ),
+        (
+            "nacre_remote_bounce_copy_bytes_total",
+            "I/O bytes copied between requests and a remote controller's transport buffers (NVMe/RDMA slot buffers; 0 over TCP).",
+            |p| p.bounce_copy_bytes,
+        ),
+        (
+            "nacre_remote_direct_bytes_total",
+            "I/O bytes a remote controller moved straight from or into the requests' memory (NVMe/RDMA zero copy).",
+            |p| p.direct_bytes,
         ),
     ];
     for (name, help, value) in counters {

@@ -42,6 +42,10 @@ pub struct PathState {
     pub resets: u64,
     /// Sessions established.
     pub connects: u64,
+    /// I/O bytes copied through transport buffers (NVMe/RDMA's slot buffers).
+    pub bounce_copy_bytes: u64,
+    /// I/O bytes moved straight from or into the requests' memory (zero copy).
+    pub direct_bytes: u64,
 }
 
 impl Registry {
@@ -197,12 +201,17 @@ impl Registry {
             .map(|remote| {
                 let st = self.controllers.get(&remote).map(|c| c.core().status());
                 let state = phase_name(st.as_ref().map(|s| s.phase));
-                let (resets, connects) = st.map_or((0, 0), |s| (s.resets, s.connects));
+                let (resets, connects, bounce_copy_bytes, direct_bytes) = st
+                    .map_or((0, 0, 0, 0), |s| {
+                        (s.resets, s.connects, s.bounce_copy_bytes, s.direct_bytes)
+                    });
                 PathState {
                     remote,
                     state,
                     resets,
                     connects,
+                    bounce_copy_bytes,
+                    direct_bytes,
                 }
             })
             .collect()
