@@ -129,3 +129,26 @@ nvme_ns_dev() {
     done
     return 1
 }
+
+# rxe_loopback: soft-RoCE (rxe0) on a dummy netdev holding 192.0.2.1/24: RDMA between processes
+# of one guest (the rdma_rxe module must be loaded)
+rxe_loopback() {
+    modprobe dummy numdummies=0
+    ip link add dummy0 type dummy
+    ip addr add 192.0.2.1/24 dev dummy0
+    ip link set dummy0 up
+    rdma link add rxe0 type rxe netdev dummy0 || fail "rdma link add (crc32 module missing?)"
+}
+
+# start_nacred [LOG]: nacred (packed into the guest) in the background as $NACRED, with its state
+# in /tmp/nacre-state, its RPC socket up, and its log (/tmp/nacred.log) printed when the script
+# exits; NACRE_RPC points the CLI at it
+start_nacred() {
+    export NACRE_RPC=/run/nacre/nacred.sock
+    nacred --state-dir /tmp/nacre-state --run-dir /run/nacre --no-default --log "${1:-info}" \
+        > /tmp/nacred.log 2>&1 &
+    NACRED=$!
+    wait_until 60 test -S /run/nacre/nacred.sock || { cat /tmp/nacred.log; fail "nacred did not start"; }
+    dump_nacred() { echo "--- nacred log"; cat /tmp/nacred.log; echo "---"; }
+    trap dump_nacred EXIT
+}

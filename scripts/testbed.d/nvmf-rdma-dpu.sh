@@ -12,12 +12,7 @@ modprobe virtio_pci; modprobe virtio_net; modprobe rdma_rxe; modprobe rdma_ucm
 wait_until 20 test -e /sys/class/net/eth0 || fail "no eth0"
 ip link set eth0 up; ip addr add 192.0.2.1/24 dev eth0   # no default route: the host only
 rdma link add rxe0 type rxe netdev eth0 || fail "rdma link add (crc32 module missing?)"
-export NACRE_RPC=/run/nacre/nacred.sock
-nacred --state-dir /tmp/nacre-state --run-dir /run/nacre --no-default --log info > /tmp/nacred.log 2>&1 &
-NACRED=$!
-wait_until 60 test -S /run/nacre/nacred.sock || { cat /tmp/nacred.log; fail "nacred did not start"; }
-dump_nacred() { echo "--- nacred log"; cat /tmp/nacred.log; echo "---"; }
-trap dump_nacred EXIT
+start_nacred
 run nacre volume create r0 --size 64M --backend ram
 run nacre nvmf create $NQN --allow-any-host --serial NACRE-RDMA-2
 run nacre nvmf add-ns $NQN --volume r0

@@ -25,12 +25,8 @@ for b in nacred nacre; do
 done
 modprobe rdma_rxe; modprobe rdma_ucm; modprobe nvmet-rdma; modprobe nvmet-tcp; modprobe nvme-tcp
 modprobe brd rd_nr=1 rd_size=32768
-modprobe dummy numdummies=0
-ip link add dummy0 type dummy
-ip addr add 192.0.2.1/24 dev dummy0
-ip link set dummy0 up
 ip link set lo up
-rdma link add rxe0 type rxe netdev dummy0 || fail "rdma link add (crc32 module missing?)"
+rxe_loopback
 nvmet_subsys $NQN 1 /dev/ram0
 nvmet_port 1 rdma 192.0.2.1 4420 $NQN
 nvmet_port 2 rdma 192.0.2.1 4422 $NQN
@@ -41,12 +37,7 @@ remote_field() {  # remote_field NAME FIELD: a string or number field of `nacre 
     nacre --json remote list "$1" | sed -n "s/^ *\"$2\": *\"\{0,1\}\([^\",]*\)\"\{0,1\},\{0,1\}$/\1/p" | head -1
 }
 
-export NACRE_RPC=/run/nacre/nacred.sock
-nacred --state-dir /tmp/nacre-state --run-dir /run/nacre --no-default --log info > /tmp/nacred.log 2>&1 &
-NACRED=$!
-wait_until 60 test -S /run/nacre/nacred.sock || { cat /tmp/nacred.log; fail "nacred did not start"; }
-dump_nacred() { echo "--- nacred log"; cat /tmp/nacred.log; echo "---"; }
-trap dump_nacred EXIT
+start_nacred
 # shelf also fails held I/O fast: after 4 s without a connection, while it goes on reconnecting
 for r in "shelf 4420 4" "shelfb 4422 0"; do
     set -- $r

@@ -20,12 +20,7 @@ wait_until 20 test -e /sys/class/net/eth0 || fail "no eth0"
 ip link set eth0 up; ip addr add 192.0.2.2/24 dev eth0
 ip link set lo up
 rdma link add rxe0 type rxe netdev eth0 || fail "rdma link add"
-export NACRE_RPC=/run/nacre/nacred.sock
-nacred --state-dir /tmp/nacre-state --run-dir /run/nacre --no-default --log info > /tmp/nacred.log 2>&1 &
-NACRED=$!
-wait_until 60 test -S /run/nacre/nacred.sock || { cat /tmp/nacred.log; fail "nacred did not start"; }
-dump_nacred() { echo "--- nacred log"; cat /tmp/nacred.log; echo "---"; }
-trap dump_nacred EXIT
+start_nacred
 
 step "attach the peer's nvmet-rdma over RoCEv2 (retried while the peer boots)"
 attach() {  # attach NAME PORT

@@ -27,12 +27,8 @@ for b in nacred nacre vhost-verify; do
 done
 modprobe rdma_rxe; modprobe rdma_ucm; modprobe nvmet-rdma; modprobe nvme-tcp
 modprobe brd rd_nr=2 rd_size=16384
-modprobe dummy numdummies=0
-ip link add dummy0 type dummy
-ip addr add 192.0.2.1/24 dev dummy0
-ip link set dummy0 up
 ip link set lo up
-rdma link add rxe0 type rxe netdev dummy0 || fail "rdma link add (crc32 module missing?)"
+rxe_loopback
 
 step "kernel nvmet-rdma target: two RAM disks on 192.0.2.1:4420"
 nvmet_subsys $NQN 1 /dev/ram0
@@ -40,14 +36,10 @@ nvmet_subsys $NQN 2 /dev/ram1
 nvmet_port 1 rdma 192.0.2.1 4420 $NQN
 
 step "start nacred"
-export NACRE_RPC=/run/nacre/nacred.sock
 # the RDMA queues' debug lines say what each queue negotiated and, when it closes, what it carried
 LOG=info,nacre_dpu::fabric::rdma=debug
-nacred --state-dir /tmp/nacre-state --run-dir /run/nacre --no-default --log $LOG > /tmp/nacred.log 2>&1 &
-NACRED=$!
-wait_until 60 test -S /run/nacre/nacred.sock || { cat /tmp/nacred.log; fail "nacred did not start"; }
+start_nacred $LOG
 dump_nacred() { echo "--- nacred log"; cat /tmp/nacred.log /tmp/nacred2.log 2>/dev/null; echo "---"; }
-trap dump_nacred EXIT
 
 step "attach the kernel target over NVMe/RDMA"
 t=$(up)

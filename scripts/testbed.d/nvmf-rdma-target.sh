@@ -20,19 +20,10 @@ for b in nacred nacre rdma-cm-probe; do
     command -v $b >/dev/null || fail "no $b in the guest (run with --pack target/debug/$b)"
 done
 modprobe rdma_rxe; modprobe rdma_ucm; modprobe nvme-rdma
-modprobe dummy numdummies=0
-ip link add dummy0 type dummy
-ip addr add 192.0.2.1/24 dev dummy0
-ip link set dummy0 up
-rdma link add rxe0 type rxe netdev dummy0 || fail "rdma link add (crc32 module missing?)"
+rxe_loopback
 
 step "start nacred"
-export NACRE_RPC=/run/nacre/nacred.sock
-nacred --state-dir /tmp/nacre-state --run-dir /run/nacre --no-default --log info > /tmp/nacred.log 2>&1 &
-NACRED=$!
-wait_until 60 test -S /run/nacre/nacred.sock || { cat /tmp/nacred.log; fail "nacred did not start"; }
-dump_nacred() { echo "--- nacred log"; cat /tmp/nacred.log; echo "---"; }
-trap dump_nacred EXIT
+start_nacred
 run nacre volume create rdma0 --size 64M --backend ram
 run nacre nvmf create $NQN --allow-any-host --serial NACRE-RDMA-1
 run nacre nvmf add-ns $NQN --volume rdma0
@@ -205,7 +196,7 @@ nacre nvmf list | tee /tmp/list
 grep -q "rdma:192.0.2.1:4420 (failed: .*retrying)" /tmp/list || fail "the listener is not shown as failed and retried"
 fact retry_failed_first yes
 run rdma link add rxe0 type rxe netdev dummy0
-wait_until 30 grep -q "nvmf RDMA listener restored" /tmp/nacred.log || fail "the RDMA listener was not retried"
+wait_until 30 grep -q "nvmf listener restored.*transport=Rdma" /tmp/nacred.log || fail "the RDMA listener was not retried"
 nacre nvmf list | tee /tmp/list
 grep -q "rdma:192.0.2.1:4420 (failed" /tmp/list && fail "still failed after it listens"
 run nvme connect -t rdma -a 192.0.2.1 -s 4420 -n $NQN || fail "nvme connect to the retried listener"

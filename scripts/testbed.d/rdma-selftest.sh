@@ -5,11 +5,7 @@
 NQN=nqn.2014-08.io.nacre.testbed:rdma
 modprobe rdma_rxe; modprobe rdma_ucm; modprobe nvmet-rdma; modprobe nvme-rdma
 modprobe brd rd_nr=1 rd_size=65536
-modprobe dummy numdummies=0
-ip link add dummy0 type dummy
-ip addr add 192.0.2.1/24 dev dummy0
-ip link set dummy0 up
-rdma link add rxe0 type rxe netdev dummy0 || fail "rdma link add (crc32 module missing?)"
+rxe_loopback
 rdma link show
 fact rdma_link "$(rdma link show | awk '{print $2}' | head -1)"
 ibv_devices

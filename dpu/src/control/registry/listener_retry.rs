@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use tracing::{info, warn};
 
+use super::nvmf::{ListenerTransport, Port};
 use super::store::{Inner, Registry};
-use super::target::{rdma_err, rdma_ports, rpc_err, target};
 
 pub const RETRY_INTERVAL: Duration = Duration::from_secs(2);
 
@@ -48,56 +48,31 @@ fn retry_loop(weak: Weak<Registry>) {
 
 /// One attempt at every failed listener still configured; whether any is left to retry.
 fn retry_once(inner: &mut Inner) -> bool {
-    let pending: Vec<_> = inner.live.listeners_failed.keys().cloned().collect();
-    for (nqn, addr) in pending {
-        let configured = inner
-            .state
-            .nvmf
-            .subsystems
-            .get(&nqn)
-            .is_some_and(|s| s.listeners.contains(&addr));
-        if !configured {
-            inner.live.listeners_failed.remove(&(nqn, addr));
-            continue;
-        }
-        let t = target(inner);
-        match t.add_listener(&nqn, addr) {
-            Ok(_) => {
-                info!(nqn = %nqn, listener = %addr, "nvmf listener restored");
-                inner.live.listeners_failed.remove(&(nqn, addr));
+    let mut left = false;
+    for transport in [ListenerTransport::Tcp, ListenerTransport::Rdma] {
+        let pending: Vec<_> = transport.failed(inner).keys().cloned().collect();
+        for (nqn, addr) in pending {
+            let configured = inner
+                .state
+                .nvmf
+                .subsystems
+                .get(&nqn)
+                .is_some_and(|s| transport.listeners(s).contains(&addr));
+            if !configured {
+                transport.failed(inner).remove(&(nqn, addr));
+                continue;
             }
-            Err(e) => {
-                inner
-                    .live
-                    .listeners_failed
-                    .insert((nqn, addr), rpc_err(e).message);
+            match Port::of(inner, transport).add(&nqn, addr) {
+                Ok(_) => {
+                    info!(nqn = %nqn, listener = %addr, ?transport, "nvmf listener restored");
+                    transport.failed(inner).remove(&(nqn, addr));
+                }
+                Err(e) => {
+                    transport.failed(inner).insert((nqn, addr), e.message);
+                }
             }
         }
+        left |= !transport.failed(inner).is_empty();
     }
-    let pending: Vec<_> = inner.live.rdma_listeners_failed.keys().cloned().collect();
-    for (nqn, addr) in pending {
-        let configured = inner
-            .state
-            .nvmf
-            .subsystems
-            .get(&nqn)
-            .is_some_and(|s| s.rdma_listeners.contains(&addr));
-        if !configured {
-            inner.live.rdma_listeners_failed.remove(&(nqn, addr));
-            continue;
-        }
-        match rdma_ports(inner).add_listener(&nqn, addr) {
-            Ok(_) => {
-                info!(nqn = %nqn, listener = %addr, "nvmf RDMA listener restored");
-                inner.live.rdma_listeners_failed.remove(&(nqn, addr));
-            }
-            Err(e) => {
-                inner
-                    .live
-                    .rdma_listeners_failed
-                    .insert((nqn, addr), rdma_err(e).message);
-            }
-        }
-    }
-    !inner.live.listeners_failed.is_empty() || !inner.live.rdma_listeners_failed.is_empty()
+    left
 }

@@ -32,7 +32,7 @@ pub enum ListenerTransport {
 
 impl ListenerTransport {
     /// A subsystem's configured listeners of this transport.
-    fn listeners(self, r: &NvmfSubsystemRecord) -> &BTreeSet<SocketAddr> {
+    pub(super) fn listeners(self, r: &NvmfSubsystemRecord) -> &BTreeSet<SocketAddr> {
         match self {
             ListenerTransport::Tcp => &r.listeners,
             ListenerTransport::Rdma => &r.rdma_listeners,
@@ -47,7 +47,7 @@ impl ListenerTransport {
     }
 
     /// The listeners of this transport that could not be started at replay.
-    fn failed(self, inner: &mut Inner) -> &mut BTreeMap<(String, SocketAddr), String> {
+    pub(super) fn failed(self, inner: &mut Inner) -> &mut BTreeMap<(String, SocketAddr), String> {
         match self {
             ListenerTransport::Tcp => &mut inner.live.listeners_failed,
             ListenerTransport::Rdma => &mut inner.live.rdma_listeners_failed,
@@ -64,21 +64,21 @@ impl ListenerTransport {
 }
 
 /// What listens for one transport: the target itself (NVMe/TCP) or its RDMA ports.
-enum Port {
+pub(super) enum Port {
     Tcp(Arc<NvmfTarget>),
     Rdma(Arc<RdmaPorts>),
 }
 
 impl Port {
     /// The live listener of `transport`, created on first use.
-    fn of(inner: &mut Inner, transport: ListenerTransport) -> Port {
+    pub(super) fn of(inner: &mut Inner, transport: ListenerTransport) -> Port {
         match transport {
             ListenerTransport::Tcp => Port::Tcp(target(inner)),
             ListenerTransport::Rdma => Port::Rdma(rdma_ports(inner)),
         }
     }
 
-    fn add(&self, nqn: &str, addr: SocketAddr) -> Result<SocketAddr, RpcError> {
+    pub(super) fn add(&self, nqn: &str, addr: SocketAddr) -> Result<SocketAddr, RpcError> {
         match self {
             Port::Tcp(t) => t.add_listener(nqn, addr).map_err(rpc_err),
             Port::Rdma(p) => p.add_listener(nqn, addr).map_err(rdma_err),
