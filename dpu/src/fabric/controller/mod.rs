@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwapOption;
 use nacre_shared::nvme_tcp::Digests;
 
 use super::cmd::{AdminWait, Cmd};
@@ -302,6 +303,14 @@ pub struct Ctrl {
     max_transfer: AtomicUsize,
     oncs: AtomicUsize,
     live: AtomicBool,
+    /// The live session, published for the I/O submit path: `Some(s)` exactly while
+    /// `st.phase == Live` and `st.session == Some(s)` (both are only changed together, under
+    /// `st`'s lock, by [`Ctrl::publish`]). A submitter reads it without taking `st`'s mutex,
+    /// which every I/O used to take (issue 9: a controller-wide lock per command). Reading a
+    /// session here is what reading it under the lock and then dropping the lock was: the
+    /// session may be lost right after, and then its queue either refuses the command or
+    /// hands it back through `queue_closed`, exactly as before.
+    published: ArcSwapOption<Session>,
     /// Commands submitted to this controller (observability; multipath tests read it).
     pub submitted: AtomicU64,
     /// Bounce copies of the sessions that ended (see [`ControllerStatus::bounce_copy_bytes`]).
@@ -346,6 +355,7 @@ impl Controller {
             max_transfer: AtomicUsize::new(DEFAULT_TRANSFER),
             oncs: AtomicUsize::new(usize::MAX),
             live: AtomicBool::new(false),
+            published: ArcSwapOption::empty(),
             submitted: AtomicU64::new(0),
             bounced: Arc::new(AtomicU64::new(0)),
             direct: Arc::new(AtomicU64::new(0)),
@@ -415,6 +425,13 @@ impl Drop for Controller {
 impl Ctrl {
     fn lock(&self) -> MutexGuard<'_, St> {
         self.st.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Set the live session (`None`: not live). Callers hold `st`'s lock and set
+    /// `st.session` to the same value, so the published session never disagrees with it.
+    fn publish(&self, _st: &St, s: Option<Arc<Session>>) {
+        self.live.store(s.is_some(), Ordering::Release);
+        self.published.store(s);
     }
 
     pub fn config(&self) -> &ControllerConfig {
@@ -498,6 +515,22 @@ impl Ctrl {
     /// Submit a block I/O command: to a live queue, or held, or failed per the knobs.
     pub fn submit_io(&self, cmd: Cmd) {
         self.submitted.fetch_add(1, Ordering::Relaxed);
+        // The hot path: a live controller takes no lock of its own (see `published`).
+        let cmd = {
+            let g = self.published.load();
+            match g.as_ref() {
+                Some(s) => match s.pick().submit(cmd) {
+                    Ok(()) => return,
+                    Err(c) => c,
+                },
+                None => cmd,
+            }
+        };
+        self.submit_slow(cmd);
+    }
+
+    /// Not live, or the queue just refused the command: decide under the lock.
+    fn submit_slow(&self, cmd: Cmd) {
         let mut cmd = cmd;
         loop {
             let st = self.lock();
