@@ -270,7 +270,7 @@ impl Ctrl {
                     drop(st);
                     info!(controller = %self.name, session = id, resent = held.len(), "controller live");
                     for c in held {
-                        if let Err(c) = s.pick().submit(c) {
+                        if let Err(c) = s.pick_rr().submit(c) {
                             self.hold(c);
                         }
                     }
