@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwapOption;
 use nacre_shared::nvme_tcp::Digests;
 
 use super::cmd::{AdminWait, Cmd};
@@ -267,10 +268,42 @@ impl Session {
             q.shutdown();
         }
     }
+
+    /// The I/O queue for a command submitted by the calling thread: always the same one for
+    /// a thread (its submitter number modulo the queue count). One frontend queue is served
+    /// by one thread, so its commands stay on one fabric queue: they gather in one send
+    /// buffer and leave in fewer writes, and frontend threads on different cores do not
+    /// contend for one connection's locks. (Issue 9: commands were spread round-robin, so
+    /// every frontend queue touched every connection.) The price: one frontend queue gets
+    /// at most one fabric queue's depth in flight; more waits in that queue's overflow list.
     fn pick(&self) -> &Queue {
+        &self.io[submitter_index() % self.io.len()]
+    }
+
+    /// Round-robin, for commands that come from many submitters at once and are resent by
+    /// one thread (held over a reconnect, handed back by a dead queue): spread them rather
+    /// than load them all on the resending thread's queue.
+    fn pick_rr(&self) -> &Queue {
         let i = self.rr.fetch_add(1, Ordering::Relaxed);
         &self.io[i % self.io.len()]
     }
+}
+
+/// A small number per thread that submits I/O, given on its first submission (0, 1, 2, ...
+/// in that order), so that N frontend threads over N fabric queues usually get one each.
+fn submitter_index() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static INDEX: std::cell::Cell<usize> = const { std::cell::Cell::new(usize::MAX) };
+    }
+    INDEX.with(|c| {
+        let mut i = c.get();
+        if i == usize::MAX {
+            i = NEXT.fetch_add(1, Ordering::Relaxed);
+            c.set(i);
+        }
+        i
+    })
 }
 
 struct St {
@@ -302,6 +335,14 @@ pub struct Ctrl {
     max_transfer: AtomicUsize,
     oncs: AtomicUsize,
     live: AtomicBool,
+    /// The live session, published for the I/O submit path: `Some(s)` exactly while
+    /// `st.phase == Live` and `st.session == Some(s)` (both are only changed together, under
+    /// `st`'s lock, by [`Ctrl::publish`]). A submitter reads it without taking `st`'s mutex,
+    /// which every I/O used to take (issue 9: a controller-wide lock per command). Reading a
+    /// session here is what reading it under the lock and then dropping the lock was: the
+    /// session may be lost right after, and then its queue either refuses the command or
+    /// hands it back through `queue_closed`, exactly as before.
+    published: ArcSwapOption<Session>,
     /// Commands submitted to this controller (observability; multipath tests read it).
     pub submitted: AtomicU64,
     /// Bounce copies of the sessions that ended (see [`ControllerStatus::bounce_copy_bytes`]).
@@ -346,6 +387,7 @@ impl Controller {
             max_transfer: AtomicUsize::new(DEFAULT_TRANSFER),
             oncs: AtomicUsize::new(usize::MAX),
             live: AtomicBool::new(false),
+            published: ArcSwapOption::empty(),
             submitted: AtomicU64::new(0),
             bounced: Arc::new(AtomicU64::new(0)),
             direct: Arc::new(AtomicU64::new(0)),
@@ -415,6 +457,13 @@ impl Drop for Controller {
 impl Ctrl {
     fn lock(&self) -> MutexGuard<'_, St> {
         self.st.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Set the live session (`None`: not live). Callers hold `st`'s lock and set
+    /// `st.session` to the same value, so the published session never disagrees with it.
+    fn publish(&self, _st: &St, s: Option<Arc<Session>>) {
+        self.live.store(s.is_some(), Ordering::Release);
+        self.published.store(s);
     }
 
     pub fn config(&self) -> &ControllerConfig {
@@ -498,6 +547,22 @@ impl Ctrl {
     /// Submit a block I/O command: to a live queue, or held, or failed per the knobs.
     pub fn submit_io(&self, cmd: Cmd) {
         self.submitted.fetch_add(1, Ordering::Relaxed);
+        // The hot path: a live controller takes no lock of its own (see `published`).
+        let cmd = {
+            let g = self.published.load();
+            match g.as_ref() {
+                Some(s) => match s.pick().submit(cmd) {
+                    Ok(()) => return,
+                    Err(c) => c,
+                },
+                None => cmd,
+            }
+        };
+        self.submit_slow(cmd);
+    }
+
+    /// Not live, or the queue just refused the command: decide under the lock.
+    fn submit_slow(&self, cmd: Cmd) {
         let mut cmd = cmd;
         loop {
             let st = self.lock();
@@ -553,7 +618,7 @@ impl Ctrl {
                 // after the new one came up): send it there.
                 let s = st.session.clone().expect("live has a session");
                 drop(st);
-                if let Err(c) = s.pick().submit(cmd) {
+                if let Err(c) = s.pick_rr().submit(cmd) {
                     self.lock().held.push_back(c);
                 }
                 return;

@@ -68,7 +68,7 @@ impl Ctrl {
             return;
         }
         st.session = None;
-        self.live.store(false, Ordering::Release);
+        self.publish(&st, None);
         st.resets += 1;
         st.last_error = Some(reason.to_string());
         let mut to_fail = Vec::new();
@@ -100,7 +100,7 @@ impl Ctrl {
         let was_live = st.phase == Phase::Live;
         st.phase = Phase::Closed;
         let session = st.session.take();
-        self.live.store(false, Ordering::Release);
+        self.publish(&st, None);
         let held: Vec<_> = st.held.drain(..).collect();
         drop(st);
         self.notify();
@@ -265,12 +265,12 @@ impl Ctrl {
                     st.phase = Phase::Live;
                     st.fail_fast = false;
                     st.connects += 1;
-                    self.live.store(true, Ordering::Release);
+                    self.publish(&st, Some(s.clone()));
                     let held: Vec<_> = st.held.drain(..).collect();
                     drop(st);
                     info!(controller = %self.name, session = id, resent = held.len(), "controller live");
                     for c in held {
-                        if let Err(c) = s.pick().submit(c) {
+                        if let Err(c) = s.pick_rr().submit(c) {
                             self.hold(c);
                         }
                     }
