@@ -5,8 +5,11 @@
 //! NVMe/RDMA initiator's zero-copy path from real guest-memory-style requests.
 //!
 //! ```text
-//! vhost-verify SOCKET OFFSET_MIB MIB [CHUNK_KIB]
+//! vhost-verify SOCKET OFFSET_MIB MIB [CHUNK_KIB [QUEUES]]
 //! ```
+//!
+//! With QUEUES > 1 the chunks go round the device's virtqueues (nacred serves each on its own
+//! worker thread), so one memory table is used from several threads at once.
 //!
 //! Prints `VHOST-VERIFY ok bytes=N` and exits 0 when every byte read back is what was
 //! written; anything else is an error on stderr and exit 1.
@@ -19,7 +22,7 @@ use nacre_tests::blkio_client::{self, BlkioClient, ClientOptions};
 fn main() -> Result<()> {
     let a: Vec<String> = std::env::args().skip(1).collect();
     if a.len() < 3 {
-        bail!("usage: vhost-verify SOCKET OFFSET_MIB MIB [CHUNK_KIB]");
+        bail!("usage: vhost-verify SOCKET OFFSET_MIB MIB [CHUNK_KIB [QUEUES]]");
     }
     let socket = PathBuf::from(&a[0]);
     let offset = a[1].parse::<u64>().context("OFFSET_MIB")? << 20;
@@ -29,6 +32,11 @@ fn main() -> Result<()> {
         .map_or(Ok(128), |c| c.parse::<usize>())
         .context("CHUNK_KIB")?
         << 10;
+    let queues = a
+        .get(4)
+        .map_or(Ok(1), |c| c.parse::<usize>())
+        .context("QUEUES")?
+        .max(1);
     if chunk == 0 || total % chunk != 0 {
         bail!("MIB must be a whole number of chunks");
     }
@@ -36,10 +44,11 @@ fn main() -> Result<()> {
         &socket,
         &ClientOptions {
             mem_len: 2 * chunk,
+            queues,
             ..Default::default()
         },
     )?;
-    let mut q = c.take_queues().remove(0);
+    let mut qs = c.take_queues();
     let mem = c.mem();
     let (wbuf, rbuf) = mem.split_at_mut(chunk);
     let mut x: u32 = 0x9e37_79b9 ^ (offset as u32);
@@ -51,13 +60,14 @@ fn main() -> Result<()> {
             *b = x as u8;
         }
         let at = offset + (i * chunk) as u64;
-        let rc = blkio_client::write(&mut q, at, wbuf)?;
+        let q = &mut qs[i % queues];
+        let rc = blkio_client::write(q, at, wbuf)?;
         if rc != 0 {
             bail!("write at {at} failed: {rc}");
         }
         let rbuf = &mut rbuf[..chunk];
         rbuf.fill(0);
-        let rc = blkio_client::read(&mut q, at, rbuf)?;
+        let rc = blkio_client::read(q, at, rbuf)?;
         if rc != 0 {
             bail!("read at {at} failed: {rc}");
         }
