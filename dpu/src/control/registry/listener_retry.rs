@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use tracing::{info, warn};
 
-use super::nvmf::{ListenerTransport, Port};
 use super::store::{Inner, Registry};
+use super::target::{ListenerTransport, Port};
 
 pub const RETRY_INTERVAL: Duration = Duration::from_secs(2);
 

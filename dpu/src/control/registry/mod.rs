@@ -57,10 +57,10 @@ mod volumes;
 mod windows;
 
 pub use compose::QOS_DISABLED;
-pub use nvmf::ListenerTransport;
 pub use qos::QosScope;
 pub use remotes::PathState;
 pub use store::{DaemonConfig, Registry};
+pub use target::ListenerTransport;
 
 #[cfg(test)]
 mod test {

@@ -7,7 +7,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
-use std::sync::Arc;
 
 use nacre_shared::api::nvmf::{
     NvmfListenerState, NvmfSubsystemCreate, NvmfSubsystemInfo, NvmfSubsystemStatus,
@@ -16,87 +15,10 @@ use nacre_shared::nvme::validate_nqn;
 use tracing::{info, warn};
 
 use super::store::{Inner, Registry};
-use super::target::{rdma_err, rdma_ports, rpc_err, target};
+use super::target::{rdma_ports, rpc_err, target, ListenerTransport, Port};
 use crate::control::error::RpcError;
 use crate::control::state::{serial_from_uuid, NvmfState, NvmfSubsystemRecord};
-use crate::frontend::nvmf_rdma::RdmaPorts;
 use crate::frontend::nvmf_tcp::{NvmfTarget, DEFAULT_MODEL};
-
-/// The transport a target listener serves (an NVMe-oF subsystem listens on each address
-/// for one).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ListenerTransport {
-    Tcp,
-    Rdma,
-}
-
-impl ListenerTransport {
-    /// A subsystem's configured listeners of this transport.
-    pub(super) fn listeners(self, r: &NvmfSubsystemRecord) -> &BTreeSet<SocketAddr> {
-        match self {
-            ListenerTransport::Tcp => &r.listeners,
-            ListenerTransport::Rdma => &r.rdma_listeners,
-        }
-    }
-
-    fn listeners_mut(self, r: &mut NvmfSubsystemRecord) -> &mut BTreeSet<SocketAddr> {
-        match self {
-            ListenerTransport::Tcp => &mut r.listeners,
-            ListenerTransport::Rdma => &mut r.rdma_listeners,
-        }
-    }
-
-    /// The listeners of this transport that could not be started at replay.
-    pub(super) fn failed(self, inner: &mut Inner) -> &mut BTreeMap<(String, SocketAddr), String> {
-        match self {
-            ListenerTransport::Tcp => &mut inner.live.listeners_failed,
-            ListenerTransport::Rdma => &mut inner.live.rdma_listeners_failed,
-        }
-    }
-
-    /// How errors name a listener: its address, with `rdma:` before an RDMA one.
-    fn name(self, addr: SocketAddr) -> String {
-        match self {
-            ListenerTransport::Tcp => addr.to_string(),
-            ListenerTransport::Rdma => format!("rdma:{addr}"),
-        }
-    }
-}
-
-/// What listens for one transport: the target itself (NVMe/TCP) or its RDMA ports.
-pub(super) enum Port {
-    Tcp(Arc<NvmfTarget>),
-    Rdma(Arc<RdmaPorts>),
-}
-
-impl Port {
-    /// The live listener of `transport`, created on first use.
-    pub(super) fn of(inner: &mut Inner, transport: ListenerTransport) -> Port {
-        match transport {
-            ListenerTransport::Tcp => Port::Tcp(target(inner)),
-            ListenerTransport::Rdma => Port::Rdma(rdma_ports(inner)),
-        }
-    }
-
-    pub(super) fn add(&self, nqn: &str, addr: SocketAddr) -> Result<SocketAddr, RpcError> {
-        match self {
-            Port::Tcp(t) => t.add_listener(nqn, addr).map_err(rpc_err),
-            Port::Rdma(p) => p.add_listener(nqn, addr).map_err(rdma_err),
-        }
-    }
-
-    /// Stop listening; a listener that was not live (it failed at replay) is no error.
-    fn remove(&self, nqn: &str, addr: SocketAddr) {
-        match self {
-            Port::Tcp(t) => {
-                let _ = t.remove_listener(nqn, addr);
-            }
-            Port::Rdma(p) => {
-                let _ = p.remove_listener(nqn, addr);
-            }
-        }
-    }
-}
 
 impl Registry {
     /// `nvmf_subsystem_create`. The serial defaults to a fresh one in the volumes' format,

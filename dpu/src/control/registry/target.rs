@@ -1,10 +1,15 @@
 //! The daemon's NVMe-oF target as live objects: one [`NvmfTarget`] (NVMe/TCP) and its
-//! NVMe/RDMA ports, each created on first use, and how their errors reach the operator.
+//! NVMe/RDMA ports, each created on first use, how their errors reach the operator, and the
+//! transport a listener serves with what listens for it (shared by the handlers and the
+//! listener retry).
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use super::store::Inner;
 use crate::control::error::RpcError;
+use crate::control::state::NvmfSubsystemRecord;
 use crate::frontend::nvmf_rdma::{RdmaError, RdmaPorts};
 use crate::frontend::nvmf_tcp::{NvmfError, NvmfTarget};
 
@@ -45,5 +50,81 @@ pub(super) fn rdma_err(e: RdmaError) -> RpcError {
         RdmaError::Nvmf(e) => rpc_err(e),
         RdmaError::NoSuchListener(a) => RpcError::not_found("listener", &format!("rdma:{a}")),
         RdmaError::Listen { .. } => RpcError::failed(e.to_string()),
+    }
+}
+
+/// The transport a target listener serves (an NVMe-oF subsystem listens on each address
+/// for one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListenerTransport {
+    Tcp,
+    Rdma,
+}
+
+impl ListenerTransport {
+    /// A subsystem's configured listeners of this transport.
+    pub(super) fn listeners(self, r: &NvmfSubsystemRecord) -> &BTreeSet<SocketAddr> {
+        match self {
+            ListenerTransport::Tcp => &r.listeners,
+            ListenerTransport::Rdma => &r.rdma_listeners,
+        }
+    }
+
+    pub(super) fn listeners_mut(self, r: &mut NvmfSubsystemRecord) -> &mut BTreeSet<SocketAddr> {
+        match self {
+            ListenerTransport::Tcp => &mut r.listeners,
+            ListenerTransport::Rdma => &mut r.rdma_listeners,
+        }
+    }
+
+    /// The listeners of this transport that could not be started at replay.
+    pub(super) fn failed(self, inner: &mut Inner) -> &mut BTreeMap<(String, SocketAddr), String> {
+        match self {
+            ListenerTransport::Tcp => &mut inner.live.listeners_failed,
+            ListenerTransport::Rdma => &mut inner.live.rdma_listeners_failed,
+        }
+    }
+
+    /// How errors name a listener: its address, with `rdma:` before an RDMA one.
+    pub(super) fn name(self, addr: SocketAddr) -> String {
+        match self {
+            ListenerTransport::Tcp => addr.to_string(),
+            ListenerTransport::Rdma => format!("rdma:{addr}"),
+        }
+    }
+}
+
+/// What listens for one transport: the target itself (NVMe/TCP) or its RDMA ports.
+pub(super) enum Port {
+    Tcp(Arc<NvmfTarget>),
+    Rdma(Arc<RdmaPorts>),
+}
+
+impl Port {
+    /// The live listener of `transport`, created on first use.
+    pub(super) fn of(inner: &mut Inner, transport: ListenerTransport) -> Port {
+        match transport {
+            ListenerTransport::Tcp => Port::Tcp(target(inner)),
+            ListenerTransport::Rdma => Port::Rdma(rdma_ports(inner)),
+        }
+    }
+
+    pub(super) fn add(&self, nqn: &str, addr: SocketAddr) -> Result<SocketAddr, RpcError> {
+        match self {
+            Port::Tcp(t) => t.add_listener(nqn, addr).map_err(rpc_err),
+            Port::Rdma(p) => p.add_listener(nqn, addr).map_err(rdma_err),
+        }
+    }
+
+    /// Stop listening; a listener that was not live (it failed at replay) is no error.
+    pub(super) fn remove(&self, nqn: &str, addr: SocketAddr) {
+        match self {
+            Port::Tcp(t) => {
+                let _ = t.remove_listener(nqn, addr);
+            }
+            Port::Rdma(p) => {
+                let _ = p.remove_listener(nqn, addr);
+            }
+        }
     }
 }
