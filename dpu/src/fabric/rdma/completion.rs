@@ -171,11 +171,7 @@ impl RdmaQueue {
                         return Err(format!("SEND completion for unknown slot {idx}"));
                     };
                     slot.sending = false;
-                    if slot.answered {
-                        self.release(&mut s, idx)
-                    } else {
-                        Vec::new()
-                    }
+                    self.release_when_done(&mut s, idx)
                 };
                 if !failed.is_empty() {
                     return Err(self.give_back(failed));
@@ -243,14 +239,7 @@ impl RdmaQueue {
         }
         self.completed.fetch_add(1, Ordering::Relaxed);
         cmd.complete(cqe);
-        let failed = {
-            let mut s = self.lock();
-            if !s.entries[idx].sending && s.entries[idx].answered {
-                self.release(&mut s, idx)
-            } else {
-                Vec::new()
-            }
-        };
+        let failed = self.release_when_done(&mut self.lock(), idx);
         if !failed.is_empty() {
             return Err(self.give_back(failed));
         }

@@ -307,20 +307,9 @@ impl std::fmt::Debug for RdmaQueue {
 
 impl Drop for RdmaQueue {
     fn drop(&mut self) {
-        // SAFETY: the last reference is gone: nothing polls or posts any more. The queue
-        // pair goes first (the only way the device reaches our memory), then the completion
-        // queue (its events were all acknowledged by the completion thread) and channel.
-        unsafe {
-            if !self.id.is_null() && !(*self.id).qp.is_null() {
-                rdma_destroy_qp(self.id);
-            }
-            if !self.cq.is_null() {
-                ibv_destroy_cq(self.cq);
-            }
-            if !self.comp.is_null() {
-                ibv_destroy_comp_channel(self.comp);
-            }
-        }
+        // SAFETY: the last reference is gone: nothing polls or posts any more, and the
+        // completion thread acknowledged every completion channel event.
+        unsafe { verbs::destroy_queue_objects(self.id, self.cq, self.comp) };
         // Memory regions before their protection domain: what slots of commands handed
         // back when the queue died still hold, the queue's own buffers, and (if this was
         // the device's last queue) the zero-copy registrations of announced memory.
@@ -796,6 +785,17 @@ impl RdmaQueue {
         }
         s.entries[i].cmd = Some(cmd);
         Ok(())
+    }
+
+    /// Release slot `i` if both its response and its own SEND completion are in (either
+    /// may arrive first); otherwise nothing yet.
+    fn release_when_done(&self, s: &mut Slots, i: usize) -> Vec<Cmd> {
+        let e = &s.entries[i];
+        if e.answered && !e.sending {
+            self.release(s, i)
+        } else {
+            Vec::new()
+        }
     }
 
     /// Slot `i` is done with (answered and its SEND completed): the next waiting command

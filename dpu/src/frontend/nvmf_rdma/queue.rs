@@ -178,21 +178,9 @@ unsafe impl Sync for RdmaQueue {}
 
 impl Drop for RdmaQueue {
     fn drop(&mut self) {
-        // SAFETY: the last reference is gone: nothing polls or posts any more. Order: the
-        // queue pair first (the only way the device reaches our memory), then the
-        // completion queue and its channel; the memory regions and the protection domain
-        // follow below.
-        unsafe {
-            if !self.id.is_null() && !(*self.id).qp.is_null() {
-                rdma_destroy_qp(self.id);
-            }
-            if !self.cq.is_null() {
-                ibv_destroy_cq(self.cq);
-            }
-            if !self.comp.is_null() {
-                ibv_destroy_comp_channel(self.comp);
-            }
-        }
+        // SAFETY: the last reference is gone: nothing polls or posts any more; the memory
+        // regions and the protection domain follow below.
+        unsafe { verbs::destroy_queue_objects(self.id, self.cq, self.comp) };
         // Memory regions before their protection domain.
         self.recv = None;
         self.data = None;

@@ -227,6 +227,33 @@ pub(crate) unsafe fn ip_of(sa: *const libc::sockaddr) -> Option<std::net::IpAddr
     }
 }
 
+/// Tear down a connected queue's verbs objects in the order the device needs: the queue
+/// pair first (the only way the device reaches our memory), then the completion queue and
+/// its channel. Null ones are skipped. Memory regions and the protection domain are the
+/// caller's to free afterwards.
+///
+/// # Safety
+/// Nothing polls or posts on these objects any more (the last reference to their owner is
+/// gone), every completion channel event was acknowledged, and each is destroyed only here.
+pub(crate) unsafe fn destroy_queue_objects(
+    id: *mut rdma_cm_id,
+    cq: *mut ibv_cq,
+    comp: *mut ibv_comp_channel,
+) {
+    // SAFETY: per the caller's contract.
+    unsafe {
+        if !id.is_null() && !(*id).qp.is_null() {
+            rdma_destroy_qp(id);
+        }
+        if !cq.is_null() {
+            ibv_destroy_cq(cq);
+        }
+        if !comp.is_null() {
+            ibv_destroy_comp_channel(comp);
+        }
+    }
+}
+
 /// A registered buffer: memory from the allocator, and its memory region.
 pub(crate) struct RegBuf {
     pub(crate) ptr: *mut u8,
