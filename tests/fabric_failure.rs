@@ -1,7 +1,8 @@
 //! Failure semantics of the initiator, with a proxy between it and the target that the test
 //! severs, restores and stalls: I/O held across a reconnect completes and verifies; past
 //! fast_io_fail_timeout it fails fast; past ctrl_loss_timeout the controller fails and every
-//! I/O ends with PathLost, never hangs; teardown of a dead controller is prompt.
+//! I/O ends with PathFailed (fast_io_fail's errors are PathLost: the path may come back), never
+//! hangs; teardown of a dead controller is prompt.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -178,7 +179,7 @@ fn target_gone_mid_io_and_back_loses_nothing() {
 }
 
 #[test]
-fn past_ctrl_loss_timeout_everything_fails_with_path_lost() {
+fn past_ctrl_loss_timeout_everything_fails_with_path_failed() {
     let s = setup(|c| {
         c.ctrl_loss_timeout = Some(Duration::from_millis(700));
         c.reconnect_delay = Duration::from_millis(200);
@@ -193,7 +194,7 @@ fn past_ctrl_loss_timeout_everything_fails_with_path_lost() {
         &done,
     );
     let (tag, res) = rx.recv_timeout(HANG).expect("held I/O ends, never hangs");
-    assert_eq!((tag, res), (7, Err(IoError::PathLost)));
+    assert_eq!((tag, res), (7, Err(IoError::PathFailed)));
     wait_phase(&s.ctrl, Phase::Failed);
     let st = s.ctrl.core().status();
     assert!(
@@ -205,7 +206,7 @@ fn past_ctrl_loss_timeout_everything_fails_with_path_lost() {
     );
     // New I/O fails at once (inline), even with the path back: a failed controller is final.
     s.proxy.restore();
-    assert_eq!(s.dev.read_at(0, &mut r), Err(IoError::PathLost));
+    assert_eq!(s.dev.read_at(0, &mut r), Err(IoError::PathFailed));
     assert_eq!(s.ctrl.core().phase(), Phase::Failed);
 }
 
@@ -286,9 +287,12 @@ fn teardown_of_a_dead_controller_is_prompt() {
     let took = t.elapsed();
     // Bounded by shutdown_timeout (plus thread joins), not by any network timeout.
     assert!(took < Duration::from_secs(5), "close took {took:?}");
-    assert_eq!(rx.recv_timeout(HANG).unwrap(), (3, Err(IoError::PathLost)));
+    assert_eq!(
+        rx.recv_timeout(HANG).unwrap(),
+        (3, Err(IoError::PathFailed))
+    );
     assert_eq!(s.ctrl.core().phase(), Phase::Closed);
-    assert_eq!(s.dev.read_at(0, &mut r), Err(IoError::PathLost));
+    assert_eq!(s.dev.read_at(0, &mut r), Err(IoError::PathFailed));
 }
 
 #[test]
@@ -357,7 +361,7 @@ fn a_reconnect_to_a_different_namespace_fails_the_controller() {
         .last_error
         .unwrap()
         .contains("refusing to send I/O to a different namespace"));
-    assert_eq!(dev.write_at(0, &[2u8; 512]), Err(IoError::PathLost));
+    assert_eq!(dev.write_at(0, &[2u8; 512]), Err(IoError::PathFailed));
     assert!(
         b.read(1, 0, 512).iter().all(|&x| x == 0),
         "nothing was written to it"

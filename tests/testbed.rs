@@ -309,7 +309,8 @@ fn nvme_rdma_initiator_against_the_kernel_nvmet_rdma_target() {
 /// identical); multipath over two RDMA controllers survives one port's removal; a controller
 /// whose target went away is detached at once; a target gone for good gives the client an
 /// Internal Path Error once fast_io_fail_timeout (4 s) has passed while reconnection goes on, and
-/// the remote shows `failed` at ctrl_loss_timeout (8 s) while nacred keeps serving.
+/// the remote shows `failed` at ctrl_loss_timeout (8 s) while nacred keeps serving; from then on
+/// the error carries Do Not Retry and a read through the host's block device fails.
 #[test]
 fn nvme_rdma_initiator_survives_a_target_flap_and_fails_cleanly_when_it_is_gone() {
     let Some(_bed) =
@@ -367,9 +368,18 @@ fn nvme_rdma_initiator_survives_a_target_flap_and_fails_cleanly_when_it_is_gone(
         (7.5..=12.0).contains(&failed),
         "the remote failed after {failed} s, ctrl_loss_timeout is 8 s"
     );
-    // Internal Path Error (SCT 3h, SC 00h): the host may retry it on another path.
+    // Internal Path Error (SCT 3h, SC 00h), DNR clear while the remote reconnects: the host
+    // may retry it.
     assert_eq!(out.fact("lost_status"), "0x300");
     assert_eq!(out.fact("lost_state"), "failed");
+    // Failed for good: the same status with Do Not Retry (bit 14), so the kernel host's native
+    // multipath ends a block-device read instead of requeueing it on its only path forever.
+    // (The scenario fails if that read has not returned within 60 s.)
+    assert_eq!(out.fact("failed_status"), "0x4300");
+    eprintln!(
+        "block-device read from the failed remote failed after {} s",
+        out.fact("failed_blk_read_s")
+    );
     assert_eq!(out.fact("nacred_alive"), "yes");
 }
 

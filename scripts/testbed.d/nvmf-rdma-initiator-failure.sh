@@ -13,11 +13,13 @@
 # 3. Port 4420 removed for good: a read (NVMe passthrough on the controller, so the kernel host's
 #    multipath does not retry it) is held, then fails with a path error once fast_io_fail_timeout
 #    has passed; the remote goes on reconnecting (`connecting`) until ctrl_loss_timeout, then
-#    shows `failed`; nacred keeps serving. (The same read through the kernel host's
-#    block device does not return: native multipath requeues the Internal Path Error on the only
-#    path; seen here blocking over 280 s. A target-side question, not the initiator's.)
+#    shows `failed`; nacred keeps serving. While it reconnects the error leaves DNR clear (the
+#    host may retry); once failed, it sets DNR, and a read through the kernel host's block
+#    device fails at once. (Before nacred set DNR, native multipath requeued the Internal Path
+#    Error on the only path forever: seen here blocking over 280 s.)
 # Facts: flap_in_flight, flap_verified, flap_resets, mp_verified, mp_shelfb_resets, mpx_verified,
-# mpx_rdma_state, detach_s, lost_error_s, lost_status, state_after_fast_fail, lost_state, lost_state_s, nacred_alive.
+# mpx_rdma_state, detach_s, lost_error_s, lost_status, state_after_fast_fail, lost_state, lost_state_s,
+# failed_status, failed_blk_read_s, nacred_alive.
 NQN=nqn.2014-08.io.nacre.testbed:rdma-shelf
 EXP=nqn.2014-08.io.nacre.testbed:rdma-export
 for b in nacred nacre; do
@@ -129,6 +131,21 @@ wait_until 20 sh -c "[ \"\$(nacre --json remote list shelf | grep -c '\"state\":
     fail "the remote is not failed: $(nacre remote list)"
 fact lost_state failed
 fact lost_state_s "$(elapsed "$t")"
+# Failed for good, the error says Do Not Retry: the same read through the host's block device,
+# which native multipath would requeue on its only path forever without DNR, now fails.
+if nvme io-passthru /dev/$C --namespace-id=1 --opcode=0x02 --data-len=4096 --read --cdw10=0 --cdw12=7 \
+    > /tmp/pt2.out 2>&1; then
+    fail "a read from a failed remote succeeded"
+fi
+cat /tmp/pt2.out
+fact failed_status "$(grep -o 'NVMe status: .*(0x[0-9a-f]*)' /tmp/pt2.out | grep -o '0x[0-9a-f]*' | tail -1)"
+t=$(up)
+rc=0
+timeout 60 dd if=/dev/$P of=/dev/null bs=4k count=1 iflag=direct 2>/tmp/blk.err || rc=$?
+cat /tmp/blk.err
+[ $rc = 124 ] && fail "a block-device read from a failed remote still hung after 60 s (requeued: no DNR?)"
+[ $rc = 0 ] && fail "a block-device read from a failed remote succeeded"
+fact failed_blk_read_s "$(elapsed "$t")"
 kill -0 $NACRED && fact nacred_alive yes
 run nvme disconnect -n $EXP
 kill $NACRED

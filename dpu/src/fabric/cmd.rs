@@ -275,6 +275,7 @@ pub fn io_error_of(st: Status) -> IoError {
     match st {
         Status::INVALID_OPCODE => IoError::Unsupported,
         Status::WRITE_TO_READ_ONLY => IoError::ReadOnly,
+        _ if st.sct == sct::PATH && st.dnr => IoError::PathFailed,
         _ if st.sct == sct::PATH => IoError::PathLost,
         _ => IoError::Media(format!("remote controller returned {st}")),
     }

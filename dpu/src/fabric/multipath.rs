@@ -14,14 +14,15 @@
 //! I/O comes back at once with `PathLost` instead of being held, and this layer resends it
 //! down another live path (safe for the reasons given in [`super::controller`]: the request
 //! was never completed upward). With no live path, requests are parked until a path comes
-//! back, and fail with `PathLost` once no path is hopeful any more (every controller past its
-//! fast_io_fail_timeout, or failed).
+//! back, and fail once no path is hopeful any more (every controller past its
+//! fast_io_fail_timeout, or failed): with `PathLost` while one of them is still reconnecting,
+//! with `PathFailed` once all have failed for good.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use super::controller::PhaseListener;
+use super::controller::{Phase, PhaseListener};
 use super::{FabricError, RemoteNamespace};
 use crate::volume::{BlockDevice, Geometry, IoCompletion, IoError, IoKind, IoRequest, IoResult};
 
@@ -166,7 +167,18 @@ impl Inner {
                         self.kick();
                     }
                 } else {
-                    p.done.complete(p.tag, Err(IoError::PathLost));
+                    // Gone for good only when every path is: a path past its
+                    // fast_io_fail_timeout may still reconnect.
+                    let reconnecting = self
+                        .paths
+                        .iter()
+                        .any(|x| x.controller().phase() == Phase::Connecting);
+                    let e = if reconnecting {
+                        IoError::PathLost
+                    } else {
+                        IoError::PathFailed
+                    };
+                    p.done.complete(p.tag, Err(e));
                 }
             }
         }
@@ -203,7 +215,8 @@ struct PathDone {
 impl IoCompletion for PathDone {
     fn complete(&self, _tag: u64, result: IoResult) {
         match (result, self.mp.upgrade()) {
-            (Err(IoError::PathLost), Some(mp)) => {
+            // One path's loss, for now or for good, is a reason to try another.
+            (Err(IoError::PathLost | IoError::PathFailed), Some(mp)) => {
                 mp.retried.fetch_add(1, Ordering::Relaxed);
                 mp.dispatch(self.req.clone());
             }

@@ -166,9 +166,16 @@ pub enum IoError {
     /// Decryption or integrity failure.
     #[error("crypto failure: {0}")]
     Crypto(String),
-    /// The path to remote storage is gone and the loss timeout expired.
+    /// The path to remote storage is gone for now: its controller is reconnecting and
+    /// `fast_io_fail_timeout` has passed, or a multipath member hands the I/O back for another
+    /// path. Retrying later, or elsewhere, may succeed.
     #[error("path to storage lost")]
     PathLost,
+    /// The path to remote storage is gone for good: its controller failed (`ctrl_loss_timeout`
+    /// expired) or was detached, or every path of a multipath volume did, or the remote said
+    /// Do Not Retry. Retrying cannot help, and a host must be told so (NVMe: DNR).
+    #[error("path to storage failed (controller lost for good)")]
+    PathFailed,
 }
 
 impl IoError {

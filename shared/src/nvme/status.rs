@@ -69,6 +69,16 @@ impl Status {
     pub const WRITE_FAULT: Status = Status::new(sct::MEDIA, 0x80, false);
     pub const UNRECOVERED_READ_ERROR: Status = Status::new(sct::MEDIA, 0x81, false);
 
+    // Path Related Status (NVMe Base 2.0 Figure 99).
+    /// The controller's path to the namespace failed. Retryable as it stands (DNR clear);
+    /// [`Status::do_not_retry`] marks it final.
+    pub const INTERNAL_PATH_ERROR: Status = Status::new(sct::PATH, 0x00, false);
+
+    /// The same status with Do Not Retry set.
+    pub const fn do_not_retry(self) -> Self {
+        Status::new(self.sct, self.sc, true)
+    }
+
     pub fn is_success(&self) -> bool {
         self.sct == 0 && self.sc == 0
     }

@@ -629,7 +629,11 @@ impl Ctrl {
                 st.fail_fast
                     || (cmd.release && (!sent || Instant::now() >= self.quiesce_deadline(&st)))
             }
-            Phase::Failed | Phase::Closed => true,
+            Phase::Failed | Phase::Closed => {
+                drop(st);
+                cmd.fail(IoError::PathFailed);
+                return;
+            }
         };
         if fail || !cmd.is_io() {
             drop(st);

@@ -10,8 +10,9 @@
 //!   every `reconnect_delay`.
 //! * After `fast_io_fail_timeout` held I/O fails with [`IoError::PathLost`] and new I/O fails
 //!   at once, while reconnection goes on.
-//! * After `ctrl_loss_timeout` the controller is `Failed`: every I/O fails with `PathLost`,
-//!   reconnection stops. `None` means retry forever; zero means fail on the first loss.
+//! * After `ctrl_loss_timeout` the controller is `Failed`: every I/O fails with
+//!   [`IoError::PathFailed`] (an NVMe host behind nacred sees DNR), reconnection stops. `None`
+//!   means retry forever; zero means fail on the first loss.
 //!
 //! ## Why resending an unacknowledged write is safe
 //! A block device promises nothing about the order of writes that are in flight together: a
@@ -37,7 +38,7 @@
 //! ## Teardown
 //! Closing never waits on the network for long: a live controller gets a normal shutdown
 //! notification (CC.SHN) bounded by `shutdown_timeout`, then every socket is shut down and the
-//! reader threads hand back what was outstanding, which fails with `PathLost`.
+//! reader threads hand back what was outstanding, which fails with `PathFailed`.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -87,7 +88,7 @@ impl Ctrl {
         warn!(controller = %self.name, reason, "session lost; reconnecting per reconnect_delay/ctrl_loss_timeout");
         s.shutdown();
         for c in to_fail {
-            c.fail(IoError::PathLost);
+            c.fail(IoError::PathFailed);
         }
         self.notify();
     }
@@ -105,7 +106,7 @@ impl Ctrl {
         drop(st);
         self.notify();
         for c in held {
-            c.fail(IoError::PathLost);
+            c.fail(IoError::PathFailed);
         }
         if let Some(s) = session {
             if was_live {
@@ -194,7 +195,7 @@ impl Ctrl {
                     drop(st);
                     warn!(controller = %self.name, error = %msg, "controller failed");
                     for c in held {
-                        c.fail(IoError::PathLost);
+                        c.fail(IoError::PathFailed);
                     }
                     self.notify();
                     continue;
@@ -283,7 +284,7 @@ impl Ctrl {
                     drop(st);
                     warn!(controller = %self.name, error = %msg, "controller failed");
                     for c in held {
-                        c.fail(IoError::PathLost);
+                        c.fail(IoError::PathFailed);
                     }
                     self.notify();
                 }

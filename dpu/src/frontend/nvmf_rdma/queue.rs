@@ -29,7 +29,6 @@ use std::time::{Duration, Instant};
 
 use nacre_shared::nvme::command::{sgl, SQE_LEN};
 use nacre_shared::nvme::fabrics::{connect_sqe_offset, fctype, Connect};
-use nacre_shared::nvme::status::sct;
 use nacre_shared::nvme::{admin_opcode, get_u32, get_u64, io_opcode, Command, Completion, Status};
 use rdma_sys::*;
 use tracing::{debug, warn};
@@ -38,12 +37,12 @@ use super::cm::{self, CmRequest};
 use super::verbs::{self, EventChannel, RegBuf};
 use crate::frontend::nvmf_tcp::ctrl::{AdminReply, CtrlQueue, TargetController};
 use crate::frontend::nvmf_tcp::fabrics::{
-    self, fabrics_connect, invalid_param, HostQueue, QueueRules,
+    self, fabrics_connect, invalid_param, io_status, HostQueue, QueueRules,
 };
 use crate::frontend::nvmf_tcp::subsystem::{Namespace, Subsystem};
 use crate::frontend::nvmf_tcp::{limits, lock, ConnSlot, TargetInner};
 use crate::telemetry::{Arrival, VolumeMetrics};
-use crate::volume::{self, IoError, IoKind, IoRequest, IoResult, Segment};
+use crate::volume::{self, IoKind, IoRequest, IoResult, Segment};
 
 /// How long the queue thread keeps polling its completion queue after the last work before
 /// it sleeps on the completion channel: long enough to catch the next command of a busy
@@ -408,20 +407,6 @@ impl volume::IoCompletion for RdmaQueue {
             Err(e) => io_status(e, read_len > 0),
         };
         self.respond(s, status, 0, 0, read_len);
-    }
-}
-
-/// Map a volume error to the NVMe status the host sees.
-fn io_status(e: &IoError, read: bool) -> Status {
-    match e {
-        IoError::OutOfRange { .. } => Status::LBA_OUT_OF_RANGE,
-        IoError::Invalid(_) => Status::INVALID_FIELD,
-        IoError::ReadOnly => Status::WRITE_TO_READ_ONLY,
-        IoError::Unsupported => Status::INVALID_OPCODE,
-        IoError::Media(_) | IoError::Crypto(_) if read => Status::UNRECOVERED_READ_ERROR,
-        IoError::Media(_) | IoError::Crypto(_) => Status::WRITE_FAULT,
-        // Internal Path Error: retryable on another path.
-        IoError::PathLost => Status::new(sct::PATH, 0x00, false),
     }
 }
 

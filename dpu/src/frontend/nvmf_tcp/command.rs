@@ -11,20 +11,19 @@ use std::sync::Arc;
 
 use nacre_shared::nvme::command::sgl;
 use nacre_shared::nvme::fabrics::{connect_sqe_offset, fctype, Connect, CATTR_DISABLE_SQ_FLOW};
-use nacre_shared::nvme::status::sct;
 use nacre_shared::nvme::{admin_opcode, get_u32, get_u64, io_opcode, Command, Status};
 use nacre_shared::nvme_tcp::{self as tcp, fes};
 use tracing::warn;
 
 use super::conn::Conn;
 use super::ctrl::AdminReply;
-use super::fabrics::{self, fabrics_connect, invalid_param, QueueRules};
+use super::fabrics::{self, fabrics_connect, invalid_param, io_status, QueueRules};
 use super::limits;
 use super::pdu::{fatal, End};
 use super::subsystem::{Namespace, Subsystem};
 use super::transfer::GATHER_MIN;
 use crate::telemetry::{trace, Arrival, VolumeMetrics};
-use crate::volume::{BlockDevice, IoError, IoKind, IoRequest, IoResult, Segment};
+use crate::volume::{BlockDevice, IoKind, IoRequest, IoResult, Segment};
 
 /// A command at the volumes; indexed by the request tag.
 #[derive(Default)]
@@ -54,20 +53,6 @@ impl Payload<'_> {
             Payload::Borrowed(b) => b,
             Payload::Owned(v) => v,
         }
-    }
-}
-
-/// Map a volume error to the NVMe status the host sees.
-fn io_status(e: &IoError, read: bool) -> Status {
-    match e {
-        IoError::OutOfRange { .. } => Status::LBA_OUT_OF_RANGE,
-        IoError::Invalid(_) => Status::INVALID_FIELD,
-        IoError::ReadOnly => Status::WRITE_TO_READ_ONLY,
-        IoError::Unsupported => Status::INVALID_OPCODE,
-        IoError::Media(_) | IoError::Crypto(_) if read => Status::UNRECOVERED_READ_ERROR,
-        IoError::Media(_) | IoError::Crypto(_) => Status::WRITE_FAULT,
-        // Internal Path Error: retryable on another path.
-        IoError::PathLost => Status::new(sct::PATH, 0x00, false),
     }
 }
 

@@ -24,6 +24,7 @@ use tracing::{debug, warn};
 use super::ctrl::{CtrlQueue, TargetController};
 use super::subsystem::Subsystem;
 use super::TargetInner;
+use crate::volume::IoError;
 
 /// A refused Connect: its status and the completion's DW0 (which field was invalid).
 pub(crate) type Refusal = (Status, u64);
@@ -198,5 +199,48 @@ pub(crate) fn property(
         }
     } else {
         (ctrl.property_set(p.offset, p.value), 0)
+    }
+}
+
+/// The NVMe status a host sees for a volume's error (NVMe Base 2.0 §4.6.1.2): the same on
+/// every transport.
+///
+/// The path errors (SCT 3h, Internal Path Error) are about the path from nacred to its remote
+/// storage, which the host cannot see. While that path may come back ([`IoError::PathLost`]:
+/// the remote is reconnecting) the status leaves DNR clear, so the host retries; Linux's
+/// native multipath requeues such a command until a path answers, which is what holding I/O
+/// over a reconnect means. Once the path is gone for good ([`IoError::PathFailed`]) DNR is
+/// set: without it, a multipath host would requeue the command forever.
+pub(crate) fn io_status(e: &IoError, read: bool) -> Status {
+    match e {
+        IoError::OutOfRange { .. } => Status::LBA_OUT_OF_RANGE,
+        IoError::Invalid(_) => Status::INVALID_FIELD,
+        IoError::ReadOnly => Status::WRITE_TO_READ_ONLY,
+        IoError::Unsupported => Status::INVALID_OPCODE,
+        IoError::Media(_) | IoError::Crypto(_) if read => Status::UNRECOVERED_READ_ERROR,
+        IoError::Media(_) | IoError::Crypto(_) => Status::WRITE_FAULT,
+        IoError::PathLost => Status::INTERNAL_PATH_ERROR,
+        IoError::PathFailed => Status::INTERNAL_PATH_ERROR.do_not_retry(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nacre_shared::nvme::status::sct;
+
+    #[test]
+    fn a_path_lost_for_good_says_do_not_retry() {
+        for read in [false, true] {
+            let now = io_status(&IoError::PathLost, read);
+            let ever = io_status(&IoError::PathFailed, read);
+            assert_eq!((now.sct, now.sc, now.dnr), (sct::PATH, 0x00, false));
+            assert_eq!((ever.sct, ever.sc, ever.dnr), (sct::PATH, 0x00, true));
+        }
+        // CQE bytes 14-15 (phase tag in bit 0); nvme-cli prints them shifted right: 0x4300
+        assert_eq!(
+            Status::INTERNAL_PATH_ERROR.do_not_retry().to_field() >> 1,
+            0x4300
+        );
     }
 }
