@@ -1,4 +1,5 @@
-//! End-to-end 4 KiB random reads through nacre's whole stack, and the same with a RAM volume:
+//! End-to-end reads (4 KiB random by default) through nacre's whole stack, and the same with a
+//! RAM volume:
 //!
 //! ```text
 //!  libblkio ──vhost-user-blk──▶ nacred frontend ──▶ [AES-XTS] ──▶ NVMe/TCP initiator
@@ -10,7 +11,9 @@
 //! configuration: IOPS, cores busy (CPU seconds / wall seconds) and IOPS per total core, with
 //! the ratio to the RAM volume measured in the same run.
 //!
-//!   fabric-bench [--seconds S] [--qd N] [--io-queues N] [--digests]
+//!   fabric-bench [--seconds S] [--qd N] [--bs BYTES] [--seq] [--io-queues N] [--digests]
+//!
+//! `--bs 131072 --seq --qd 8` is the large sequential read of GPU training's data loaders.
 
 use std::mem::MaybeUninit;
 use std::path::Path;
@@ -30,12 +33,15 @@ use nacre_shared::nvme_tcp::Digests;
 use nacre_tests::blkio_client::{BlkioClient, ClientOptions};
 
 const SIZE: u64 = 256 << 20;
-const BS: usize = 4096;
+/// The volumes' logical block size (requests are multiples of it).
+const LBA: u32 = 4096;
 const NQN: &str = "nqn.2024-01.io.nacre:bench";
 
 struct Opts {
     seconds: f64,
     qd: usize,
+    bs: usize,
+    seq: bool,
     io_queues: u16,
     digests: bool,
 }
@@ -44,6 +50,8 @@ fn parse() -> Result<Opts> {
     let mut o = Opts {
         seconds: 5.0,
         qd: 32,
+        bs: 4096,
+        seq: false,
         io_queues: 1,
         digests: false,
     };
@@ -52,14 +60,19 @@ fn parse() -> Result<Opts> {
         match k.as_str() {
             "--seconds" => o.seconds = a.next().context("--seconds N")?.parse()?,
             "--qd" => o.qd = a.next().context("--qd N")?.parse()?,
+            "--bs" => o.bs = a.next().context("--bs BYTES")?.parse()?,
+            "--seq" => o.seq = true,
             "--io-queues" => o.io_queues = a.next().context("--io-queues N")?.parse()?,
             "--digests" => o.digests = true,
             "-h" | "--help" => {
-                println!("fabric-bench [--seconds S] [--qd N] [--io-queues N] [--digests]");
+                println!("fabric-bench [--seconds S] [--qd N] [--bs BYTES] [--seq] [--io-queues N] [--digests]");
                 std::process::exit(0);
             }
             _ => bail!("unknown argument {k}"),
         }
+    }
+    if o.bs == 0 || o.bs % LBA as usize != 0 || o.bs as u64 > SIZE {
+        bail!("--bs must be a multiple of {LBA} bytes, at most the volume's {SIZE}");
     }
     Ok(o)
 }
@@ -79,7 +92,8 @@ struct Result1 {
     cores: f64,
 }
 
-/// Serve `vol` over vhost-user-blk and drive it with libblkio: 4 KiB random reads at `qd`.
+/// Serve `vol` over vhost-user-blk and drive it with libblkio: `bs`-byte reads at `qd`, random
+/// or sequential.
 fn run(vol: Arc<dyn BlockDevice>, dir: &Path, name: &str, o: &Opts) -> Result<Result1> {
     let sock = dir.join(format!("{name}.sock"));
     let server = VhostBlkServer::start(
@@ -101,7 +115,7 @@ fn run(vol: Arc<dyn BlockDevice>, dir: &Path, name: &str, o: &Opts) -> Result<Re
                 poll: false,
                 read_only: false,
                 queue_size: 256,
-                mem_len: o.qd * BS,
+                mem_len: o.qd * o.bs,
             },
         ) {
             Ok(c) => {
@@ -115,20 +129,28 @@ fn run(vol: Arc<dyn BlockDevice>, dir: &Path, name: &str, o: &Opts) -> Result<Re
     let mut qs = c.take_queues();
     let q = &mut qs[0];
     let base = c.mem_ptr();
-    let blocks = SIZE / BS as u64;
-    let mut x = 0x1234_5678_9abc_def1u64;
+    let bs = o.bs;
+    let blocks = SIZE / bs as u64;
+    let (mut x, mut n_seq) = (0x1234_5678_9abc_def1u64, 0u64);
+    let seq = o.seq;
     let mut next_off = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        (x % blocks) * BS as u64
+        let b = if seq {
+            n_seq += 1;
+            n_seq % blocks
+        } else {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % blocks
+        };
+        b * bs as u64
     };
     for i in 0..o.qd {
-        // SAFETY: slot i of the mapped region, qd * BS bytes long.
+        // SAFETY: slot i of the mapped region, qd * bs bytes long.
         q.read(
             next_off(),
-            unsafe { base.add(i * BS) },
-            BS,
+            unsafe { base.add(i * bs) },
+            bs,
             i,
             ReqFlags::empty(),
         );
@@ -152,8 +174,8 @@ fn run(vol: Arc<dyn BlockDevice>, dir: &Path, name: &str, o: &Opts) -> Result<Re
                 // SAFETY: as above.
                 q.read(
                     next_off(),
-                    unsafe { base.add(i * BS) },
-                    BS,
+                    unsafe { base.add(i * bs) },
+                    bs,
                     i,
                     ReqFlags::empty(),
                 );
@@ -187,7 +209,7 @@ fn main() -> Result<()> {
     // The shelf: nacred's own NVMe-oF/TCP target over a RAM volume, on loopback.
     let target = NvmfTarget::new();
     target.create_subsystem(NQN, "BENCH", "nacre bench shelf", true)?;
-    let shelf_vol: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(SIZE, BS as u32)?);
+    let shelf_vol: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(SIZE, LBA)?);
     target.add_namespace(NQN, Some(1), shelf_vol, [0xBE; 16], "bench".into())?;
     let addr = target.add_listener(NQN, "127.0.0.1:0".parse()?)?;
     let mut cfg = ControllerConfig::new(
@@ -213,7 +235,7 @@ fn main() -> Result<()> {
         info.namespaces[0].clone(),
     ));
 
-    let ram: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(SIZE, BS as u32)?);
+    let ram: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(SIZE, LBA)?);
     let configs: Vec<(&str, Arc<dyn BlockDevice>)> = vec![
         ("ram", ram.clone()),
         (
@@ -235,7 +257,9 @@ fn main() -> Result<()> {
         ),
     ];
     println!(
-        "4 KiB random read, QD{}, 1 vhost-user-blk queue, {} NVMe/TCP I/O queue(s){}, {} s each, {} CPUs online",
+        "{} KiB {} read, QD{}, 1 vhost-user-blk queue, {} NVMe/TCP I/O queue(s){}, {} s each, {} CPUs online",
+        o.bs / 1024,
+        if o.seq { "sequential" } else { "random" },
         o.qd,
         info.io_queues,
         if o.digests { ", header+data digests" } else { "" },
@@ -243,8 +267,8 @@ fn main() -> Result<()> {
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!(
-        "{:<14} {:>10} {:>7} {:>12} {:>14}",
-        "volume", "IOPS", "cores", "IOPS/core", "per-core vs ram"
+        "{:<14} {:>10} {:>9} {:>7} {:>12} {:>14}",
+        "volume", "IOPS", "MiB/s", "cores", "IOPS/core", "per-core vs ram"
     );
     let mut ram_per_core = None;
     for (name, vol) in configs {
@@ -252,9 +276,10 @@ fn main() -> Result<()> {
         let per_core = r.iops / r.cores.max(1e-9);
         let base = *ram_per_core.get_or_insert(per_core);
         println!(
-            "{:<14} {:>10.0} {:>7.2} {:>12.0} {:>13.2}x",
+            "{:<14} {:>10.0} {:>9.0} {:>7.2} {:>12.0} {:>13.2}x",
             name,
             r.iops,
+            r.iops * o.bs as f64 / (1 << 20) as f64,
             r.cores,
             per_core,
             per_core / base
