@@ -127,9 +127,18 @@ impl IoCompletion for QueueCompleter {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push((tag, code));
-        self.pending.fetch_add(1, Ordering::Release);
-        if let Err(e) = self.event.write(1) {
-            error!(error = %e, "cannot wake the virtio-blk queue worker");
+        // Wake the worker once per batch, not once per completion: only the completion that
+        // finds nothing pending writes the eventfd; later ones ride on that wake-up, as the
+        // worker takes the whole list when it drains. No completion is left behind: every
+        // entry is pushed before it is counted, and the worker subtracts what it took under
+        // the list's lock, so the count (one atomic, one order of updates) only goes from 0
+        // to 1 — and writes — after the worker's last drain, whenever something is left for
+        // it. (A drain that takes an entry before it was counted leaves the count briefly
+        // "below zero"; the late count brings it back to 0 and does not write, correctly.)
+        if self.pending.fetch_add(1, Ordering::AcqRel) == 0 {
+            if let Err(e) = self.event.write(1) {
+                error!(error = %e, "cannot wake the virtio-blk queue worker");
+            }
         }
     }
 }
