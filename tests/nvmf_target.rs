@@ -11,7 +11,7 @@ use nacre_dpu::volume::ram::RamVolume;
 use nacre_dpu::volume::BlockDevice;
 use nacre_shared::nvme::discovery::{self, SUBTYPE_NVME, TRTYPE_TCP};
 use nacre_shared::nvme::features::fid;
-use nacre_shared::nvme::identify::{cntrltype, nidt, oncs, OAES_NS_ATTR};
+use nacre_shared::nvme::identify::{self, cntrltype, nidt, oncs, OAES_NS_ATTR};
 use nacre_shared::nvme::log::{self, lid, SmartLog};
 use nacre_shared::nvme::registers::{self, cc, csts};
 use nacre_shared::nvme::{admin_opcode, io_opcode, Command, SglDescriptor, Status, DISCOVERY_NQN};
@@ -332,6 +332,71 @@ fn io_errors_carry_nvme_status() {
         h.set_features(0x7E, 0),
         Err(HostError::Nvme(Status::INVALID_FIELD, _))
     ));
+}
+
+/// The command fields the target reads (typed in `nacre_shared::nvme`), encoded here by
+/// hand as the specifications lay them out: Save and Select in Set/Get Features Dword 10,
+/// CSI in Identify Dword 11, NR and the Deallocate attribute in Dataset Management.
+#[test]
+fn command_fields_are_read_where_the_specifications_put_them() {
+    let (_t, addr) = target_with(ram(1 << 20, 4096));
+    let mut h = NvmfHost::connect(addr, NQN, HostOptions::default()).unwrap();
+    let admin = |opcode, cdw10, cdw11| Command {
+        opcode,
+        cdw10,
+        cdw11,
+        ..Default::default()
+    };
+    let status = |r: Result<nacre_tests::nvmf_host::Reply, HostError>| match r {
+        Ok(_) => Status::SUCCESS,
+        Err(HostError::Nvme(s, _)) => s,
+        Err(e) => panic!("{e}"),
+    };
+    // Set Features with Save (Dword 10 bit 31): nothing here is saveable.
+    let kato = fid::KEEP_ALIVE_TIMER as u32;
+    let save = admin(admin_opcode::SET_FEATURES, kato | 1 << 31, 7000);
+    assert_eq!(status(h.admin_cmd(save, 0)), Status::FEATURE_NOT_SAVEABLE);
+    assert_ne!(h.get_features(fid::KEEP_ALIVE_TIMER).unwrap(), 7000);
+    // Get Features Select (bits 10:8): current, default and saved answer; supported
+    // capabilities is 0 (nothing saveable or per namespace); 100b and up are reserved.
+    h.set_features(fid::KEEP_ALIVE_TIMER, 5000).unwrap();
+    for sel in 0..3u32 {
+        let r = h.admin_cmd(admin(admin_opcode::GET_FEATURES, kato | sel << 8, 0), 0);
+        assert_eq!(r.unwrap().cqe.dw0, 5000, "select {sel}");
+    }
+    let caps = h.admin_cmd(admin(admin_opcode::GET_FEATURES, kato | 3 << 8, 0), 0);
+    assert_eq!(caps.unwrap().cqe.dw0, 0);
+    for sel in 4..8u32 {
+        let r = h.admin_cmd(admin(admin_opcode::GET_FEATURES, kato | sel << 8, 0), 0);
+        assert_eq!(status(r), Status::INVALID_FIELD, "select {sel}");
+    }
+    // Identify CNS 06h: the NVM Command Set (CSI 0 in Dword 11 bits 31:24) has a data
+    // structure; Key Value (CSI 1) is not supported.
+    let cs = identify::cns::CS_CONTROLLER;
+    assert_eq!(h.identify(cs, 0, 0).unwrap().len(), identify::IDENTIFY_LEN);
+    assert!(matches!(
+        h.identify(cs, 0, 1 << 24),
+        Err(HostError::Nvme(Status::INVALID_FIELD, _))
+    ));
+    // Dataset Management: NR (Dword 10 bits 7:0) is zero-based, so NR 1 needs two
+    // 16-byte ranges; without Deallocate (Dword 11 bit 2) the data stays.
+    h.write(0, 1, 0, &[0xA5; 4096], 4096).unwrap();
+    let mut range = [0u8; 16];
+    range[4..8].copy_from_slice(&1u32.to_le_bytes());
+    let dsm = |cdw10, cdw11| Command {
+        opcode: io_opcode::DATASET_MANAGEMENT,
+        nsid: 1,
+        cdw10,
+        cdw11,
+        ..Default::default()
+    };
+    let r = h.io_cmd(0, dsm(1, 1 << 2), &range, 0);
+    assert_eq!(status(r), Status::DATA_SGL_LENGTH_INVALID);
+    assert_eq!(h.read(0, 1, 0, 1, 4096).unwrap(), vec![0xA5; 4096]);
+    h.io_cmd(0, dsm(0, 0b11), &range, 0).unwrap();
+    assert_eq!(h.read(0, 1, 0, 1, 4096).unwrap(), vec![0xA5; 4096]);
+    h.io_cmd(0, dsm(0, 1 << 2), &range, 0).unwrap();
+    assert_eq!(h.read(0, 1, 0, 1, 4096).unwrap(), vec![0; 4096]);
 }
 
 #[test]

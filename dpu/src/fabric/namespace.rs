@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 
+use nacre_shared::nvme::dsm::{self, DatasetManagement};
 use nacre_shared::nvme::identify::oncs;
 use nacre_shared::nvme::{io_opcode, Command};
 
@@ -17,8 +18,6 @@ use crate::volume::{BlockDevice, Geometry, IoCompletion, IoError, IoKind, IoRequ
 
 /// Most blocks one Read/Write/Write Zeroes can name (NLB is 16 bits, zero-based).
 const MAX_NLB: u64 = 1 << 16;
-/// Dataset Management Attribute - Deallocate (Dword 11 bit 2).
-const DSM_AD: u32 = 1 << 2;
 
 pub struct RemoteNamespace {
     ctrl: Arc<Ctrl>,
@@ -169,21 +168,28 @@ impl BlockDevice for RemoteNamespace {
                     },
                 ),
                 IoKind::Discard => {
-                    // One DSM range (§3.2.3.1, Figure 40): context attributes, NLB, SLBA.
-                    let mut r = [0u8; 16];
-                    r[4..8].copy_from_slice(&(nlb as u32).to_le_bytes());
-                    r[8..16].copy_from_slice(&slba.to_le_bytes());
-                    let sqe = Command {
+                    let r = dsm::Range {
+                        attributes: 0,
+                        nlb: nlb as u32,
+                        slba,
+                    }
+                    .encode();
+                    let mut sqe = Command {
                         opcode: io_opcode::DATASET_MANAGEMENT,
                         nsid: self.info.nsid,
-                        cdw10: 0, // NR: one range, zero-based
-                        cdw11: DSM_AD,
                         ..Default::default()
                     };
+                    DatasetManagement {
+                        ranges: 1,
+                        deallocate: true,
+                        integral_write: false,
+                        integral_read: false,
+                    }
+                    .apply(&mut sqe);
                     Cmd {
                         sqe,
                         dir: Dir::H2C,
-                        len: 16,
+                        len: dsm::RANGE_LEN,
                         target: Target::Io {
                             parent: parent.clone(),
                             data: IoData::Inline(Box::new(r)),

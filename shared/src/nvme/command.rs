@@ -162,6 +162,12 @@ impl Command {
         (self.cdw12 & 0xFFFF) + 1
     }
 
+    /// Force Unit Access of Read/Write/Write Zeroes (Dword 12 bit 30, NVM Command Set 1.0
+    /// §3.2.4): a write is on non-volatile media before it completes.
+    pub fn fua(&self) -> bool {
+        self.cdw12 & (1 << 30) != 0
+    }
+
     /// A Read/Write/Write Zeroes command.
     pub fn rw(opcode: u8, cid: u16, nsid: u32, slba: u64, nlb: u32, sgl: SglDescriptor) -> Self {
         Command {

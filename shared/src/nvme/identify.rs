@@ -4,6 +4,7 @@
 
 use super::{
     get_str, get_u16, get_u32, get_u64, put_ascii_padded, put_str_nul, put_u16, put_u32, put_u64,
+    Command,
 };
 
 pub const IDENTIFY_LEN: usize = 4096;
@@ -16,6 +17,34 @@ pub mod cns {
     pub const NS_DESCRIPTOR_LIST: u8 = 0x03;
     /// I/O command set specific Identify Controller (with CSI in Dword 11 bits 31:24).
     pub const CS_CONTROLLER: u8 = 0x06;
+}
+
+/// The fields of an Identify command (Figures 271-272) besides its NSID.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Identify {
+    /// Dword 10 bits 7:0: which data structure ([`cns`]).
+    pub cns: u8,
+    /// Dword 10 bits 31:16: Controller Identifier, for the CNS values that take one.
+    pub cntid: u16,
+    /// Dword 11 bits 31:24: Command Set Identifier, for the command-set-specific CNS values
+    /// (0 is the NVM Command Set).
+    pub csi: u8,
+}
+
+impl Identify {
+    pub fn from_command(c: &Command) -> Self {
+        Identify {
+            cns: c.cdw10 as u8,
+            cntid: (c.cdw10 >> 16) as u16,
+            csi: (c.cdw11 >> 24) as u8,
+        }
+    }
+
+    /// Fill Dwords 10-11 of `c`.
+    pub fn apply(&self, c: &mut Command) {
+        c.cdw10 = self.cns as u32 | (self.cntid as u32) << 16;
+        c.cdw11 = (self.csi as u32) << 24;
+    }
 }
 
 /// CNTRLTYPE (byte 111) values.
@@ -360,6 +389,27 @@ pub fn decode_ns_descriptors(b: &[u8]) -> Vec<NsDescriptor> {
 #[cfg(test)]
 mod test {
     use super::*;
+
+    #[test]
+    fn identify_command_fields_follow_figure_272() {
+        let c = Command {
+            cdw10: 0x0012_0006,
+            cdw11: 0x0200_0000,
+            ..Default::default()
+        };
+        let i = Identify::from_command(&c);
+        assert_eq!(
+            i,
+            Identify {
+                cns: cns::CS_CONTROLLER,
+                cntid: 0x12,
+                csi: 2
+            }
+        );
+        let mut back = Command::default();
+        i.apply(&mut back);
+        assert_eq!((back.cdw10, back.cdw11), (0x0012_0006, 0x0200_0000));
+    }
 
     #[test]
     fn identify_controller_offsets() {

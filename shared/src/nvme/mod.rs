@@ -6,9 +6,11 @@
 //! * [`command`] — the 64-byte Submission Queue Entry (NVMe Base 2.0 §4.2) and SGL descriptors (§4.3.2).
 //! * [`completion`] — the 16-byte Completion Queue Entry (§4.6) and [`status`] codes (§4.6.1.2).
 //! * [`registers`] — controller properties CAP, VS, CC, CSTS (§3.1.3).
-//! * [`identify`] — Identify Controller, Namespace, Active NS list, NS descriptors (§5.17).
+//! * [`identify`] — the Identify command and its data: Controller, Namespace, Active NS list,
+//!   NS descriptors (§5.17).
 //! * [`log`] — Get Log Page (§5.16): error, SMART/health, firmware slot, changed NS list.
-//! * [`features`] — Set/Get Features identifiers (§5.27).
+//! * [`features`] — Set/Get Features: identifiers and the commands' fields (§5.27).
+//! * [`dsm`] — Dataset Management and its ranges (NVM Command Set 1.0 §3.2.3).
 //! * [`fabrics`] — NVMe over Fabrics 1.1 commands: Connect, Property Get/Set (§3.3, §3.4, §3.5).
 //! * [`discovery`] — the discovery log page (NVMe-oF 1.1 §5.3).
 //!
@@ -18,6 +20,7 @@
 pub mod command;
 pub mod completion;
 pub mod discovery;
+pub mod dsm;
 pub mod fabrics;
 pub mod features;
 pub mod identify;

@@ -10,7 +10,10 @@
 use std::time::{Duration, Instant};
 
 use nacre_shared::nvme::fabrics::Property;
-use nacre_shared::nvme::identify::{self, cns, nidt, IdentifyController, IdentifyNamespace};
+use nacre_shared::nvme::features::{self, fid, SetFeatures};
+use nacre_shared::nvme::identify::{
+    self, cns, nidt, Identify, IdentifyController, IdentifyNamespace,
+};
 use nacre_shared::nvme::registers::{self, cc, csts};
 use nacre_shared::nvme::{admin_opcode, get_u16, Command, Completion as Cqe};
 use tracing::warn;
@@ -19,9 +22,6 @@ use super::{ControllerConfig, ControllerInfo, NamespaceInfo, MAX_TRANSFER};
 use crate::fabric::cmd::{AdminWait, Cmd, Dir, Target};
 use crate::fabric::queue::FabricQueue;
 use crate::fabric::FabricError;
-
-/// Feature Identifier: Number of Queues (NVMe Base 2.0 §5.27.1.5).
-const FID_NUMBER_OF_QUEUES: u32 = 0x07;
 
 pub(super) fn queue_entry_sizes() -> u32 {
     cc::IOSQES_64 << cc::IOSQES_SHIFT | cc::IOCQES_16 << cc::IOCQES_SHIFT
@@ -131,12 +131,16 @@ pub(crate) fn identify(
     nsid: u32,
     deadline: Instant,
 ) -> Result<Vec<u8>, FabricError> {
-    let sqe = Command {
+    let mut sqe = Command {
         opcode: admin_opcode::IDENTIFY,
         nsid,
-        cdw10: cns_v as u32,
         ..Default::default()
     };
+    Identify {
+        cns: cns_v,
+        ..Default::default()
+    }
+    .apply(&mut sqe);
     admin_cmd(
         q,
         sqe,
@@ -242,17 +246,20 @@ pub(super) fn set_queue_count(
     want: u16,
     deadline: Instant,
 ) -> Result<u16, FabricError> {
-    let n = (want - 1) as u32;
-    let sqe = Command {
+    let mut sqe = Command {
         opcode: admin_opcode::SET_FEATURES,
-        cdw10: FID_NUMBER_OF_QUEUES,
-        cdw11: n | n << 16,
         ..Default::default()
     };
+    SetFeatures {
+        fid: fid::NUMBER_OF_QUEUES,
+        save: false,
+        value: features::number_of_queues(want, want),
+    }
+    .apply(&mut sqe);
     let (cqe, _) = admin_cmd(q, sqe, Dir::None, Vec::new(), deadline)?;
-    let nsqa = ((cqe.dw0 & 0xFFFF) as u16).saturating_add(1);
-    let ncqa = ((cqe.dw0 >> 16) as u16).saturating_add(1);
-    Ok(want.min(nsqa).min(ncqa).max(1))
+    // What was allocated (NSQA, NCQA), which may be fewer or more than asked.
+    let (nsqa, ncqa) = features::parse_number_of_queues(cqe.dw0);
+    Ok((want as u32).min(nsqa).min(ncqa).max(1) as u16)
 }
 
 /// A reconnect must find the namespaces it had: same NSID, same identity, same geometry

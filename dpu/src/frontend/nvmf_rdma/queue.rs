@@ -28,6 +28,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nacre_shared::nvme::command::{sgl, SQE_LEN};
+use nacre_shared::nvme::dsm::DatasetManagement;
 use nacre_shared::nvme::fabrics::{connect_sqe_offset, fctype, Connect};
 use nacre_shared::nvme::{admin_opcode, get_u32, get_u64, io_opcode, Command, Completion, Status};
 use rdma_sys::*;
@@ -1059,7 +1060,7 @@ impl Conn {
                 }
                 self.q.writes.fetch_add(1, Ordering::Relaxed);
                 self.q.write_bytes.fetch_add(len, Ordering::Relaxed);
-                if cmd.cdw12 & (1 << 30) != 0 {
+                if cmd.fua() {
                     // FUA: durable before completion.
                     // SAFETY: we hold slot s; submit_wait returns after the volume is done
                     // with the segment.
@@ -1119,21 +1120,17 @@ impl Conn {
 
 /// Dataset Management (NVM Command Set 1.0 §3.2.3): only Deallocate acts.
 fn dsm(ns: &Namespace, cmd: &Command, data: &[u8]) -> Status {
-    let nr = (cmd.cdw10 & 0xFF) as usize + 1;
-    if data.len() < nr * 16 {
+    let d = DatasetManagement::from_command(cmd);
+    let Some(ranges) = d.ranges(data) else {
         return Status::DATA_SGL_LENGTH_INVALID;
-    }
-    if cmd.cdw11 & (1 << 2) == 0 {
+    };
+    if !d.deallocate {
         return Status::SUCCESS;
     }
     let bs = ns.block_size as u64;
-    for r in data[..nr * 16].chunks_exact(16) {
-        let nlb = get_u32(r, 4) as u64;
-        let slba = get_u64(r, 8);
-        if nlb == 0 {
-            continue;
-        }
-        let (Some(off), Some(len)) = (slba.checked_mul(bs), nlb.checked_mul(bs)) else {
+    for r in ranges.filter(|r| r.nlb != 0) {
+        let (Some(off), Some(len)) = (r.slba.checked_mul(bs), (r.nlb as u64).checked_mul(bs))
+        else {
             return Status::LBA_OUT_OF_RANGE;
         };
         if let Err(e) = ns

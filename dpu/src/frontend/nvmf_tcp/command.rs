@@ -10,8 +10,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use nacre_shared::nvme::command::sgl;
+use nacre_shared::nvme::dsm::DatasetManagement;
 use nacre_shared::nvme::fabrics::{connect_sqe_offset, fctype, Connect, CATTR_DISABLE_SQ_FLOW};
-use nacre_shared::nvme::{admin_opcode, get_u32, get_u64, io_opcode, Command, Status};
+use nacre_shared::nvme::{admin_opcode, io_opcode, Command, Status};
 use nacre_shared::nvme_tcp::{self as tcp, fes};
 use tracing::warn;
 
@@ -276,8 +277,15 @@ impl Conn {
                         self.q.write_bytes.fetch_add(len, Ordering::Relaxed);
                         // FUA: the write must be durable before completion, so a Flush
                         // follows it before the reply.
-                        let fua = cmd.cdw12 & (1 << 30) != 0;
-                        self.submit(&ns, IoKind::Write, offset, len as usize, cmd.cid, data, fua)
+                        self.submit(
+                            &ns,
+                            IoKind::Write,
+                            offset,
+                            len as usize,
+                            cmd.cid,
+                            data,
+                            cmd.fua(),
+                        )
                     }
                     _ => {
                         let len = cmd.nlb() as u64 * bs;
@@ -294,22 +302,18 @@ impl Conn {
     /// Dataset Management (NVM Command Set 1.0 §3.2.3): only the Attribute – Deallocate
     /// bit acts; the other attributes are hints nacre may ignore.
     fn dsm(&mut self, ns: &Namespace, cmd: &Command, data: &[u8]) -> Option<Status> {
-        let nr = (cmd.cdw10 & 0xFF) as usize + 1;
-        if data.len() < nr * 16 {
+        let d = DatasetManagement::from_command(cmd);
+        let Some(ranges) = d.ranges(data) else {
             return Some(Status::DATA_SGL_LENGTH_INVALID);
-        }
-        if cmd.cdw11 & (1 << 2) == 0 {
+        };
+        if !d.deallocate {
             return Some(Status::SUCCESS);
         }
         let bs = ns.block_size as u64;
         let mut discards = Vec::new();
-        for r in data[..nr * 16].chunks_exact(16) {
-            let nlb = get_u32(r, 4) as u64;
-            let slba = get_u64(r, 8);
-            if nlb == 0 {
-                continue;
-            }
-            let (Some(off), Some(len)) = (slba.checked_mul(bs), nlb.checked_mul(bs)) else {
+        for r in ranges.filter(|r| r.nlb != 0) {
+            let (Some(off), Some(len)) = (r.slba.checked_mul(bs), (r.nlb as u64).checked_mul(bs))
+            else {
                 return Some(Status::LBA_OUT_OF_RANGE);
             };
             discards.push((

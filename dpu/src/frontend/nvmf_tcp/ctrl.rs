@@ -8,9 +8,9 @@ use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use nacre_shared::nvme::features::{self, fid};
+use nacre_shared::nvme::features::{self, fid, GetFeatures, Select, SetFeatures};
 use nacre_shared::nvme::identify::{
-    self, cns, cntrltype, nidt, oncs, IdentifyController, IdentifyNamespace, NsDescriptor,
+    self, cns, cntrltype, nidt, oncs, Identify, IdentifyController, IdentifyNamespace, NsDescriptor,
 };
 use nacre_shared::nvme::log::{self, aen, lid, GetLogPage, SmartLog};
 use nacre_shared::nvme::registers::{self, cc, csts};
@@ -293,10 +293,10 @@ impl TargetController {
     }
 
     fn identify(&self, c: &Command) -> AdminReply {
-        let cns_v = c.cdw10 as u8;
+        let id = Identify::from_command(c);
         let disc = self.subsys.discovery;
         let reply = |b: Vec<u8>| AdminReply::Done(Status::SUCCESS, 0, b);
-        match cns_v {
+        match id.cns {
             cns::CONTROLLER => reply(self.identify_controller().encode()),
             cns::NAMESPACE if !disc => {
                 if c.nsid == 0 || c.nsid == 0xFFFF_FFFF || c.nsid > limits::MAX_NSID {
@@ -337,9 +337,7 @@ impl TargetController {
             },
             // NVM Command Set specific Identify Controller (CSI 0): all limits zero, i.e.
             // none beyond MDTS.
-            cns::CS_CONTROLLER if !disc && (c.cdw11 >> 24) == 0 => {
-                reply(vec![0; identify::IDENTIFY_LEN])
-            }
+            cns::CS_CONTROLLER if !disc && id.csi == 0 => reply(vec![0; identify::IDENTIFY_LEN]),
             _ => done(Status::INVALID_FIELD),
         }
     }
@@ -474,17 +472,18 @@ impl TargetController {
     }
 
     fn set_features(&self, c: &Command) -> AdminReply {
-        if c.cdw10 & features::SAVE != 0 {
+        let f = SetFeatures::from_command(c);
+        if f.save {
             return done(Status::FEATURE_NOT_SAVEABLE);
         }
         let disc = self.subsys.discovery;
         let mut st = lock(&self.state);
-        match c.cdw10 as u8 {
+        match f.fid {
             fid::NUMBER_OF_QUEUES if !disc => {
-                if c.cdw11 & 0xFFFF == 0xFFFF || c.cdw11 >> 16 == 0xFFFF {
+                if f.value & 0xFFFF == 0xFFFF || f.value >> 16 == 0xFFFF {
                     return done(Status::INVALID_FIELD);
                 }
-                let (nsq, ncq) = features::parse_number_of_queues(c.cdw11);
+                let (nsq, ncq) = features::parse_number_of_queues(f.value);
                 let n = nsq.min(ncq).min(limits::MAX_IO_QUEUES as u32) as u16;
                 st.io_queues = n;
                 AdminReply::Done(
@@ -494,18 +493,18 @@ impl TargetController {
                 )
             }
             fid::KEEP_ALIVE_TIMER => {
-                self.kato_ms.store(round_kato(c.cdw11), Ordering::Relaxed);
+                self.kato_ms.store(round_kato(f.value), Ordering::Relaxed);
                 done(Status::SUCCESS)
             }
             fid::ASYNC_EVENT_CONFIG => {
-                st.aec = c.cdw11 & if disc { 0 } else { features::AEC_NS_ATTR };
+                st.aec = f.value & if disc { 0 } else { features::AEC_NS_ATTR };
                 done(Status::SUCCESS)
             }
             // The write cache cannot be turned off: writes land in the volume's cache
             // (page cache for files) until Flush.
-            fid::VOLATILE_WRITE_CACHE if !disc && c.cdw11 & 1 == 1 => done(Status::SUCCESS),
+            fid::VOLATILE_WRITE_CACHE if !disc && f.value & 1 == 1 => done(Status::SUCCESS),
             fid::TEMPERATURE_THRESHOLD if !disc => {
-                st.temp_threshold = c.cdw11 & 0xFFFF;
+                st.temp_threshold = f.value & 0xFFFF;
                 done(Status::SUCCESS)
             }
             _ => done(Status::INVALID_FIELD),
@@ -513,17 +512,18 @@ impl TargetController {
     }
 
     fn get_features(&self, c: &Command) -> AdminReply {
-        let sel = (c.cdw10 >> 8) & 7;
-        if sel == 3 {
-            // Supported capabilities: nothing saveable, everything per controller.
-            return AdminReply::Done(Status::SUCCESS, 0, Vec::new());
-        }
-        if sel > 3 {
-            return done(Status::INVALID_FIELD);
+        let g = GetFeatures::from_command(c);
+        match g.select {
+            Select::Current | Select::Default | Select::Saved => {}
+            // Nothing saveable, everything per controller.
+            Select::SupportedCapabilities => {
+                return AdminReply::Done(Status::SUCCESS, 0, Vec::new())
+            }
+            Select::Reserved(_) => return done(Status::INVALID_FIELD),
         }
         let disc = self.subsys.discovery;
         let st = lock(&self.state);
-        let dw0 = match c.cdw10 as u8 {
+        let dw0 = match g.fid {
             fid::NUMBER_OF_QUEUES if !disc => {
                 features::number_of_queues(st.io_queues, st.io_queues)
             }
