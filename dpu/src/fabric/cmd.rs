@@ -116,6 +116,8 @@ impl AdminWait {
 
     /// Wait until `deadline`; `None` when the command has not ended by then.
     pub fn wait_until(&self, deadline: Instant) -> Option<Result<Cqe, String>> {
+        // The command may still be held by this thread's plug (volume::plug).
+        crate::volume::plug::flush();
         let mut g = self.res.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             if let Some(r) = g.take() {

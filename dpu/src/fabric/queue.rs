@@ -135,6 +135,11 @@ pub trait FabricQueue: Send + Sync + fmt::Debug {
     fn direct_bytes(&self) -> u64 {
         0
     }
+    /// Batches a submitter sent itself when its plug closed (`volume::plug`), and how many
+    /// of them the socket did not take whole (the rest went to the queue's sender).
+    fn inline_sends(&self) -> (u64, u64) {
+        (0, 0)
+    }
 }
 
 /// A queue as the controller holds it.

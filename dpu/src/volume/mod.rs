@@ -29,6 +29,7 @@
 pub mod dma;
 pub mod file;
 pub mod null;
+pub mod plug;
 pub mod qos;
 pub mod ram;
 pub mod stripe;
@@ -295,6 +296,8 @@ pub struct Waiter {
 
 impl Waiter {
     pub fn wait(&self) -> IoResult {
+        // The request may still be held by this thread's plug (volume::plug).
+        plug::flush();
         let mut r = self.result.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             if let Some(res) = r.take() {

@@ -44,7 +44,12 @@ struct Opts {
     seq: bool,
     io_queues: u16,
     digests: bool,
+    /// Run only these volumes (for profiling one path); the ratio needs `ram` among them.
+    only: Option<Vec<String>>,
 }
+
+/// The volumes measured, in order; `ram` is the baseline of the ratio column.
+const VOLUMES: [&str; 4] = ["ram", "ram+xts", "nvme-tcp", "nvme-tcp+xts"];
 
 fn parse() -> Result<Opts> {
     let mut o = Opts {
@@ -54,6 +59,7 @@ fn parse() -> Result<Opts> {
         seq: false,
         io_queues: 1,
         digests: false,
+        only: None,
     };
     let mut a = std::env::args().skip(1);
     while let Some(k) = a.next() {
@@ -64,8 +70,20 @@ fn parse() -> Result<Opts> {
             "--seq" => o.seq = true,
             "--io-queues" => o.io_queues = a.next().context("--io-queues N")?.parse()?,
             "--digests" => o.digests = true,
+            "--only" => {
+                let v = a.next().context("--only VOLUME[,VOLUME...]")?;
+                let names: Vec<String> = v.split(',').map(str::to_string).collect();
+                if let Some(n) = names.iter().find(|n| !VOLUMES.contains(&n.as_str())) {
+                    bail!("--only: no volume {n:?} (there are {})", VOLUMES.join(", "));
+                }
+                o.only = Some(names);
+            }
             "-h" | "--help" => {
-                println!("fabric-bench [--seconds S] [--qd N] [--bs BYTES] [--seq] [--io-queues N] [--digests]");
+                println!("fabric-bench [--seconds S] [--qd N] [--bs BYTES] [--seq] [--io-queues N] [--digests] [--only VOLUME,...]");
+                println!(
+                    "  volumes: {} (--only runs a subset, e.g. to profile one path)",
+                    VOLUMES.join(", ")
+                );
                 std::process::exit(0);
             }
             _ => bail!("unknown argument {k}"),
@@ -272,17 +290,26 @@ fn main() -> Result<()> {
     );
     let mut ram_per_core = None;
     for (name, vol) in configs {
+        if o.only
+            .as_ref()
+            .is_some_and(|v| !v.iter().any(|n| n == name))
+        {
+            continue;
+        }
         let r = run(vol, dir.path(), name, &o)?;
         let per_core = r.iops / r.cores.max(1e-9);
-        let base = *ram_per_core.get_or_insert(per_core);
+        if name == "ram" {
+            ram_per_core = Some(per_core);
+        }
+        let ratio = ram_per_core.map_or("-".to_string(), |b| format!("{:.2}x", per_core / b));
         println!(
-            "{:<14} {:>10.0} {:>9.0} {:>7.2} {:>12.0} {:>13.2}x",
+            "{:<14} {:>10.0} {:>9.0} {:>7.2} {:>12.0} {:>14}",
             name,
             r.iops,
             r.iops * o.bs as f64 / (1 << 20) as f64,
             r.cores,
             per_core,
-            per_core / base
+            ratio
         );
     }
     ctrl.close();

@@ -224,6 +224,10 @@ pub struct ControllerStatus {
     /// Bytes of I/O data the device moved straight from or into the requests' memory, over
     /// every session (the zero-copy path).
     pub direct_bytes: u64,
+    /// Of the live session: batches of commands a submitter sent itself when its plug
+    /// closed (`volume::plug`), and those the socket did not take whole.
+    pub inline_sends: u64,
+    pub inline_partial_sends: u64,
 }
 
 /// Told when a controller changes phase (multipath uses it to resubmit parked I/O).
@@ -260,6 +264,13 @@ impl Session {
 
     fn direct_bytes(&self) -> u64 {
         self.admin.direct_bytes() + self.io.iter().map(|q| q.direct_bytes()).sum::<u64>()
+    }
+
+    fn inline_sends(&self) -> (u64, u64) {
+        self.io
+            .iter()
+            .map(|q| q.inline_sends())
+            .fold((0, 0), |(a, b), (c, d)| (a + c, b + d))
     }
 
     fn shutdown(&self) {
@@ -519,6 +530,8 @@ impl Ctrl {
 
     pub fn status(&self) -> ControllerStatus {
         let st = self.lock();
+        let (inline_sends, inline_partial_sends) =
+            st.session.as_ref().map_or((0, 0), |s| s.inline_sends());
         ControllerStatus {
             phase: st.phase,
             info: st.info.clone(),
@@ -531,6 +544,8 @@ impl Ctrl {
                 + st.session.as_ref().map_or(0, |s| s.bounce_copy_bytes()),
             direct_bytes: self.direct.load(Ordering::Relaxed)
                 + st.session.as_ref().map_or(0, |s| s.direct_bytes()),
+            inline_sends,
+            inline_partial_sends,
         }
     }
 

@@ -78,6 +78,7 @@ use crate::frontend::nvmf_rdma::cm::{self, CmRequest};
 mod completion;
 mod connect;
 use crate::frontend::nvmf_rdma::verbs::{self, EventChannel, RawAddr, RegBuf};
+use crate::telemetry::clock;
 use crate::volume::{dma, IoError};
 pub use connect::reject_name;
 use connect::{event_name, no_rdma, wait_cm};
@@ -109,8 +110,10 @@ const WR_SEND: u64 = 2 << 32;
 struct Slot {
     gen: u8,
     cmd: Option<Cmd>,
-    /// When the command went out (for the I/O timeout).
-    issued: Instant,
+    /// When the command went out, on the batch clock (for the I/O timeout, which is
+    /// seconds: a submitting vhost worker's batch instant is close enough and costs no
+    /// clock read per command).
+    issued_ns: u64,
     /// The capsule SEND is still in flight (its buffer is the device's).
     sending: bool,
     /// The response has arrived (the command is done with).
@@ -485,7 +488,7 @@ impl RdmaQueue {
                 .map(|_| Slot {
                     gen: 0,
                     cmd: None,
-                    issued: Instant::now(),
+                    issued_ns: clock::now_ns(),
                     sending: false,
                     answered: false,
                     direct: None,
@@ -767,7 +770,7 @@ impl RdmaQueue {
         let slot = &mut s.entries[i];
         slot.sending = true;
         slot.answered = false;
-        slot.issued = Instant::now();
+        slot.issued_ns = clock::now_ns();
         slot.direct = direct.map(|(_, d)| d);
         // SAFETY: the queue pair lives as long as self; the request and its SGE are copied
         // by the provider; the capsule and data buffer are the slot's until it is freed.
@@ -862,7 +865,7 @@ impl FabricQueue for RdmaQueue {
         s.entries
             .iter()
             .filter(|e| e.cmd.is_some())
-            .map(|e| e.issued.elapsed())
+            .map(|e| Duration::from_nanos(clock::read_ns().saturating_sub(e.issued_ns)))
             .max()
     }
 

@@ -6,9 +6,12 @@
 //!    requires it), the digests it wants and MAXR2T 0 (one R2T per command at a time), and
 //!    reads ICResp: CPDA (where our data PDUs must start), the digests the controller
 //!    enabled (they must be the ones we asked for) and MAXH2CDATA.
-//! 2. Two threads per connection. The *writer* owns the socket's send side: submitters only
-//!    append encoded PDUs to a buffer and wake it, so a submitter never blocks on the network
-//!    and many PDUs leave in one `write`. The *reader* owns the receive side: it parses every
+//! 2. Two threads per connection. The *writer* sends what submitters append to a buffer, so
+//!    a submitter never blocks on the network and many PDUs leave in one `write`. A submitter
+//!    inside a [`plug`] (a vhost-user-blk worker's batch) does not wake the writer: when the
+//!    plug closes it sends the batch itself with one non-blocking `send`, and only what the
+//!    socket does not take is left to the writer. One of them sends at a time (`Tx::sending`),
+//!    always from the front of the buffer, so PDUs leave in order. The *reader* owns the receive side: it parses every
 //!    PDU, copies C2HData into the request's memory (from the read buffer, or from a small
 //!    private chunk the socket is read into: the memory may be a guest's, which no Rust
 //!    reference may cover), answers R2Ts with H2CData, and completes commands (CapsuleResp,
@@ -29,6 +32,7 @@
 use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::thread::JoinHandle;
@@ -40,7 +44,9 @@ use nacre_shared::nvme::{admin_opcode, Completion as Cqe, SglDescriptor};
 use nacre_shared::nvme_tcp::{self as pdu, pdu_type, CommonHeader, IcReq, IcResp, CH_LEN, IC_LEN};
 use tracing::debug;
 
+use crate::telemetry::clock;
 use crate::telemetry::trace::TARGET as TRACE;
+use crate::volume::plug::{self, Unplug};
 
 use super::cmd::{AdminWait, Cmd, Dir, Target};
 use super::queue::{cid_of, FabricQueue};
@@ -67,8 +73,10 @@ struct Negotiated {
 struct Slot {
     gen: u8,
     cmd: Option<Cmd>,
-    /// When the command went out (for the I/O timeout).
-    issued: Instant,
+    /// When the command went out, on the batch clock (for the I/O timeout, which is
+    /// seconds: a submitting vhost worker's batch instant is close enough and costs no
+    /// clock read per command).
+    issued_ns: u64,
 }
 
 struct Slots {
@@ -83,8 +91,19 @@ struct Tx {
     /// The writer is asleep on the condition variable: only then is a wake-up (a futex
     /// system call) needed; while it is sending it picks new PDUs up by itself.
     waiting: bool,
+    /// The writer or a submitter closing its plug is sending bytes taken from the front of
+    /// `buf`: nobody else may send until it is done (the byte stream would interleave).
+    sending: bool,
+    /// A plug on some submitter's thread will flush this queue when it closes, so later
+    /// plugged submits need not register again.
+    deferred: bool,
+    /// An emptied send buffer kept for the next swap (no allocation per batch).
+    spare: Vec<u8>,
     closed: bool,
 }
+
+/// Send buffers above this capacity are freed after use rather than kept.
+const KEEP_TX_CAPACITY: usize = 4 << 20;
 
 pub struct QueueConn {
     pub qid: u16,
@@ -100,6 +119,12 @@ pub struct QueueConn {
     /// Commands completed on this connection (observability).
     pub completed: AtomicU64,
     threads: Mutex<Vec<JoinHandle<()>>>,
+    /// This queue as a plug registers it (see [`plug::defer`]).
+    me: Weak<QueueConn>,
+    /// Batches sent by a submitter closing its plug, and those of them the socket did not
+    /// take whole, whose rest went to the writer (observability, and what the tests check).
+    pub inline_sends: AtomicU64,
+    pub inline_partial: AtomicU64,
 }
 
 impl std::fmt::Debug for QueueConn {
@@ -155,17 +180,18 @@ impl QueueConn {
         let _ = stream.set_nodelay(true);
         let neg = initialize(&stream, &params)?;
         let depth = params.depth.clamp(1, MAX_DEPTH);
-        let q = Arc::new(QueueConn {
+        let own = stream.try_clone().map_err(FabricError::io)?;
+        let q = Arc::new_cyclic(|me| QueueConn {
             qid: params.qid,
             session,
-            stream: stream.try_clone().map_err(FabricError::io)?,
+            stream: own,
             neg,
             slots: Mutex::new(Slots {
                 entries: (0..depth)
                     .map(|_| Slot {
                         gen: 0,
                         cmd: None,
-                        issued: Instant::now(),
+                        issued_ns: clock::now_ns(),
                     })
                     .collect(),
                 free: (0..depth).rev().collect(),
@@ -175,6 +201,9 @@ impl QueueConn {
             tx: Mutex::new(Tx {
                 buf: Vec::with_capacity(64 << 10),
                 waiting: false,
+                sending: false,
+                deferred: false,
+                spare: Vec::new(),
                 closed: false,
             }),
             tx_cv: Condvar::new(),
@@ -182,6 +211,9 @@ impl QueueConn {
             dead: AtomicBool::new(false),
             completed: AtomicU64::new(0),
             threads: Mutex::new(Vec::new()),
+            me: me.clone(),
+            inline_sends: AtomicU64::new(0),
+            inline_partial: AtomicU64::new(0),
             params,
         });
         // The socket has no timeouts from here on: the reader blocks until data or shutdown,
@@ -317,10 +349,25 @@ impl QueueConn {
                 self.neg.cpda,
             );
         }
-        let wake = tx.waiting;
+        // Inside a plug the submitting thread sends the batch itself when the plug closes
+        // (admin commands never wait for that: a thread may block on their answer).
+        let register = self.qid != 0 && plug::is_open() && !tx.deferred;
+        let plugged = register || (self.qid != 0 && tx.deferred && plug::is_open());
+        tx.deferred |= register;
+        let mut wake = !plugged && tx.waiting;
         drop(tx);
+        if register {
+            match self.me.upgrade() {
+                Some(me) => {
+                    let me: Arc<dyn Unplug> = me;
+                    plug::defer(&me);
+                }
+                // Being dropped: nobody would unplug it, so hand the bytes to the writer.
+                None => wake = true,
+            }
+        }
         slot.cmd = Some(cmd);
-        slot.issued = Instant::now();
+        slot.issued_ns = clock::now_ns();
         wake
     }
 
@@ -331,7 +378,7 @@ impl QueueConn {
         s.entries
             .iter()
             .filter(|e| e.cmd.is_some())
-            .map(|e| e.issued.elapsed())
+            .map(|e| Duration::from_nanos(clock::read_ns().saturating_sub(e.issued_ns)))
             .max()
     }
 
@@ -375,18 +422,26 @@ impl QueueConn {
 
     fn writer(self: Arc<Self>, mut stream: TcpStream) {
         let mut out = Vec::with_capacity(64 << 10);
+        let mut wrote = false;
         loop {
             {
                 let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
-                while tx.buf.is_empty() && !tx.closed {
+                if wrote {
+                    tx.sending = false;
+                }
+                // An inline sender (a closing plug) owns the socket while `sending`: it hands
+                // back what the socket did not take and wakes us.
+                while (tx.buf.is_empty() || tx.sending) && !tx.closed {
                     tx.waiting = true;
                     tx = self.tx_cv.wait(tx).unwrap_or_else(|p| p.into_inner());
                     tx.waiting = false;
                 }
-                if tx.buf.is_empty() && tx.closed {
+                if tx.closed && (tx.buf.is_empty() || tx.sending) {
                     return;
                 }
                 std::mem::swap(&mut tx.buf, &mut out);
+                tx.sending = true;
+                wrote = true;
             }
             if let Err(e) = stream.write_all(&out) {
                 if !self.is_dead() {
@@ -401,6 +456,85 @@ impl QueueConn {
             }
         }
     }
+}
+
+impl Unplug for QueueConn {
+    /// Send what plugged submitters appended, from this (the submitting) thread, without
+    /// blocking: what the socket does not take goes back to the front of the buffer for the
+    /// writer.
+    fn unplug(&self) {
+        let mut out = {
+            let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+            tx.deferred = false;
+            // While the writer sends, it picks these bytes up itself when it is done.
+            if tx.closed || tx.sending || tx.buf.is_empty() {
+                return;
+            }
+            tx.sending = true;
+            let spare = std::mem::take(&mut tx.spare);
+            std::mem::replace(&mut tx.buf, spare)
+        };
+        let r = send_nonblocking(&self.stream, &out);
+        self.inline_sends.fetch_add(1, Ordering::Relaxed);
+        let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+        tx.sending = false;
+        match r {
+            Ok(n) if n == out.len() => {
+                out.clear();
+                if tx.spare.capacity() == 0 && out.capacity() <= KEEP_TX_CAPACITY {
+                    tx.spare = out;
+                }
+            }
+            Ok(n) => {
+                // The socket is full: the rest goes first, before anything appended since.
+                self.inline_partial.fetch_add(1, Ordering::Relaxed);
+                out.drain(..n);
+                out.extend_from_slice(&tx.buf);
+                tx.buf = out;
+            }
+            Err(e) => {
+                drop(tx);
+                if !self.is_dead() {
+                    debug!(qid = self.qid, error = %e, "send failed");
+                }
+                self.shutdown();
+                return;
+            }
+        }
+        let wake = !tx.buf.is_empty() && tx.waiting;
+        drop(tx);
+        if wake {
+            self.tx_cv.notify_one();
+        }
+    }
+}
+
+/// Send as much of `buf` as the socket takes now; the count sent (short when it is full).
+fn send_nonblocking(stream: &TcpStream, buf: &[u8]) -> std::io::Result<usize> {
+    let mut sent = 0;
+    while sent < buf.len() {
+        // SAFETY: the pointer and length describe the live slice `buf[sent..]`, which the
+        // kernel only reads during the call.
+        let n = unsafe {
+            libc::send(
+                stream.as_raw_fd(),
+                buf[sent..].as_ptr().cast(),
+                buf.len() - sent,
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if n >= 0 {
+            sent += n as usize;
+            continue;
+        }
+        let e = std::io::Error::last_os_error();
+        match e.kind() {
+            std::io::ErrorKind::Interrupted => {}
+            std::io::ErrorKind::WouldBlock => return Ok(sent),
+            _ => return Err(e),
+        }
+    }
+    Ok(sent)
 }
 
 impl FabricQueue for QueueConn {
@@ -418,6 +552,12 @@ impl FabricQueue for QueueConn {
     }
     fn join(&self, timeout: Duration) {
         QueueConn::join(self, timeout)
+    }
+    fn inline_sends(&self) -> (u64, u64) {
+        (
+            self.inline_sends.load(Ordering::Relaxed),
+            self.inline_partial.load(Ordering::Relaxed),
+        )
     }
 }
 

@@ -302,6 +302,9 @@ impl Conn {
     /// Handle every complete PDU in the receive buffer, unless output is backed up.
     pub(super) fn parse(&mut self) {
         let mut consumed = false;
+        // Commands for a remote volume leave in one send once every PDU read is handled
+        // (volume::plug).
+        let _plug = crate::volume::plug::Plug::open();
         while self.reading() {
             if self.out.pending() > OUT_HIGH {
                 self.flush();

@@ -300,7 +300,11 @@ impl QueueWorker {
             // One clock read for the whole batch: the statistics and QoS layers below stamp
             // every request of it with this instant (telemetry::clock).
             let batch = crate::telemetry::clock::batch();
+            // Remote volumes hold what they send until the whole batch is submitted, then
+            // send it from this thread in one go (volume::plug).
+            let plug = crate::volume::plug::Plug::open();
             let sane = self.pop_all(&rings, queue, avail_idx.unwrap_or_default(), rec);
+            drop(plug);
             drop(batch);
             self.drain_remote(rec);
             self.publish(&rings, queue);
