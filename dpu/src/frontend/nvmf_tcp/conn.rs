@@ -305,6 +305,9 @@ impl Conn {
         // Commands for a remote volume leave in one send once every PDU read is handled
         // (volume::plug).
         let _plug = crate::volume::plug::Plug::open();
+        // One clock read for every PDU this read brought (telemetry::clock): they arrived
+        // together.
+        let _batch = crate::telemetry::clock::batch();
         while self.reading() {
             if self.out.pending() > OUT_HIGH {
                 self.flush();
@@ -315,10 +318,7 @@ impl Conn {
                     break;
                 }
             }
-            let batch = crate::telemetry::clock::batch();
-            let r = self.next_pdu();
-            drop(batch);
-            match r {
+            match self.next_pdu() {
                 Ok(true) => consumed = true,
                 Ok(false) => break,
                 Err(e) => {

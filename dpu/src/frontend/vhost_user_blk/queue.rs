@@ -14,7 +14,8 @@
 //!
 //! Completions never touch the ring themselves: an inline completion lands in a thread-local
 //! list that the worker drains right after `submit`; a completion from another thread lands in
-//! a shared list and wakes the worker through an eventfd. The lists, the descriptor scratch and
+//! a shared list and wakes the worker through an eventfd, written only while the worker
+//! sleeps (an awake worker checks the list before it sleeps). The lists, the descriptor scratch and
 //! the per-head slots are sized once per queue, so a request of up to four data segments
 //! allocates nothing; a longer chain's segment list ([`crate::volume::Segments`], inline for
 //! four) spills to the heap. The clock is read once per batch
@@ -23,7 +24,7 @@
 use std::cell::RefCell;
 use std::num::Wrapping;
 use std::os::unix::io::RawFd;
-use std::sync::atomic::{fence, AtomicU16, AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU16, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -82,6 +83,10 @@ pub struct QueueCompleter {
     remote: Mutex<Vec<(u64, u8)>>,
     pending: AtomicUsize,
     event: EventFd,
+    /// The worker is running a pass or polling: it looks at `pending` itself before it
+    /// sleeps, so a completion needs no eventfd write (a system call on the completing
+    /// thread, and an epoll round on the worker's).
+    awake: AtomicBool,
 }
 
 impl QueueCompleter {
@@ -90,7 +95,27 @@ impl QueueCompleter {
             remote: Mutex::new(Vec::with_capacity(capacity)),
             pending: AtomicUsize::new(0),
             event: EventFd::new(EFD_NONBLOCK)?,
+            awake: AtomicBool::new(false),
         })
+    }
+
+    /// The worker starts a run: completions from now on skip the eventfd.
+    pub fn wake_up(&self) {
+        self.awake.store(true, Ordering::SeqCst);
+    }
+
+    /// The worker goes back to sleep. A completion that skipped the eventfd because the worker
+    /// was awake, and that the worker has not drained, gets its wake-up written here. The two
+    /// sides are ordered like Dekker's flags (each stores its own, then loads the other's,
+    /// all SeqCst): either the completion sees `awake` false and writes, or this load sees
+    /// its count.
+    pub fn fall_asleep(&self) {
+        self.awake.store(false, Ordering::SeqCst);
+        if self.pending.load(Ordering::SeqCst) != 0 {
+            if let Err(e) = self.event.write(1) {
+                error!(error = %e, "cannot wake the virtio-blk queue worker");
+            }
+        }
     }
 
     /// Readable when completions from other threads wait for the worker.
@@ -135,7 +160,8 @@ impl IoCompletion for QueueCompleter {
         // to 1 — and writes — after the worker's last drain, whenever something is left for
         // it. (A drain that takes an entry before it was counted leaves the count briefly
         // "below zero"; the late count brings it back to 0 and does not write, correctly.)
-        if self.pending.fetch_add(1, Ordering::AcqRel) == 0 {
+        // A worker that is awake finds the count itself (see `fall_asleep`).
+        if self.pending.fetch_add(1, Ordering::SeqCst) == 0 && !self.awake.load(Ordering::SeqCst) {
             if let Err(e) = self.event.write(1) {
                 error!(error = %e, "cannot wake the virtio-blk queue worker");
             }
@@ -249,7 +275,10 @@ impl QueueWorker {
         // it borrows its own reference to the statistics while the passes borrow the worker.
         let metrics = self.volume.metrics().cloned();
         let rec = metrics.as_deref().map(VolumeMetrics::recorder);
-        self.run_passes(queue, mem, call, rec.as_ref())
+        self.completer.wake_up();
+        let notify = self.run_passes(queue, mem, call, rec.as_ref());
+        self.completer.fall_asleep();
+        notify
     }
 
     fn run_passes(
@@ -376,6 +405,13 @@ impl QueueWorker {
 
     /// Only the completions from other threads (eventfd wake-up).
     pub fn run_completions(&mut self, queue: &mut Queue, mem: &Arc<Mem>) -> bool {
+        self.completer.wake_up();
+        let notify = self.run_completions_awake(queue, mem);
+        self.completer.fall_asleep();
+        notify
+    }
+
+    fn run_completions_awake(&mut self, queue: &mut Queue, mem: &Arc<Mem>) -> bool {
         let _ = self.completer.event.read();
         self.refresh_map(mem);
         let Some(rings) = Rings::new(self.map(), queue) else {

@@ -576,6 +576,53 @@ fn completions_from_another_thread_wake_the_worker_once_per_batch() {
     assert!(back.iter().all(|&b| b == 0x5a));
 }
 
+/// While the worker is awake (mid-pass or polling) a completion from another thread writes no
+/// eventfd: the worker drains it itself. One the worker has not drained when it goes back to
+/// sleep gets its wake-up written then, so it is never left behind.
+#[test]
+fn completions_while_the_worker_is_awake_skip_the_eventfd_and_are_never_left_behind() {
+    let (vol, rx) = LaterVolume::new();
+    let mut h = Harness::with_volume(vol.clone(), false);
+    h.fill(DATA, 512, 0x3c);
+    h.header(spec::T_OUT, 0);
+    let complete_on_other_thread = |(req, done): Handoff| {
+        let v = vol.clone();
+        std::thread::spawn(move || v.inner.submit(req, &done))
+            .join()
+            .unwrap();
+    };
+    for _ in 0..2 {
+        assert!(!h.submit(&[r(HDR, 16), r(DATA, 512), w(STATUS, 1)]));
+    }
+    let (a, b) = (rx.recv().unwrap(), rx.recv().unwrap());
+    // Awake and draining: no wake-up written, and nothing left over after the drain.
+    h.worker.completer().wake_up();
+    complete_on_other_thread(a);
+    assert!(
+        h.worker.completer().event().read().is_err(),
+        "an awake worker was sent a wake-up"
+    );
+    h.worker.run_completions(&mut h.queue, &h.mem);
+    assert_eq!(h.used_idx(), 1);
+    assert!(
+        h.worker.completer().event().read().is_err(),
+        "a drained worker wrote itself a wake-up"
+    );
+    // Awake but going to sleep before draining: the worker writes the wake-up itself.
+    h.worker.completer().wake_up();
+    complete_on_other_thread(b);
+    assert!(h.worker.completer().event().read().is_err());
+    h.worker.completer().fall_asleep();
+    assert_eq!(
+        h.worker.completer().event().read().unwrap(),
+        1,
+        "a completion was left behind when the worker slept"
+    );
+    h.worker.run_completions(&mut h.queue, &h.mem);
+    assert_eq!(h.used_idx(), 2);
+    assert_eq!(h.worker.in_flight(), 0);
+}
+
 #[test]
 fn completions_from_another_thread_are_published_with_event_idx() {
     let (vol, rx) = LaterVolume::new();
