@@ -5,6 +5,7 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpStream;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -415,7 +416,7 @@ impl Dest {
     /// `digest` (the CRC of request data is not computed for nothing: it showed in the
     /// profile without digests). `chunk`: scratch space for data read past the reader's
     /// buffer.
-    fn read<R: Read>(
+    fn read<R: Read + AsRawFd>(
         &self,
         rd: &mut BufReader<R>,
         n: usize,
@@ -439,10 +440,36 @@ impl Dest {
                     // Through the reader's buffer or a private chunk, not a slice over the
                     // segment: the segment may be guest memory the guest can write at any
                     // time, which no Rust reference may cover. What the reader has buffered
-                    // is copied from its buffer; the rest is read from the socket straight
-                    // into the chunk (not through the reader's buffer: one copy less).
+                    // is copied from its buffer; without a data digest the rest is read by
+                    // the kernel straight into the segment (a raw address, as preadv gets in
+                    // the file backend), and with one into the chunk, whose bytes the CRC
+                    // needs.
                     let mut done = 0;
                     while done < k {
+                        if !digest && rd.buffer().is_empty() {
+                            // SAFETY: the command is outstanding, so the segment is valid and
+                            // exclusively ours until it completes, which only this thread
+                            // does; skip + done + (k - done) <= s.len(). The kernel writes
+                            // at most k - done bytes there.
+                            let got = unsafe {
+                                libc::read(
+                                    rd.get_ref().as_raw_fd(),
+                                    s.as_ptr().add(skip + done).cast(),
+                                    k - done,
+                                )
+                            };
+                            match got {
+                                0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                                n if n > 0 => done += n as usize,
+                                _ => {
+                                    let e = std::io::Error::last_os_error();
+                                    if e.kind() != std::io::ErrorKind::Interrupted {
+                                        return Err(e);
+                                    }
+                                }
+                            }
+                            continue;
+                        }
                         let buffered = rd.buffer();
                         let (src, from_buffer) = if buffered.is_empty() {
                             let m = (k - done).min(chunk.len());
