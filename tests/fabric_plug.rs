@@ -70,6 +70,16 @@ fn opts() -> TargetOpts {
     }
 }
 
+/// A fake target with one namespace (filled with `fill`) and a controller attached to it.
+fn attach_fake(fill: u8) -> (FakeTarget, Storage, Controller, Arc<RemoteNamespace>) {
+    let opts = opts();
+    let st = Storage::new(&[(1, NS_BYTES, 512, [fill; 16])]);
+    let t = FakeTarget::start(opts.clone(), st.clone());
+    let c = ControllerConfig::new("127.0.0.1", t.port(), &opts.subnqn, HOSTNQN);
+    let (ctrl, dev) = start(c, 32);
+    (t, st, ctrl, dev)
+}
+
 /// Submit writes of `data` (one per chunk of `len` bytes, at its own offset); the buffers
 /// must outlive the commands, so the caller keeps `data` until they complete.
 fn submit_writes(dev: &RemoteNamespace, data: &mut [u8], len: usize, done: &Arc<dyn IoCompletion>) {
@@ -93,11 +103,7 @@ fn expected(seed: u64, n: usize, len: usize) -> Vec<u8> {
 
 #[test]
 fn plugged_commands_leave_when_the_plug_closes() {
-    let opts = opts();
-    let st = Storage::new(&[(1, NS_BYTES, 512, [0xC1; 16])]);
-    let t = FakeTarget::start(opts.clone(), st.clone());
-    let c = ControllerConfig::new("127.0.0.1", t.port(), &opts.subnqn, HOSTNQN);
-    let (ctrl, dev) = start(c, 32);
+    let (_t, st, ctrl, dev) = attach_fake(0xC1);
     let (n, len) = (24, 4096);
     let mut data = expected(1, n, len);
     let count = Arc::new(Count::default());
@@ -125,24 +131,23 @@ fn plugged_commands_leave_when_the_plug_closes() {
         st.read(1, 0, n * len) == expected(1, n, len),
         "the target holds other bytes"
     );
+    drop(data);
     // Outside a plug a command leaves at once, through the writer.
-    let mut one = pattern(2, 0, len);
+    let one = pattern(2, 0, len);
     dev.write_at(0, &one).expect("unplugged write");
     let mut back = vec![0u8; len];
     dev.read_at(0, &mut back).expect("read");
     assert!(back == one);
-    assert_eq!(ctrl.core().status().inline_sends - before, 1);
-    one.clear();
-    drop(data);
+    assert_eq!(
+        ctrl.core().status().inline_sends - before,
+        1,
+        "a write outside a plug was sent inline"
+    );
 }
 
 #[test]
 fn a_wait_inside_a_plug_sends_what_the_plug_holds() {
-    let opts = opts();
-    let st = Storage::new(&[(1, NS_BYTES, 512, [0xC2; 16])]);
-    let t = FakeTarget::start(opts.clone(), st.clone());
-    let c = ControllerConfig::new("127.0.0.1", t.port(), &opts.subnqn, HOSTNQN);
-    let (_ctrl, dev) = start(c, 32);
+    let (_t, _st, _ctrl, dev) = attach_fake(0xC2);
     let (tx, rx) = mpsc::channel();
     let d = dev.clone();
     std::thread::spawn(move || {

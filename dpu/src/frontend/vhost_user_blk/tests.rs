@@ -532,29 +532,46 @@ impl BlockDevice for LaterVolume {
     }
 }
 
-/// Completions that arrive from another thread while the worker has not drained yet wake it
-/// once (one eventfd write), and it publishes them all; the next completion after that drain
-/// wakes it again.
-#[test]
-fn completions_from_another_thread_wake_the_worker_once_per_batch() {
+/// Two 512-byte writes of `byte`, submitted to a volume that completes them only when told;
+/// the harness, the volume, the receiver of later hand-offs and the two hand-offs.
+fn two_writes_in_flight(
+    byte: u8,
+) -> (
+    Harness,
+    Arc<LaterVolume>,
+    mpsc::Receiver<Handoff>,
+    Handoff,
+    Handoff,
+) {
     let (vol, rx) = LaterVolume::new();
     let mut h = Harness::with_volume(vol.clone(), false);
-    h.fill(DATA, 512, 0x5a);
+    h.fill(DATA, 512, byte);
     h.header(spec::T_OUT, 0);
-    let complete_on_other_thread = |(req, done): Handoff| {
-        let v = vol.clone();
-        std::thread::spawn(move || v.inner.submit(req, &done))
-            .join()
-            .unwrap();
-    };
     // (the harness places two chains' descriptors apart in its 16-entry table)
     for _ in 0..2 {
         assert!(!h.submit(&[r(HDR, 16), r(DATA, 512), w(STATUS, 1)]));
     }
     assert_eq!(h.worker.in_flight(), 2);
     let (a, b) = (rx.recv().unwrap(), rx.recv().unwrap());
-    complete_on_other_thread(a);
-    complete_on_other_thread(b);
+    (h, vol, rx, a, b)
+}
+
+/// Complete a held request from another thread, as a remote volume's receive thread does.
+fn complete_on_other_thread(vol: &Arc<LaterVolume>, (req, done): Handoff) {
+    let v = vol.clone();
+    std::thread::spawn(move || v.inner.submit(req, &done))
+        .join()
+        .unwrap();
+}
+
+/// Completions that arrive from another thread while the worker has not drained yet wake it
+/// once (one eventfd write), and it publishes them all; the next completion after that drain
+/// wakes it again.
+#[test]
+fn completions_from_another_thread_wake_the_worker_once_per_batch() {
+    let (mut h, vol, rx, a, b) = two_writes_in_flight(0x5a);
+    complete_on_other_thread(&vol, a);
+    complete_on_other_thread(&vol, b);
     assert_eq!(
         h.worker.completer().event().read().unwrap(),
         1,
@@ -565,7 +582,7 @@ fn completions_from_another_thread_wake_the_worker_once_per_batch() {
     assert_eq!(h.worker.in_flight(), 0);
     // Drained: the next completion wakes the worker again.
     assert!(!h.submit(&[r(HDR, 16), r(DATA, 512), w(STATUS, 1)]));
-    complete_on_other_thread(rx.recv().unwrap());
+    complete_on_other_thread(&vol, rx.recv().unwrap());
     assert_eq!(h.worker.completer().event().read().unwrap(), 1);
     h.worker.run_completions(&mut h.queue, &h.mem);
     assert_eq!(h.used_idx(), 3);
@@ -581,23 +598,10 @@ fn completions_from_another_thread_wake_the_worker_once_per_batch() {
 /// sleep gets its wake-up written then, so it is never left behind.
 #[test]
 fn completions_while_the_worker_is_awake_skip_the_eventfd_and_are_never_left_behind() {
-    let (vol, rx) = LaterVolume::new();
-    let mut h = Harness::with_volume(vol.clone(), false);
-    h.fill(DATA, 512, 0x3c);
-    h.header(spec::T_OUT, 0);
-    let complete_on_other_thread = |(req, done): Handoff| {
-        let v = vol.clone();
-        std::thread::spawn(move || v.inner.submit(req, &done))
-            .join()
-            .unwrap();
-    };
-    for _ in 0..2 {
-        assert!(!h.submit(&[r(HDR, 16), r(DATA, 512), w(STATUS, 1)]));
-    }
-    let (a, b) = (rx.recv().unwrap(), rx.recv().unwrap());
+    let (mut h, vol, _rx, a, b) = two_writes_in_flight(0x3c);
     // Awake and draining: no wake-up written, and nothing left over after the drain.
     h.worker.completer().wake_up();
-    complete_on_other_thread(a);
+    complete_on_other_thread(&vol, a);
     assert!(
         h.worker.completer().event().read().is_err(),
         "an awake worker was sent a wake-up"
@@ -610,7 +614,7 @@ fn completions_while_the_worker_is_awake_skip_the_eventfd_and_are_never_left_beh
     );
     // Awake but going to sleep before draining: the worker writes the wake-up itself.
     h.worker.completer().wake_up();
-    complete_on_other_thread(b);
+    complete_on_other_thread(&vol, b);
     assert!(h.worker.completer().event().read().is_err());
     h.worker.completer().fall_asleep();
     assert_eq!(
