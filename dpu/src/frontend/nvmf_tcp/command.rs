@@ -127,6 +127,7 @@ impl Conn {
     }
 
     pub(super) fn execute(&mut self, cmd: Command, data: Payload<'_>) -> Result<(), End> {
+        self.fresh_cmds += 1;
         if cmd.opcode == admin_opcode::FABRICS {
             let (status, v) = self.fabrics(&cmd, data.as_slice());
             let mut c = self.cqe(cmd.cid, status, v as u32);

@@ -323,6 +323,9 @@ struct Reactor {
     local: Vec<(u64, u64, IoResult)>,
     /// Connections with replies to flush at the end of this pass.
     dirty: Vec<u64>,
+    /// Connections whose replies were held at the end of the last pass (`Conn::hold_replies`):
+    /// decided again at the end of this one. The reactor does not sleep while any is.
+    held: Vec<u64>,
     poll_ns: u64,
     /// Busy-polling allowed at all (`NACRE_NVMF_NO_POLL` unset).
     poll: bool,
@@ -340,6 +343,7 @@ impl Reactor {
             mail: Vec::new(),
             local: Vec::new(),
             dirty: Vec::new(),
+            held: Vec::new(),
             poll_ns: if poll { MAX_POLL_NS } else { 0 },
             poll,
             last_scan: Instant::now(),
@@ -379,9 +383,9 @@ impl Reactor {
                 self.with_conn(token, |c| c.on_ready(bits));
                 self.run_local();
             }
-            self.flush_dirty();
-            work |= !self.dirty.is_empty();
             now = Instant::now();
+            self.flush_dirty(now);
+            work |= !self.dirty.is_empty() || !self.held.is_empty();
             if now.duration_since(self.last_scan) >= SCAN_EVERY {
                 self.last_scan = now;
                 self.scan(now);
@@ -552,14 +556,27 @@ impl Reactor {
     /// Flush every connection with replies. Flushing may resume a connection that had
     /// stopped reading (its output drained), and what it then parses has replies of its
     /// own: a few rounds, the rest waits for the next pass.
-    fn flush_dirty(&mut self) {
+    fn flush_dirty(&mut self, now: Instant) {
+        // Held connections are still queued for a flush (so not in `dirty` twice): decide
+        // for them again, with what this pass brought.
+        let held = std::mem::take(&mut self.held);
+        self.dirty.extend_from_slice(&held);
         for _ in 0..4 {
             if self.dirty.is_empty() {
                 return;
             }
             let mut dirty = std::mem::take(&mut self.dirty);
             for token in dirty.drain(..) {
-                self.with_conn(token, |c| c.flush());
+                let mut hold = false;
+                self.with_conn(token, |c| {
+                    hold = c.hold_replies(now);
+                    if !hold {
+                        c.flush();
+                    }
+                });
+                if hold && self.conns.contains_key(&token) {
+                    self.held.push(token);
+                }
                 self.run_local();
             }
             if self.dirty.is_empty() {
