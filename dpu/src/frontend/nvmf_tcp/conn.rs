@@ -29,7 +29,7 @@ use crate::volume::{self, IoResult};
 /// Reply coalescing ([`Conn::hold_replies`]): the fewest commands since the last decision
 /// that keep replies held, the longest they are held, and the most bytes held.
 const HOLD_MIN_CMDS: u32 = 2;
-const MAX_HOLD: Duration = Duration::from_micros(20);
+const MAX_HOLD: Duration = Duration::from_micros(10);
 const HOLD_MAX_BYTES: usize = 128 * 1024;
 
 /// The coalescing rule of a serving connection whose socket takes more: hold `pending` bytes
