@@ -12,6 +12,7 @@
 //! the ratio to the RAM volume measured in the same run.
 //!
 //!   fabric-bench [--seconds S] [--qd N] [--bs BYTES] [--seq] [--io-queues N] [--digests]
+//!                [--only VOLUME,...]
 //!
 //! `--bs 131072 --seq --qd 8` is the large sequential read of GPU training's data loaders.
 

@@ -11,8 +11,8 @@
 //!    inside a [`plug`] (a vhost-user-blk worker's batch) does not wake the writer: when the
 //!    plug closes it sends the batch itself with one non-blocking `send`, and only what the
 //!    socket does not take is left to the writer. One of them sends at a time (`Tx::sending`),
-//!    always from the front of the buffer, so PDUs leave in order. The *reader* owns the receive side: it parses every
-//!    PDU, copies C2HData into the request's memory (from the read buffer, or from a small
+//!    always from the front of the buffer, so PDUs leave in order. The *reader* owns the
+//!    receive side: it parses every PDU, copies C2HData into the request's memory (from the read buffer, or from a small
 //!    private chunk the socket is read into: the memory may be a guest's, which no Rust
 //!    reference may cover), answers R2Ts with H2CData, and completes commands (CapsuleResp,
 //!    or C2HData with SUCCESS, §3.6.2.8).
@@ -351,8 +351,9 @@ impl QueueConn {
         }
         // Inside a plug the submitting thread sends the batch itself when the plug closes
         // (admin commands never wait for that: a thread may block on their answer).
-        let register = self.qid != 0 && plug::is_open() && !tx.deferred;
-        let plugged = register || (self.qid != 0 && tx.deferred && plug::is_open());
+        let plugged = self.qid != 0 && plug::is_open();
+        // The first plugged submit registers the queue; later ones ride on that.
+        let register = plugged && !tx.deferred;
         tx.deferred |= register;
         let mut wake = !plugged && tx.waiting;
         drop(tx);

@@ -24,8 +24,6 @@ use super::transfer::{BufPool, H2cPending, Out};
 use super::{limits, ConnSlot, TargetInner};
 use crate::volume::{self, IoResult};
 
-/// Receive buffer of a connected queue: large enough for a whole H2CData PDU carrying
-/// MAXH2CDATA bytes, plus room to read ahead.
 /// Reply coalescing ([`Conn::hold_replies`]): the fewest commands since the last decision
 /// that keep replies held, the longest they are held, and the most bytes held.
 const HOLD_MIN_CMDS: u32 = 2;
@@ -42,6 +40,8 @@ fn should_hold(fresh: u32, pending: usize, held_for: Option<Duration>) -> bool {
         && held_for.is_none_or(|d| d < MAX_HOLD)
 }
 
+/// Receive buffer of a connected queue: large enough for a whole H2CData PDU carrying
+/// MAXH2CDATA bytes, plus room to read ahead.
 pub(super) const RBUF_LEN: usize = limits::MAX_TRANSFER + 64 * 1024;
 /// Receive buffer until the queue is connected: a Fabrics Connect capsule (72 + 1024 bytes)
 /// or any admin capsule with in-capsule data fits; a connection that never connects costs

@@ -15,8 +15,8 @@
 //! Completions never touch the ring themselves: an inline completion lands in a thread-local
 //! list that the worker drains right after `submit`; a completion from another thread lands in
 //! a shared list and wakes the worker through an eventfd, written only while the worker
-//! sleeps (an awake worker checks the list before it sleeps). The lists, the descriptor scratch and
-//! the per-head slots are sized once per queue, so a request of up to four data segments
+//! sleeps (an awake worker checks the list before it sleeps). The lists, the descriptor
+//! scratch and the per-head slots are sized once per queue, so a request of up to four data segments
 //! allocates nothing; a longer chain's segment list ([`crate::volume::Segments`], inline for
 //! four) spills to the heap. The clock is read once per batch
 //! ([`crate::telemetry::clock::batch`]), not per request.
@@ -112,9 +112,13 @@ impl QueueCompleter {
     pub fn fall_asleep(&self) {
         self.awake.store(false, Ordering::SeqCst);
         if self.pending.load(Ordering::SeqCst) != 0 {
-            if let Err(e) = self.event.write(1) {
-                error!(error = %e, "cannot wake the virtio-blk queue worker");
-            }
+            self.wake_worker();
+        }
+    }
+
+    fn wake_worker(&self) {
+        if let Err(e) = self.event.write(1) {
+            error!(error = %e, "cannot wake the virtio-blk queue worker");
         }
     }
 
@@ -162,9 +166,7 @@ impl IoCompletion for QueueCompleter {
         // "below zero"; the late count brings it back to 0 and does not write, correctly.)
         // A worker that is awake finds the count itself (see `fall_asleep`).
         if self.pending.fetch_add(1, Ordering::SeqCst) == 0 && !self.awake.load(Ordering::SeqCst) {
-            if let Err(e) = self.event.write(1) {
-                error!(error = %e, "cannot wake the virtio-blk queue worker");
-            }
+            self.wake_worker();
         }
     }
 }
