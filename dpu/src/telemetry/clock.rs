@@ -53,6 +53,16 @@ pub fn batch() -> Batch {
     }
 }
 
+/// Join the batch open on this thread, or open one ([`batch`]) where none is: for a step
+/// that is sometimes part of a larger batch (an NVMe/TCP target reactor's pass) and
+/// sometimes runs on its own.
+pub fn join() -> Option<Batch> {
+    match BATCH.with(Cell::get) {
+        0 => Some(batch()),
+        _ => None,
+    }
+}
+
 /// See [`batch`].
 pub struct Batch {
     outer: u64,
@@ -131,7 +141,19 @@ mod test {
             assert!(now_ns() >= t + 2_000_000);
         }
         assert_eq!(now_ns(), t, "the inner batch restored the outer one");
+        {
+            let joined = join();
+            assert!(joined.is_none(), "a batch is open: join opens none");
+            assert_eq!(now_ns(), t, "joining keeps the open batch's instant");
+        }
         drop(b);
+        let own = join();
+        assert!(own.is_some(), "no batch open: join opens one");
+        let u = now_ns();
+        assert!(u >= t + 2_000_000);
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        assert_eq!(now_ns(), u, "the batch join opened holds its instant");
+        drop(own);
         assert!(now_ns() >= t + 2_000_000, "outside a batch: the clock");
     }
 

@@ -329,8 +329,8 @@ impl Conn {
         // (volume::plug).
         let _plug = crate::volume::plug::Plug::open();
         // One clock read for every PDU this read brought (telemetry::clock): they arrived
-        // together.
-        let _batch = crate::telemetry::clock::batch();
+        // together. Within a reactor pass, the pass's batch already holds that instant.
+        let _batch = crate::telemetry::clock::join();
         while self.reading() {
             if self.out.pending() > OUT_HIGH {
                 self.flush();

@@ -372,6 +372,9 @@ impl Reactor {
             } else {
                 self.sleep()
             };
+            // One clock read for the statistics of everything this pass's events bring
+            // (telemetry::clock): commands parsed and completions reaped in it alike.
+            let batch = (n > 0).then(crate::telemetry::clock::batch);
             for i in 0..n {
                 let ev = self.events[i];
                 let (token, bits) = (ev.u64, ev.events);
@@ -383,6 +386,7 @@ impl Reactor {
                 self.with_conn(token, |c| c.on_ready(bits));
                 self.run_local();
             }
+            drop(batch);
             now = Instant::now();
             self.flush_dirty(now);
             work |= !self.dirty.is_empty() || !self.held.is_empty();
@@ -471,6 +475,8 @@ impl Reactor {
             return false;
         }
         self.shared.has_mail.store(false, Ordering::SeqCst);
+        // Completions posted by other threads: one clock read for all of them.
+        let _batch = crate::telemetry::clock::batch();
         std::mem::swap(&mut self.mail, &mut *lock(&self.shared.mail));
         let mut mail = std::mem::take(&mut self.mail);
         let any = !mail.is_empty();
