@@ -140,6 +140,12 @@ pub trait FabricQueue: Send + Sync + fmt::Debug {
     fn inline_sends(&self) -> (u64, u64) {
         (0, 0)
     }
+    /// Bytes of C2HData the kernel read straight into the requests' memory, and those
+    /// copied there from the reader's own buffer (NVMe/TCP's receive side; see
+    /// `fabric::tcp::rxbuf`). (0, 0) for a transport without that split.
+    fn rx_bytes(&self) -> (u64, u64) {
+        (0, 0)
+    }
 }
 
 /// A queue as the controller holds it.

@@ -228,6 +228,10 @@ pub struct ControllerStatus {
     /// closed (`volume::plug`), and those the socket did not take whole.
     pub inline_sends: u64,
     pub inline_partial_sends: u64,
+    /// Of the live session: C2HData bytes the kernel read straight into the requests'
+    /// memory, and those the reader copied there from its own buffer (NVMe/TCP).
+    pub rx_direct_bytes: u64,
+    pub rx_copied_bytes: u64,
 }
 
 /// Told when a controller changes phase (multipath uses it to resubmit parked I/O).
@@ -270,6 +274,13 @@ impl Session {
         self.io
             .iter()
             .map(|q| q.inline_sends())
+            .fold((0, 0), |(a, b), (c, d)| (a + c, b + d))
+    }
+
+    fn rx_bytes(&self) -> (u64, u64) {
+        self.io
+            .iter()
+            .map(|q| q.rx_bytes())
             .fold((0, 0), |(a, b), (c, d)| (a + c, b + d))
     }
 
@@ -532,6 +543,8 @@ impl Ctrl {
         let st = self.lock();
         let (inline_sends, inline_partial_sends) =
             st.session.as_ref().map_or((0, 0), |s| s.inline_sends());
+        let (rx_direct_bytes, rx_copied_bytes) =
+            st.session.as_ref().map_or((0, 0), |s| s.rx_bytes());
         ControllerStatus {
             phase: st.phase,
             info: st.info.clone(),
@@ -546,6 +559,8 @@ impl Ctrl {
                 + st.session.as_ref().map_or(0, |s| s.direct_bytes()),
             inline_sends,
             inline_partial_sends,
+            rx_direct_bytes,
+            rx_copied_bytes,
         }
     }
 

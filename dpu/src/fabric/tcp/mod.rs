@@ -55,6 +55,7 @@ use super::FabricError;
 use crate::volume::IoError;
 
 mod rx;
+mod rxbuf;
 
 /// In-capsule data the admin queue always accepts (NVMe/TCP 1.0 §3.4: 8 KiB).
 pub const ADMIN_ICD: usize = 8192;
@@ -125,6 +126,10 @@ pub struct QueueConn {
     /// take whole, whose rest went to the writer (observability, and what the tests check).
     pub inline_sends: AtomicU64,
     pub inline_partial: AtomicU64,
+    /// C2HData bytes read straight into the requests' memory, and those copied there from
+    /// the reader's buffer or chunk (observability, and what the tests check: `rxbuf`).
+    pub rx_direct: AtomicU64,
+    pub rx_copied: AtomicU64,
 }
 
 impl std::fmt::Debug for QueueConn {
@@ -214,6 +219,8 @@ impl QueueConn {
             me: me.clone(),
             inline_sends: AtomicU64::new(0),
             inline_partial: AtomicU64::new(0),
+            rx_direct: AtomicU64::new(0),
+            rx_copied: AtomicU64::new(0),
             params,
         });
         // The socket has no timeouts from here on: the reader blocks until data or shutdown,
@@ -558,6 +565,12 @@ impl FabricQueue for QueueConn {
         (
             self.inline_sends.load(Ordering::Relaxed),
             self.inline_partial.load(Ordering::Relaxed),
+        )
+    }
+    fn rx_bytes(&self) -> (u64, u64) {
+        (
+            self.rx_direct.load(Ordering::Relaxed),
+            self.rx_copied.load(Ordering::Relaxed),
         )
     }
 }

@@ -3,7 +3,7 @@
 //! R2Ts with H2CData, completes commands, and on any fatal error hands every outstanding
 //! command back to the owner (module docs of [`super`]).
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, Read};
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
@@ -16,6 +16,7 @@ use nacre_shared::nvme_tcp::{
 };
 use tracing::warn;
 
+use super::rxbuf::{RxBuf, AHEAD, BATCH, DIRECT_MIN};
 use super::{Fatal, QueueConn, MAX_RX_DATA};
 use crate::fabric::cmd::{AdminWait, Cmd, Dir, IoData, Target};
 use crate::fabric::queue::split_cid;
@@ -24,7 +25,7 @@ use crate::volume::{copy_to_segments, IoError};
 
 impl QueueConn {
     pub(super) fn reader(self: Arc<Self>, stream: TcpStream) {
-        let mut rd = BufReader::with_capacity(128 << 10, stream);
+        let mut rd = RxBuf::new(stream);
         // Where C2HData read past the reader's buffer lands before it is copied into the
         // request's memory: one per connection, not a zeroed 16 KiB array per PDU (a memset
         // per 4 KiB read showed in the profile, issue 9).
@@ -65,7 +66,7 @@ impl QueueConn {
     }
 
     /// Read and handle one PDU.
-    fn read_pdu(&self, rd: &mut BufReader<TcpStream>, chunk: &mut [u8]) -> Result<(), Fatal> {
+    fn read_pdu(&self, rd: &mut RxBuf<TcpStream>, chunk: &mut [u8]) -> Result<(), Fatal> {
         let mut hdr = [0u8; 128];
         rd.read_exact(&mut hdr[..CH_LEN]).map_err(Fatal::io)?;
         let ch = CommonHeader::decode(&hdr);
@@ -289,7 +290,7 @@ impl QueueConn {
     /// SUCCESS (only valid with LAST_PDU) the command completes without a CapsuleResp.
     fn on_c2h_data(
         &self,
-        rd: &mut BufReader<TcpStream>,
+        rd: &mut RxBuf<TcpStream>,
         ch: &CommonHeader,
         hdr: &[u8],
         hd_len: usize,
@@ -374,7 +375,19 @@ impl QueueConn {
             ));
         }
         rd.read_exact(&mut pad[..padn]).map_err(Fatal::io)?;
-        let crc = dest.read(rd, datal, dd != 0, chunk).map_err(Fatal::io)?;
+        // After long data, read only a little ahead: the next long PDU's data then goes
+        // straight into its request's memory instead of through the buffer (rxbuf).
+        rd.set_refill(if dd == 0 && datal >= DIRECT_MIN {
+            AHEAD
+        } else {
+            BATCH
+        });
+        let (crc, direct) = dest.read(rd, datal, dd != 0, chunk).map_err(Fatal::io)?;
+        if let Dest::Segs(..) = dest {
+            self.rx_direct.fetch_add(direct as u64, Ordering::Relaxed);
+            self.rx_copied
+                .fetch_add((datal - direct) as u64, Ordering::Relaxed);
+        }
         if dd != 0 {
             let mut d = [0u8; 4];
             rd.read_exact(&mut d).map_err(Fatal::io)?;
@@ -414,16 +427,17 @@ enum Dest {
 impl Dest {
     /// Read `n` bytes into the destination; returns their CRC32C (for the data digest) when
     /// `digest` (the CRC of request data is not computed for nothing: it showed in the
-    /// profile without digests). `chunk`: scratch space for data read past the reader's
-    /// buffer.
+    /// profile without digests), and how many of them the kernel read straight into the
+    /// request's memory. `chunk`: scratch space for data read past the reader's buffer.
     fn read<R: Read + AsRawFd>(
         &self,
-        rd: &mut BufReader<R>,
+        rd: &mut RxBuf<R>,
         n: usize,
         digest: bool,
         chunk: &mut [u8],
-    ) -> std::io::Result<u32> {
+    ) -> std::io::Result<(u32, usize)> {
         let mut crc = 0u32;
+        let mut direct = 0;
         match self {
             Dest::Segs(parent, off) => {
                 let mut skip = *off;
@@ -460,7 +474,10 @@ impl Dest {
                             };
                             match got {
                                 0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                                n if n > 0 => done += n as usize,
+                                n if n > 0 => {
+                                    done += n as usize;
+                                    direct += n as usize;
+                                }
                                 _ => {
                                     let e = std::io::Error::last_os_error();
                                     if e.kind() != std::io::ErrorKind::Interrupted {
@@ -520,6 +537,6 @@ impl Dest {
                 crc = crc32c::crc32c(&sink);
             }
         }
-        Ok(crc)
+        Ok((crc, direct))
     }
 }
