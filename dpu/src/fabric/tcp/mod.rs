@@ -12,10 +12,11 @@
 //!    plug closes it sends the batch itself with one non-blocking `send`, and only what the
 //!    socket does not take is left to the writer. One of them sends at a time (`Tx::sending`),
 //!    always from the front of the buffer, so PDUs leave in order. The *reader* owns the
-//!    receive side: it parses every PDU, copies C2HData into the request's memory (from the read buffer, or from a small
-//!    private chunk the socket is read into: the memory may be a guest's, which no Rust
-//!    reference may cover), answers R2Ts with H2CData, and completes commands (CapsuleResp,
-//!    or C2HData with SUCCESS, §3.6.2.8).
+//!    receive side: it parses every PDU and moves C2HData into the request's memory. The
+//!    kernel reads a long PDU's data straight there when there is no data digest (`rxbuf`);
+//!    the rest is copied from the read buffer or from a small private chunk (the memory may
+//!    be a guest's, which no Rust reference may cover). It answers R2Ts with H2CData and
+//!    completes commands (CapsuleResp, or C2HData with SUCCESS, §3.6.2.8).
 //! 3. Commands in flight live in a slot table of `depth` entries. The CID is the slot index
 //!    plus a 6-bit generation that changes each time the slot is reused, so a completion for
 //!    a command that is not (or no longer) outstanding is recognised as such, and a slot is
@@ -27,7 +28,8 @@
 //!    of the table, under the same lock submitters use, and hands them to the owner: nothing
 //!    can touch a command's memory after that, so the owner may safely resubmit it elsewhere.
 //!
-//! The reader (receive side) is in `rx.rs`; connection set-up, submission and the writer here.
+//! The reader (receive side) is in `rx.rs`, its buffer in `rxbuf.rs`; connection set-up,
+//! submission and the writer here.
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};

@@ -1,5 +1,5 @@
 //! The receive side of an NVMe/TCP queue (NVMe/TCP Transport 1.0 §3.6): the reader thread
-//! parses every PDU the controller sends, copies C2HData into the request's memory, answers
+//! parses every PDU the controller sends, moves C2HData into the request's memory, answers
 //! R2Ts with H2CData, completes commands, and on any fatal error hands every outstanding
 //! command back to the owner (module docs of [`super`]).
 
