@@ -110,6 +110,7 @@ fn remote_volume_served_over_vhost_user_blk() {
         );
         written.push((off, d));
     }
+    let read_bytes: usize = written.iter().map(|(_, d)| d.len()).sum();
     for (i, (off, d)) in written.iter().enumerate() {
         let buf = &mut mem[..d.len()];
         buf.fill(0);
@@ -130,6 +131,17 @@ fn remote_volume_served_over_vhost_user_blk() {
     assert_eq!(l[0]["used_by"], json!(["rv"]));
     // NVMe/TCP has no registered transport buffers: no bounce copies are counted.
     assert_eq!(l[0]["bounce_copy_bytes"], 0);
+    // One session throughout: every byte read arrived in C2HData, straight into the guest's
+    // memory or through the receive buffer, and the worker sent its batches itself.
+    assert_eq!(l[0]["resets"], 0);
+    let rx = |k: &str| l[0][k].as_u64().unwrap_or_else(|| panic!("{k} in {}", l[0]));
+    assert_eq!(
+        rx("rx_direct_bytes") + rx("rx_copied_bytes"),
+        read_bytes as u64,
+        "{}",
+        l[0]
+    );
+    assert!(rx("inline_sends") > 0, "{}", l[0]);
     drop(shelf);
 }
 

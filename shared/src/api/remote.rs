@@ -163,6 +163,20 @@ pub struct RemoteInfo {
     /// NVMe/RDMA's zero-copy path.
     #[serde(default)]
     pub direct_bytes: u64,
+    /// Of the live session (they restart at 0 with each reconnect): batches of commands a
+    /// submitter sent itself when its plug closed (a vhost-user-blk worker's batch, an
+    /// NVMe/TCP target's parse pass), and those of them the socket did not take whole.
+    #[serde(default)]
+    pub inline_sends: u64,
+    #[serde(default)]
+    pub inline_partial_sends: u64,
+    /// Of the live session, NVMe/TCP: bytes of read data the kernel put straight into the
+    /// requests' memory, and those copied there from the queue's receive buffer (short
+    /// transfers, and all of them with a data digest).
+    #[serde(default)]
+    pub rx_direct_bytes: u64,
+    #[serde(default)]
+    pub rx_copied_bytes: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
     #[serde(default)]

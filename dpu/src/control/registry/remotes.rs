@@ -241,6 +241,10 @@ impl Registry {
             resets: st.as_ref().map_or(0, |s| s.resets),
             bounce_copy_bytes: st.as_ref().map_or(0, |s| s.bounce_copy_bytes),
             direct_bytes: st.as_ref().map_or(0, |s| s.direct_bytes),
+            inline_sends: st.as_ref().map_or(0, |s| s.inline_sends),
+            inline_partial_sends: st.as_ref().map_or(0, |s| s.inline_partial_sends),
+            rx_direct_bytes: st.as_ref().map_or(0, |s| s.rx_direct_bytes),
+            rx_copied_bytes: st.as_ref().map_or(0, |s| s.rx_copied_bytes),
             last_error: st.as_ref().and_then(|s| s.last_error.clone()),
             namespaces: namespaces
                 .iter()
