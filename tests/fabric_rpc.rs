@@ -134,7 +134,11 @@ fn remote_volume_served_over_vhost_user_blk() {
     // One session throughout: every byte read arrived in C2HData, straight into the guest's
     // memory or through the receive buffer, and the worker sent its batches itself.
     assert_eq!(l[0]["resets"], 0);
-    let rx = |k: &str| l[0][k].as_u64().unwrap_or_else(|| panic!("{k} in {}", l[0]));
+    let rx = |k: &str| {
+        l[0][k]
+            .as_u64()
+            .unwrap_or_else(|| panic!("{k} in {}", l[0]))
+    };
     assert_eq!(
         rx("rx_direct_bytes") + rx("rx_copied_bytes"),
         read_bytes as u64,
