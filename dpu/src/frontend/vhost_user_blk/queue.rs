@@ -16,9 +16,9 @@
 //! list that the worker drains right after `submit`; a completion from another thread lands in
 //! a shared list and wakes the worker through an eventfd, written only while the worker
 //! sleeps (an awake worker checks the list before it sleeps). The lists, the descriptor
-//! scratch and the per-head slots are sized once per queue, so a request of up to four data segments
-//! allocates nothing; a longer chain's segment list ([`crate::volume::Segments`], inline for
-//! four) spills to the heap. The clock is read once per batch
+//! scratch and the per-head slots are sized once per queue, so a request of up to four data
+//! segments allocates nothing; a longer chain's segment list ([`crate::volume::Segments`],
+//! inline for four) spills to the heap. The clock is read once per batch
 //! ([`crate::telemetry::clock::batch`]), not per request.
 
 use std::cell::RefCell;
