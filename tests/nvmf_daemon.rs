@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 
 use nacre_shared::nvme::identify::nidt;
-use nacre_shared::nvme::Status;
+use nacre_shared::nvme::{io_opcode, Command, SglDescriptor, Status};
 use nacre_tests::daemon::Nacred;
 use nacre_tests::nvmf_host::{HostError, HostOptions, NvmfHost};
 use serde_json::json;
@@ -347,4 +347,156 @@ fn persisted_rdma_listener_without_a_device_fails_alone_at_start() {
     n.restart();
     let subs = n.ok("nvmf_get_subsystems", json!({}));
     assert!(!subs.to_string().contains("rdma:"), "{subs}");
+}
+
+/// A connected host on `setup`'s subsystem, its I/O queue's replies awaited at most 20 s (a
+/// reply the target never sends fails the test instead of hanging it).
+fn host(n: &Nacred, addr: SocketAddr) -> NvmfHost {
+    n.ok(
+        "nvmf_subsystem_allow_any_host",
+        json!({"nqn": NQN, "allow_any_host": true}),
+    );
+    let h = NvmfHost::connect(addr, NQN, HostOptions::default()).unwrap();
+    h.io[0]
+        .socket()
+        .set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    h
+}
+
+/// `bursts` rounds of 16 reads sent in one write (a deep host), each round awaited whole.
+/// 16 replies of 4 KiB are few enough bytes for the target to hold them back a pass.
+fn deep_bursts(h: &mut NvmfHost, bursts: usize) {
+    for _ in 0..bursts {
+        let cids: Vec<u16> = (0..16u64)
+            .map(|lba| {
+                let cmd = Command::rw(io_opcode::READ, 0, 1, lba, 1, SglDescriptor::default());
+                h.io[0].submit(cmd, &[], 4096)
+            })
+            .collect();
+        h.io[0].flush().unwrap();
+        for c in cids {
+            h.io[0].wait(c).unwrap().ok().unwrap();
+        }
+    }
+}
+
+/// `nvmf_get_stats` summed over the reactors.
+struct Totals {
+    policy: String,
+    busy_passes: u64,
+    idle_polls: u64,
+    sleeps: u64,
+    deep_sleeps: u64,
+}
+
+fn reactor_totals(n: &Nacred) -> Totals {
+    // Counts are published when a reactor sleeps or every 10 ms: give it the moment to.
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let s = n.ok("nvmf_get_stats", json!({}));
+    let r = s["reactors"].as_array().unwrap();
+    assert!(!r.is_empty(), "{s}");
+    let sum = |k: &str| r.iter().map(|x| x[k].as_u64().unwrap()).sum::<u64>();
+    Totals {
+        policy: s["poll"].as_str().unwrap().to_string(),
+        busy_passes: sum("busy_passes"),
+        idle_polls: sum("idle_polls"),
+        sleeps: sum("sleeps"),
+        deep_sleeps: sum("deep_sleeps"),
+    }
+}
+
+/// The default poll policy: a host waiting on each reply is answered by a polling reactor
+/// (no deep sleeps), one keeping 16 commands in flight lets it sleep at once after each
+/// flush instead of burning its core.
+#[test]
+fn adaptive_poll_sleeps_for_deep_hosts_only() {
+    let n = Nacred::start();
+    let addr = setup(&n);
+    let mut h = host(&n, addr);
+    for lba in 0..200 {
+        h.read(0, 1, lba % 64, 1, 4096).unwrap();
+    }
+    let t = reactor_totals(&n);
+    assert_eq!(t.policy, "adaptive");
+    assert!(
+        t.busy_passes >= 200,
+        "{} busy passes for 200 reads",
+        t.busy_passes
+    );
+    assert_eq!(
+        t.deep_sleeps, 0,
+        "QD1 reads must not put the reactor to sleep early"
+    );
+    deep_bursts(&mut h, 20);
+    let t = reactor_totals(&n);
+    assert!(
+        t.deep_sleeps >= 10,
+        "{} deep sleeps after 20 flushes of 16 replies",
+        t.deep_sleeps
+    );
+}
+
+/// `--nvmf-poll always` keeps polling at any depth.
+#[test]
+fn poll_always_never_sleeps_for_depth() {
+    let n = Nacred::start_args(&["--nvmf-poll", "always"]);
+    let addr = setup(&n);
+    let mut h = host(&n, addr);
+    deep_bursts(&mut h, 20);
+    let t = reactor_totals(&n);
+    assert_eq!(t.policy, "always");
+    assert_eq!(t.deep_sleeps, 0);
+}
+
+/// `--nvmf-poll off`: the reactor sleeps whenever idle, yet replies it holds back to coalesce
+/// them (a pass that brought several commands) still go out at the end of the next pass,
+/// not when some later event happens to wake it. Single reads and bursts both complete.
+#[test]
+fn poll_off_still_sends_held_replies() {
+    let n = Nacred::start_args(&["--nvmf-poll", "off"]);
+    let addr = setup(&n);
+    let mut h = host(&n, addr);
+    deep_bursts(&mut h, 20);
+    for lba in 0..50 {
+        h.read(0, 1, lba, 1, 4096).unwrap();
+    }
+    // Two commands in one write: coalesced, then nothing more from the host.
+    let cids: Vec<u16> = (0..2u64)
+        .map(|lba| {
+            let cmd = Command::rw(io_opcode::READ, 0, 1, lba, 1, SglDescriptor::default());
+            h.io[0].submit(cmd, &[], 4096)
+        })
+        .collect();
+    h.io[0].flush().unwrap();
+    for c in cids {
+        h.io[0].wait(c).unwrap().ok().unwrap();
+    }
+    let t = reactor_totals(&n);
+    assert_eq!(t.policy, "off");
+    assert!(t.sleeps > 0);
+    // No busy-poll window: at most the one check after each busy pass that found nothing,
+    // then a sleep (the reactor thread that served only the admin queue may not have slept
+    // after its last check).
+    assert!(
+        t.idle_polls <= t.sleeps + 2,
+        "{} idle polls against {} sleeps",
+        t.idle_polls,
+        t.sleeps
+    );
+    assert_eq!(t.deep_sleeps, 0, "no depth rule without polling");
+}
+
+#[test]
+fn poll_policy_is_checked() {
+    let out = std::process::Command::new(nacre_tests::daemon::bin("nacred"))
+        .args(["--nvmf-poll", "sometimes"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("sometimes") && err.contains("adaptive"),
+        "{err}"
+    );
 }

@@ -9,7 +9,7 @@ use clap::Parser;
 use nacre_dpu::config;
 use nacre_dpu::control::host_channel::HostListener;
 use nacre_dpu::control::{server::RpcServer, Daemon, DaemonConfig};
-use nacre_dpu::frontend::nvmf_tcp::{self, ConnLimits};
+use nacre_dpu::frontend::nvmf_tcp::{self, ConnLimits, PollPolicy};
 use nacre_shared::api::vhost::VhostBlkCreate;
 use nacre_shared::api::volume::{BackendKind, VolumeCreate};
 use nacre_shared::size::format_size;
@@ -102,6 +102,14 @@ struct Args {
     #[arg(long, env = "NACRE_NVMF_REACTORS", default_value_t = 0)]
     nvmf_reactors: usize,
 
+    /// NVMe/TCP: when a reactor busy-polls after work rather than sleeping in epoll_wait.
+    /// `adaptive`: poll (up to 50 µs) for hosts that wait on each reply (QD1, QD2), sleep at
+    /// once for hosts that keep 8 or more commands in flight, whose throughput a wake-up
+    /// does not cost; `always`: poll at any depth (lowest latency, a core kept busy while
+    /// hosts are); `off`: never poll. `nacre rpc nvmf_get_stats` shows what the reactors did.
+    #[arg(long, env = "NACRE_NVMF_POLL", value_enum, default_value_t = PollPolicy::Adaptive)]
+    nvmf_poll: PollPolicy,
+
     /// Serve Prometheus metrics on http://ADDR/metrics (port 0: any free one; `nacre rpc
     /// metrics_endpoint` tells which), or `off`. Keep it on loopback. When the default port is
     /// taken (a second nacred on this machine) nacred warns and runs without the endpoint; an
@@ -184,6 +192,7 @@ fn run(args: Args) -> anyhow::Result<()> {
 
     raise_fd_limit();
     nvmf_tcp::set_default_reactors(args.nvmf_reactors);
+    nvmf_tcp::set_poll_policy(args.nvmf_poll);
     nvmf_tcp::set_default_conn_limits(ConnLimits {
         per_listener: args.nvmf_max_connections,
         setup_per_listener: args.nvmf_max_setup_connections,

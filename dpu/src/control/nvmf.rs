@@ -66,6 +66,11 @@ pub const METHODS: &[Method] = &[
         handler: nvmf_get_subsystems,
         help: "List subsystems (the discovery subsystem first), namespaces, listeners, hosts.",
     },
+    Method {
+        name: "nvmf_get_stats",
+        handler: nvmf_get_stats,
+        help: "What the NVMe/TCP reactors did: poll policy, and per reactor connections, busy passes, idle polls, sleeps, deep sleeps.",
+    },
 ];
 
 fn nvmf_subsystem_create(d: &Daemon, params: Value) -> Result<Value, RpcError> {
@@ -152,4 +157,9 @@ fn nvmf_subsystem_allow_any_host(d: &Daemon, params: Value) -> Result<Value, Rpc
 fn nvmf_get_subsystems(d: &Daemon, params: Value) -> Result<Value, RpcError> {
     let _: NoParams = parse_params(params)?;
     to_value(d.registry.subsystems())
+}
+
+fn nvmf_get_stats(d: &Daemon, params: Value) -> Result<Value, RpcError> {
+    let _: NoParams = parse_params(params)?;
+    to_value(d.registry.nvmf_stats())
 }

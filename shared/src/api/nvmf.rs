@@ -136,3 +136,29 @@ pub struct NvmfSubsystemStatus {
     #[serde(default)]
     pub listener_states: Vec<NvmfListenerState>,
 }
+
+/// `nvmf_get_stats`: what the NVMe/TCP target's reactors did (SPDK's method name; its
+/// poll groups are nacre's reactors).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NvmfStats {
+    /// The reactors' poll policy: "adaptive", "always" or "off" (nacred's `--nvmf-poll`).
+    pub poll: String,
+    pub reactors: Vec<NvmfReactorStats>,
+}
+
+/// One reactor thread of `nvmf_get_stats`; counts since the target started, published by
+/// the reactor every 10 ms while busy and whenever it sleeps.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NvmfReactorStats {
+    /// Connections it serves.
+    pub connections: u64,
+    /// Passes that found work.
+    pub busy_passes: u64,
+    /// Busy-polls that found nothing: the CPU polling cost.
+    pub idle_polls: u64,
+    /// Times it blocked in epoll_wait.
+    pub sleeps: u64,
+    /// Of those, sleeps taken at once after a flush answered 8 or more commands of one
+    /// connection (the adaptive policy's deep-host rule).
+    pub deep_sleeps: u64,
+}

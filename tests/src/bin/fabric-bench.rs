@@ -12,7 +12,7 @@
 //! the ratio to the RAM volume measured in the same run.
 //!
 //!   fabric-bench [--seconds S] [--qd N] [--bs BYTES] [--seq] [--io-queues N] [--digests]
-//!                [--only VOLUME,...]
+//!                [--nvmf-poll adaptive|always|off] [--only VOLUME,...]
 //!
 //! `--bs 131072 --seq --qd 8` is the large sequential read of GPU training's data loaders.
 
@@ -26,7 +26,7 @@ use blkio::{Completion, ReqFlags};
 use nacre_dpu::crypto::volume::EncryptedVolume;
 use nacre_dpu::crypto::{EncryptionPolicy, XtsKey};
 use nacre_dpu::fabric::{Controller, ControllerConfig, RemoteNamespace};
-use nacre_dpu::frontend::nvmf_tcp::NvmfTarget;
+use nacre_dpu::frontend::nvmf_tcp::{self, NvmfTarget, PollPolicy};
 use nacre_dpu::frontend::vhost_user_blk::{VhostBlkConfig, VhostBlkServer};
 use nacre_dpu::volume::ram::RamVolume;
 use nacre_dpu::volume::BlockDevice;
@@ -71,6 +71,16 @@ fn parse() -> Result<Opts> {
             "--seq" => o.seq = true,
             "--io-queues" => o.io_queues = a.next().context("--io-queues N")?.parse()?,
             "--digests" => o.digests = true,
+            "--nvmf-poll" => {
+                let v = a.next().context("--nvmf-poll adaptive|always|off")?;
+                let p = [PollPolicy::Adaptive, PollPolicy::Always, PollPolicy::Off]
+                    .into_iter()
+                    .find(|p| p.as_str() == v)
+                    .with_context(|| {
+                        format!("--nvmf-poll: {v:?} is not adaptive, always or off")
+                    })?;
+                nvmf_tcp::set_poll_policy(p);
+            }
             "--only" => {
                 let v = a.next().context("--only VOLUME[,VOLUME...]")?;
                 let names: Vec<String> = v.split(',').map(str::to_string).collect();
@@ -80,7 +90,7 @@ fn parse() -> Result<Opts> {
                 o.only = Some(names);
             }
             "-h" | "--help" => {
-                println!("fabric-bench [--seconds S] [--qd N] [--bs BYTES] [--seq] [--io-queues N] [--digests] [--only VOLUME,...]");
+                println!("fabric-bench [--seconds S] [--qd N] [--bs BYTES] [--seq] [--io-queues N] [--digests] [--nvmf-poll P] [--only VOLUME,...]");
                 println!(
                     "  volumes: {} (--only runs a subset, e.g. to profile one path)",
                     VOLUMES.join(", ")

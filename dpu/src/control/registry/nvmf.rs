@@ -9,7 +9,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 
 use nacre_shared::api::nvmf::{
-    NvmfListenerState, NvmfSubsystemCreate, NvmfSubsystemInfo, NvmfSubsystemStatus,
+    NvmfListenerState, NvmfReactorStats, NvmfStats, NvmfSubsystemCreate, NvmfSubsystemInfo,
+    NvmfSubsystemStatus,
 };
 use nacre_shared::nvme::validate_nqn;
 use tracing::{info, warn};
@@ -281,6 +282,24 @@ impl Registry {
         let mut inner = self.lock();
         let subs = target(&mut inner).subsystems();
         with_listener_states(&inner, subs)
+    }
+
+    /// `nvmf_get_stats`: the NVMe/TCP target's reactors.
+    pub fn nvmf_stats(&self) -> NvmfStats {
+        let (policy, reactors) = target(&mut self.lock()).reactor_stats();
+        NvmfStats {
+            poll: policy.as_str().to_string(),
+            reactors: reactors
+                .into_iter()
+                .map(|r| NvmfReactorStats {
+                    connections: r.connections as u64,
+                    busy_passes: r.busy_passes,
+                    idle_polls: r.idle_polls,
+                    sleeps: r.sleeps,
+                    deep_sleeps: r.deep_sleeps,
+                })
+                .collect(),
+        }
     }
 
     /// Why a configured NVMe/TCP listener is not listening (it is being retried), if it is

@@ -142,6 +142,9 @@ pub(crate) struct Conn {
     /// Commands parsed since the reactor last decided whether to send or hold the replies
     /// ([`Conn::hold_replies`]).
     pub(super) fresh_cmds: u32,
+    /// Commands whose replies are queued since the last flush decision that sent them: the
+    /// depth the host keeps in flight, as the reactor's poll policy reads it.
+    run_cmds: u32,
     /// Since when replies have been held back.
     held_since: Option<Instant>,
     /// Output backed up past [`OUT_HIGH`]: not reading until it drains below [`OUT_LOW`].
@@ -219,6 +222,7 @@ impl Conn {
             interest: EV_IN,
             flush_queued: false,
             fresh_cmds: 0,
+            run_cmds: 0,
             held_since: None,
             backpressure: false,
             setup_deadline: Some(Instant::now() + setup),
@@ -418,8 +422,9 @@ impl Conn {
     /// target settles at about 23), and on TCP the kernel's cost per send and per segment is
     /// most of a target's CPU. A pass that brings one command (QD1) or none is answered at
     /// once, so latency at low depth does not pay for it.
-    pub(super) fn hold_replies(&mut self, now: Instant) -> bool {
+    pub(super) fn hold_replies(&mut self, now: Instant) -> (bool, u32) {
         let fresh = std::mem::take(&mut self.fresh_cmds);
+        self.run_cmds += fresh;
         let hold = matches!(self.phase, Phase::Serving)
             && !self.out.blocked()
             && should_hold(
@@ -429,10 +434,11 @@ impl Conn {
             );
         if hold {
             self.held_since.get_or_insert(now);
+            (true, 0)
         } else {
             self.held_since = None;
+            (false, std::mem::take(&mut self.run_cmds))
         }
-        hold
     }
 
     /// Whether the reactor should flush this connection at the end of its pass (queued

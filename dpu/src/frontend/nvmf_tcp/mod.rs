@@ -63,7 +63,10 @@ use tracing::{debug, info, warn};
 
 use crate::volume::BlockDevice;
 
-pub use reactor::{set_default_reactors, MAX_DEFAULT_REACTORS};
+pub use reactor::{
+    poll_policy, set_default_reactors, set_poll_policy, PollPolicy, ReactorStats,
+    MAX_DEFAULT_REACTORS,
+};
 pub use subsystem::{Namespace, Subsystem};
 
 /// Limits nacre advertises (and enforces).
@@ -334,6 +337,11 @@ impl NvmfTarget {
     /// The shared state other transports' queues serve (`frontend::nvmf_rdma`).
     pub(crate) fn inner(&self) -> &Arc<TargetInner> {
         &self.inner
+    }
+
+    /// Its reactors' poll policy and what each did (`nvmf_get_stats`).
+    pub fn reactor_stats(&self) -> (PollPolicy, Vec<ReactorStats>) {
+        (self.inner.reactors.policy, self.inner.reactors.stats())
     }
 
     /// A target with the default number of reactor threads ([`set_default_reactors`]).

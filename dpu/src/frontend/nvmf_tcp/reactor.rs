@@ -11,8 +11,15 @@
 //! receive buffer; every complete PDU in it is handled), collect the completions the
 //! volumes produced on this thread, then flush each connection that has replies with one
 //! gather write. After work it busy-polls (`epoll_wait` with no timeout) for a window that
-//! adapts as the vhost-user-blk worker's does, then sleeps in `epoll_wait`. Setting
-//! `NACRE_NVMF_NO_POLL` in the environment turns the busy-poll off.
+//! adapts as the vhost-user-blk worker's does, then sleeps in `epoll_wait`.
+//!
+//! Polling buys latency only where a host waits on each reply. A host that keeps many
+//! commands in flight gains little from a reply a few microseconds sooner, and the poll
+//! costs the core it runs on (a DPU's Arm cores also run crypto, vhost and the initiator).
+//! So under [`PollPolicy::Adaptive`], the default, a reactor whose last flush answered at
+//! least [`SLEEP_DEPTH`] commands of one connection sleeps at once, and polls again after a
+//! flush of [`POLL_DEPTH`] or fewer ([`DepthGate`]). `--nvmf-poll always` keeps polling at
+//! any depth (SPDK's way, less the pinned core); `off` never polls.
 //!
 //! Completions from other threads (remote and crypto volumes) and asynchronous events go
 //! into the reactor's mailbox; the eventfd is written only while the reactor sleeps, so a
@@ -23,7 +30,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -43,6 +50,11 @@ const EVENTS: usize = 256;
 /// 32 µs; a TCP round trip on loopback takes a little longer).
 const MAX_POLL_NS: u64 = 50_000;
 const MIN_POLL_NS: u64 = 4_000;
+/// [`DepthGate`]: a flush that answers this many commands of one connection shows a host
+/// that keeps a queue in flight (a deep one: `fio --iodepth`, `spdk_nvme_perf -q`)...
+const SLEEP_DEPTH: u32 = 8;
+/// ... and one of this many or fewer a host that waits on its replies (QD1, QD2).
+const POLL_DEPTH: u32 = 2;
 /// Longest sleep while a connection has a deadline (setup, per PDU, stalled send): it is
 /// checked at least this often.
 const MAX_SLEEP_MS: i32 = 50;
@@ -60,6 +72,87 @@ static DEFAULT_REACTORS: AtomicUsize = AtomicUsize::new(0);
 /// [`MAX_DEFAULT_REACTORS`].
 pub fn set_default_reactors(n: usize) {
     DEFAULT_REACTORS.store(n, Ordering::Relaxed);
+}
+
+/// When a reactor busy-polls (nacred's `--nvmf-poll`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum PollPolicy {
+    /// Poll after work, except while the last flush showed a deep host ([`DepthGate`]).
+    #[default]
+    Adaptive,
+    /// Poll after work at any depth: the lowest latency, a busy core while hosts are busy.
+    Always,
+    /// Never poll: sleep in `epoll_wait` whenever there is nothing to do.
+    Off,
+}
+
+impl PollPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PollPolicy::Adaptive => "adaptive",
+            PollPolicy::Always => "always",
+            PollPolicy::Off => "off",
+        }
+    }
+}
+
+/// 0 adaptive, 1 always, 2 off (`PollPolicy as u8`).
+static POLL_POLICY: AtomicU8 = AtomicU8::new(0);
+
+/// Set the poll policy of reactors started from now on (nacred's `--nvmf-poll`).
+pub fn set_poll_policy(p: PollPolicy) {
+    POLL_POLICY.store(p as u8, Ordering::Relaxed);
+}
+
+pub fn poll_policy() -> PollPolicy {
+    match POLL_POLICY.load(Ordering::Relaxed) {
+        1 => PollPolicy::Always,
+        2 => PollPolicy::Off,
+        _ => PollPolicy::Adaptive,
+    }
+}
+
+/// The depth rule of [`PollPolicy::Adaptive`], with hysteresis so that a host between the
+/// two depths keeps the reactor in whichever mode it was.
+#[derive(Debug, Default)]
+struct DepthGate {
+    deep: bool,
+}
+
+impl DepthGate {
+    /// A pass's flushes answered at most `answered` commands of one connection (0: no
+    /// flush, which tells nothing).
+    fn flushed(&mut self, answered: u32) {
+        if answered >= SLEEP_DEPTH {
+            self.deep = true;
+        } else if answered > 0 && answered <= POLL_DEPTH {
+            self.deep = false;
+        }
+    }
+}
+
+/// What a reactor did, as `nvmf_get_stats` shows it (SPDK's poll-group statistics).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReactorStats {
+    /// Connections it serves.
+    pub connections: usize,
+    /// Passes that found work (readiness or mail).
+    pub busy_passes: u64,
+    /// Busy-polls that found nothing: the price of polling.
+    pub idle_polls: u64,
+    /// Times it blocked in `epoll_wait`.
+    pub sleeps: u64,
+    /// Of those, sleeps taken at once after a deep flush instead of polling.
+    pub deep_sleeps: u64,
+}
+
+/// [`ReactorStats`] as the reactor thread publishes them.
+#[derive(Default)]
+struct Counters {
+    busy_passes: AtomicU64,
+    idle_polls: AtomicU64,
+    sleeps: AtomicU64,
+    deep_sleeps: AtomicU64,
 }
 
 pub(crate) fn default_reactors() -> usize {
@@ -112,6 +205,7 @@ pub(crate) struct Shared {
     stop: AtomicBool,
     /// Connections this reactor owns (for spreading new ones).
     load: AtomicUsize,
+    counters: Counters,
 }
 
 thread_local! {
@@ -146,6 +240,7 @@ impl Shared {
             sleeping: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             load: AtomicUsize::new(0),
+            counters: Counters::default(),
         };
         s.ctl(
             libc::EPOLL_CTL_ADD,
@@ -228,12 +323,14 @@ impl Shared {
 pub(crate) struct Reactors {
     shared: Vec<Arc<Shared>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
+    pub(crate) policy: PollPolicy,
 }
 
 impl Reactors {
     /// Start `n` reactor threads (at least one). One that cannot be started is left out
     /// with a warning; with none at all, connections are closed as they arrive.
     pub(crate) fn start(n: usize) -> Reactors {
+        let policy = poll_policy();
         let mut shared = Vec::new();
         let mut threads = Vec::new();
         for i in 0..n.max(1) {
@@ -242,7 +339,7 @@ impl Reactors {
                     .name(format!("nvmf-reactor-{i}"))
                     .spawn({
                         let s = s.clone();
-                        move || Reactor::new(s).run(false)
+                        move || Reactor::new(s, policy).run(false)
                     })?;
                 Ok((s, t))
             });
@@ -257,7 +354,25 @@ impl Reactors {
         Reactors {
             shared,
             threads: Mutex::new(threads),
+            policy,
         }
+    }
+
+    /// Each reactor's counts, as last published (at most [`SCAN_EVERY`] old while busy).
+    pub(crate) fn stats(&self) -> Vec<ReactorStats> {
+        self.shared
+            .iter()
+            .map(|s| {
+                let c = &s.counters;
+                ReactorStats {
+                    connections: s.load.load(Ordering::Relaxed),
+                    busy_passes: c.busy_passes.load(Ordering::Relaxed),
+                    idle_polls: c.idle_polls.load(Ordering::Relaxed),
+                    sleeps: c.sleeps.load(Ordering::Relaxed),
+                    deep_sleeps: c.deep_sleeps.load(Ordering::Relaxed),
+                }
+            })
+            .collect()
     }
 
     /// Hand a connection to the reactor owning the fewest.
@@ -290,7 +405,7 @@ pub(crate) fn serve_here(c: NewConn) {
     match Shared::new() {
         Ok(s) => {
             s.post(Mail::Conn(Box::new(c)));
-            Reactor::new(s).run(true);
+            Reactor::new(s, poll_policy()).run(true);
         }
         Err(e) => warn!("cannot set up an NVMe/TCP reactor: {e}"),
     }
@@ -327,14 +442,21 @@ struct Reactor {
     /// decided again at the end of this one. The reactor does not sleep while any is.
     held: Vec<u64>,
     poll_ns: u64,
-    /// Busy-polling allowed at all (`NACRE_NVMF_NO_POLL` unset).
-    poll: bool,
+    /// The most replies one connection's flush carried in this pass: the depth its host
+    /// keeps in flight (see [`DEEP`]).
+    answered: u32,
+    gate: DepthGate,
+    policy: PollPolicy,
+    /// This thread's [`Counters`], published now and then.
+    busy_passes: u64,
+    idle_polls: u64,
+    sleeps: u64,
+    deep_sleeps: u64,
     last_scan: Instant,
 }
 
 impl Reactor {
-    fn new(shared: Arc<Shared>) -> Reactor {
-        let poll = std::env::var_os("NACRE_NVMF_NO_POLL").is_none();
+    fn new(shared: Arc<Shared>, policy: PollPolicy) -> Reactor {
         Reactor {
             shared,
             conns: ConnMap::default(),
@@ -344,8 +466,18 @@ impl Reactor {
             local: Vec::new(),
             dirty: Vec::new(),
             held: Vec::new(),
-            poll_ns: if poll { MAX_POLL_NS } else { 0 },
-            poll,
+            poll_ns: if policy == PollPolicy::Off {
+                0
+            } else {
+                MAX_POLL_NS
+            },
+            answered: 0,
+            gate: DepthGate::default(),
+            policy,
+            busy_passes: 0,
+            idle_polls: 0,
+            sleeps: 0,
+            deep_sleeps: 0,
             last_scan: Instant::now(),
         }
     }
@@ -366,11 +498,17 @@ impl Reactor {
             if until_empty && self.next_token > 1 && self.conns.is_empty() {
                 break;
             }
-            let polling = now.duration_since(idle_since).as_nanos() as u64 <= self.poll_ns;
+            // Held replies go out at the end of the next pass: never sleep on them.
+            let deep = self.policy == PollPolicy::Adaptive && self.gate.deep;
+            let polling = !self.held.is_empty()
+                || (!deep && now.duration_since(idle_since).as_nanos() as u64 <= self.poll_ns);
             let n = if work || polling {
-                self.wait(0)
+                let n = self.wait(0);
+                self.idle_polls += u64::from(n == 0 && !work);
+                n
             } else {
-                self.sleep()
+                self.deep_sleeps += u64::from(deep);
+                self.sleep(!deep)
             };
             // One clock read for the statistics of everything this pass's events bring
             // (telemetry::clock): commands parsed and completions reaped in it alike.
@@ -388,13 +526,17 @@ impl Reactor {
             }
             drop(batch);
             now = Instant::now();
+            self.answered = 0;
             self.flush_dirty(now);
+            self.gate.flushed(self.answered);
             work |= !self.dirty.is_empty() || !self.held.is_empty();
             if now.duration_since(self.last_scan) >= SCAN_EVERY {
                 self.last_scan = now;
                 self.scan(now);
+                self.publish();
             }
             if work {
+                self.busy_passes += 1;
                 idle_since = now;
             }
         }
@@ -433,8 +575,21 @@ impl Reactor {
         n as usize
     }
 
-    /// Block until readiness, mail, or the next deadline.
-    fn sleep(&mut self) -> usize {
+    /// Make this thread's counts visible to `nvmf_get_stats`.
+    fn publish(&self) {
+        let c = &self.shared.counters;
+        c.busy_passes.store(self.busy_passes, Ordering::Relaxed);
+        c.idle_polls.store(self.idle_polls, Ordering::Relaxed);
+        c.sleeps.store(self.sleeps, Ordering::Relaxed);
+        c.deep_sleeps.store(self.deep_sleeps, Ordering::Relaxed);
+    }
+
+    /// Block until readiness, mail, or the next deadline; `adapt`: let how long it took
+    /// tune the busy-poll window (not for a sleep the depth rule chose).
+    fn sleep(&mut self, adapt: bool) -> usize {
+        self.sleeps += 1;
+        // An idle reactor's counts are current.
+        self.publish();
         let t0 = Instant::now();
         self.shared.sleeping.store(true, Ordering::SeqCst);
         if self.shared.has_mail.load(Ordering::SeqCst) {
@@ -456,8 +611,8 @@ impl Reactor {
         // than the window means polling longer would have caught the work; a long one means
         // polling burns a core for nothing.
         let blocked = t0.elapsed().as_nanos() as u64;
-        if !self.poll {
-            self.poll_ns = 0;
+        if self.policy == PollPolicy::Off || !adapt {
+            // No window to tune.
         } else if n > 0 && blocked <= MAX_POLL_NS {
             self.poll_ns = (self.poll_ns * 2).clamp(MIN_POLL_NS, MAX_POLL_NS);
         } else if n > 0 || blocked > MAX_POLL_NS {
@@ -573,13 +728,14 @@ impl Reactor {
             }
             let mut dirty = std::mem::take(&mut self.dirty);
             for token in dirty.drain(..) {
-                let mut hold = false;
+                let (mut hold, mut answered) = (false, 0);
                 self.with_conn(token, |c| {
-                    hold = c.hold_replies(now);
+                    (hold, answered) = c.hold_replies(now);
                     if !hold {
                         c.flush();
                     }
                 });
+                self.answered = self.answered.max(answered);
                 if hold && self.conns.contains_key(&token) {
                     self.held.push(token);
                 }
@@ -602,5 +758,43 @@ impl Reactor {
         for t in tokens {
             self.with_conn(t, |c| c.on_deadline(now));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn depth_gate_sleeps_for_deep_hosts_with_hysteresis() {
+        let mut g = DepthGate::default();
+        assert!(!g.deep, "a new reactor polls");
+        // Shallow and middling flushes leave a polling reactor polling.
+        for a in [1, 2, 4, SLEEP_DEPTH - 1, 0] {
+            g.flushed(a);
+            assert!(!g.deep, "{a}");
+        }
+        g.flushed(SLEEP_DEPTH);
+        assert!(g.deep);
+        // Between the depths, and passes without a flush, keep it sleeping...
+        for a in [0, POLL_DEPTH + 1, SLEEP_DEPTH - 1, 32] {
+            g.flushed(a);
+            assert!(g.deep, "{a}");
+        }
+        // ... until a host waits on its replies again.
+        g.flushed(POLL_DEPTH);
+        assert!(!g.deep);
+        g.flushed(SLEEP_DEPTH + 10);
+        g.flushed(1);
+        assert!(!g.deep);
+    }
+
+    #[test]
+    fn poll_policy_names_round_trip() {
+        use clap::ValueEnum;
+        for p in [PollPolicy::Adaptive, PollPolicy::Always, PollPolicy::Off] {
+            assert_eq!(PollPolicy::from_str(p.as_str(), false), Ok(p));
+        }
+        assert_eq!(PollPolicy::default(), PollPolicy::Adaptive);
     }
 }

@@ -2,6 +2,7 @@
 //! ring and the volume checked afterwards. These cover what no well-behaved client (libblkio,
 //! Linux) would ever send.
 
+use std::os::fd::AsRawFd;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
@@ -10,7 +11,7 @@ use virtio_queue::desc::{split::Descriptor as SplitDescriptor, RawDescriptor};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-use super::queue::{serial_bytes, QueueWorker};
+use super::queue::{serial_bytes, QueueWorker, MAX_POLL_NS, SLEEP_IN_FLIGHT};
 use super::request::{DeviceParams, Mem};
 use super::spec::{self, S_IOERR, S_OK, S_UNSUPP};
 use crate::volume::ram::RamVolume;
@@ -1239,4 +1240,47 @@ fn random_descriptor_chains_never_write_outside_their_buffers() {
         succeeded >= cases / 8,
         "only {succeeded} of {cases} cases carried a request that succeeded"
     );
+}
+
+/// Adaptive polling stops at depth: a worker with few requests in flight on another thread
+/// polls after its batch, one with `SLEEP_IN_FLIGHT` or more goes straight back to sleep
+/// (their completions will wake it).
+#[test]
+fn a_deep_queue_sleeps_instead_of_polling() {
+    let (vol, rx) = LaterVolume::new();
+    let mut h = Harness::with_volume(vol, false);
+    h.header(spec::T_FLUSH, 0);
+    let call = vmm_sys_util::eventfd::EventFd::new(libc::EFD_NONBLOCK).unwrap();
+    let flush = |h: &mut Harness, head: u16| {
+        let (wr, next) = (VRING_DESC_F_WRITE as u16, VRING_DESC_F_NEXT as u16);
+        h.submit_raw(head, head, &[(HDR, 16, next, head + 1), (STATUS, 1, wr, 0)]);
+    };
+    let poll = |h: &mut Harness| {
+        h.worker.set_poll_window(MAX_POLL_NS);
+        let mem = h.mem.clone();
+        let before = h.worker.poll_windows();
+        h.worker
+            .run_polling(&mut h.queue, &|| mem.clone(), Some(call.as_raw_fd()));
+        h.worker.poll_windows() - before
+    };
+    flush(&mut h, 0);
+    assert_eq!(h.worker.in_flight(), 1);
+    assert_eq!(poll(&mut h), 1, "one request in flight: the worker polls");
+    for head in (2..2 * SLEEP_IN_FLIGHT as u16).step_by(2) {
+        flush(&mut h, head);
+    }
+    assert_eq!(h.worker.in_flight(), SLEEP_IN_FLIGHT);
+    assert_eq!(poll(&mut h), 0, "a deep queue: no poll");
+    // Completed, the queue is shallow again and the worker polls.
+    let held: Vec<Handoff> = rx.try_iter().collect();
+    assert_eq!(held.len(), SLEEP_IN_FLIGHT);
+    std::thread::spawn(move || {
+        for (req, done) in held {
+            done.complete(req.tag, Ok(()));
+        }
+    })
+    .join()
+    .unwrap();
+    assert_eq!(poll(&mut h), 1);
+    assert_eq!(h.worker.in_flight(), 0);
 }
