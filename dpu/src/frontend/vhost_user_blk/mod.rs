@@ -10,8 +10,10 @@
 //! accessors; no heap allocation per request; the used index written and the driver
 //! interrupted once per batch (EVENT_IDX honoured); and, like QEMU's iothreads, an adaptive
 //! busy-poll of the avail ring (at most 32 µs) after each batch, so a steady stream of
-//! requests is served without kicks or wake-ups. Setting `NACRE_VHOST_NO_POLL` in the
-//! environment turns the polling off (for A/B measurements and CPU-starved hosts).
+//! requests is served without kicks or wake-ups, except while 8 or more requests are in
+//! flight on other threads (a remote volume), whose completions wake the worker anyway.
+//! Setting `NACRE_VHOST_NO_POLL` in the environment turns the polling off (for A/B
+//! measurements and CPU-starved hosts).
 //!
 //! Modules:
 //! * [`spec`] — §5.2 constants, configuration space and segment layouts.
