@@ -364,20 +364,25 @@ fn host(n: &Nacred, addr: SocketAddr) -> NvmfHost {
     h
 }
 
+/// `reads` one-block reads sent in one write, all awaited.
+fn burst(h: &mut NvmfHost, reads: u64) {
+    let cids: Vec<u16> = (0..reads)
+        .map(|lba| {
+            let cmd = Command::rw(io_opcode::READ, 0, 1, lba, 1, SglDescriptor::default());
+            h.io[0].submit(cmd, &[], 4096)
+        })
+        .collect();
+    h.io[0].flush().unwrap();
+    for c in cids {
+        h.io[0].wait(c).unwrap().ok().unwrap();
+    }
+}
+
 /// `bursts` rounds of 16 reads sent in one write (a deep host), each round awaited whole.
 /// 16 replies of 4 KiB are few enough bytes for the target to hold them back a pass.
 fn deep_bursts(h: &mut NvmfHost, bursts: usize) {
     for _ in 0..bursts {
-        let cids: Vec<u16> = (0..16u64)
-            .map(|lba| {
-                let cmd = Command::rw(io_opcode::READ, 0, 1, lba, 1, SglDescriptor::default());
-                h.io[0].submit(cmd, &[], 4096)
-            })
-            .collect();
-        h.io[0].flush().unwrap();
-        for c in cids {
-            h.io[0].wait(c).unwrap().ok().unwrap();
-        }
+        burst(h, 16);
     }
 }
 
@@ -462,16 +467,7 @@ fn poll_off_still_sends_held_replies() {
         h.read(0, 1, lba, 1, 4096).unwrap();
     }
     // Two commands in one write: coalesced, then nothing more from the host.
-    let cids: Vec<u16> = (0..2u64)
-        .map(|lba| {
-            let cmd = Command::rw(io_opcode::READ, 0, 1, lba, 1, SglDescriptor::default());
-            h.io[0].submit(cmd, &[], 4096)
-        })
-        .collect();
-    h.io[0].flush().unwrap();
-    for c in cids {
-        h.io[0].wait(c).unwrap().ok().unwrap();
-    }
+    burst(&mut h, 2);
     let t = reactor_totals(&n);
     assert_eq!(t.policy, "off");
     assert!(t.sleeps > 0);

@@ -443,7 +443,7 @@ struct Reactor {
     held: Vec<u64>,
     poll_ns: u64,
     /// The most replies one connection's flush carried in this pass: the depth its host
-    /// keeps in flight (see [`DEEP`]).
+    /// keeps in flight (see [`DepthGate`]).
     answered: u32,
     gate: DepthGate,
     policy: PollPolicy,
