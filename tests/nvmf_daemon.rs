@@ -440,6 +440,18 @@ fn adaptive_poll_sleeps_for_deep_hosts_only() {
         "{} deep sleeps after 20 flushes of 16 replies",
         t.deep_sleeps
     );
+    // The CLI's table: the policy, a header, then one row per reactor ending in its deep
+    // sleeps.
+    let o = n.cli(&["nvmf", "stats"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let mut lines = out.lines();
+    assert_eq!(lines.next(), Some("poll policy: adaptive"), "{out}");
+    assert!(lines.next().unwrap().contains("DEEP SLEEPS"), "{out}");
+    let deep: u64 = lines
+        .map(|l| l.split_whitespace().last().unwrap().parse::<u64>().unwrap())
+        .sum();
+    assert!(deep >= t.deep_sleeps, "{out}");
 }
 
 /// `--nvmf-poll always` keeps polling at any depth.

@@ -123,6 +123,12 @@ pub enum NvmfCmd {
     /// List subsystems: namespaces, listeners (and why one is not listening), hosts.
     #[command(after_help = "Examples:\n  nacre nvmf list\n  nacre --json nvmf list")]
     List,
+    /// What the NVMe/TCP reactor threads did: the poll policy, and per reactor its
+    /// connections, busy passes, idle polls, sleeps and deep sleeps.
+    #[command(
+        after_help = "Idle polls are the busy-poll's cost: empty looks for work. Deep sleeps are sleeps the\nadaptive policy took at once because a host keeps 8 or more commands in flight\n(nacred --nvmf-poll adaptive|always|off sets the policy).\n\nExamples:\n  nacre nvmf stats\n  nacre --json nvmf stats"
+    )]
+    Stats,
 }
 
 pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
@@ -257,6 +263,31 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
                         listeners(s),
                         hosts,
                         s["controllers"].to_string(),
+                    ]);
+                }
+                t.print();
+            });
+        }
+        NvmfCmd::Stats => {
+            let v = ctx.call("nvmf_get_stats", Value::Null)?;
+            ctx.print(&v, |v| {
+                println!("poll policy: {}", v["poll"].as_str().unwrap_or("?"));
+                let mut t = Table::new(&[
+                    "REACTOR",
+                    "CONNS",
+                    "BUSY PASSES",
+                    "IDLE POLLS",
+                    "SLEEPS",
+                    "DEEP SLEEPS",
+                ]);
+                for (i, r) in v["reactors"].as_array().into_iter().flatten().enumerate() {
+                    t.row(vec![
+                        i.to_string(),
+                        r["connections"].to_string(),
+                        r["busy_passes"].to_string(),
+                        r["idle_polls"].to_string(),
+                        r["sleeps"].to_string(),
+                        r["deep_sleeps"].to_string(),
                     ]);
                 }
                 t.print();
