@@ -106,7 +106,7 @@ struct Args {
     /// `adaptive`: poll (up to 50 µs) for hosts that wait on each reply (QD1, QD2), sleep at
     /// once for hosts that keep 8 or more commands in flight, whose throughput a wake-up
     /// does not cost; `always`: poll at any depth (lowest latency, a core kept busy while
-    /// hosts are); `off`: never poll. `nacre rpc nvmf_get_stats` shows what the reactors did.
+    /// hosts are); `off`: never poll. `nacre nvmf stats` shows what the reactors did.
     #[arg(long, env = "NACRE_NVMF_POLL", value_enum, default_value_t = PollPolicy::Adaptive)]
     nvmf_poll: PollPolicy,
 

@@ -77,12 +77,14 @@ pub fn set_default_reactors(n: usize) {
 /// When a reactor busy-polls (nacred's `--nvmf-poll`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum PollPolicy {
-    /// Poll after work, except while the last flush showed a deep host ([`DepthGate`]).
+    // (The variants' doc lines are nacred's `--help` text; the rule is `DepthGate`.)
+    /// Poll after work for hosts that wait on each reply; sleep at once for hosts that keep
+    /// 8 or more commands in flight.
     #[default]
     Adaptive,
-    /// Poll after work at any depth: the lowest latency, a busy core while hosts are busy.
+    /// Poll after work at any depth: the lowest latency, a core kept busy while hosts are.
     Always,
-    /// Never poll: sleep in `epoll_wait` whenever there is nothing to do.
+    /// Never poll: sleep in epoll_wait whenever there is nothing to do.
     Off,
 }
 
