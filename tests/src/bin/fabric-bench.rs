@@ -73,7 +73,7 @@ fn parse() -> Result<Opts> {
             "--digests" => o.digests = true,
             "--nvmf-poll" => {
                 let v = a.next().context("--nvmf-poll adaptive|always|off")?;
-                let p = [PollPolicy::Adaptive, PollPolicy::Always, PollPolicy::Off]
+                let p = PollPolicy::ALL
                     .into_iter()
                     .find(|p| p.as_str() == v)
                     .with_context(|| {

@@ -89,6 +89,8 @@ pub enum PollPolicy {
 }
 
 impl PollPolicy {
+    pub const ALL: [PollPolicy; 3] = [PollPolicy::Adaptive, PollPolicy::Always, PollPolicy::Off];
+
     pub fn as_str(self) -> &'static str {
         match self {
             PollPolicy::Adaptive => "adaptive",
@@ -794,7 +796,7 @@ mod tests {
     #[test]
     fn poll_policy_names_round_trip() {
         use clap::ValueEnum;
-        for p in [PollPolicy::Adaptive, PollPolicy::Always, PollPolicy::Off] {
+        for p in PollPolicy::ALL {
             assert_eq!(PollPolicy::from_str(p.as_str(), false), Ok(p));
         }
         assert_eq!(PollPolicy::default(), PollPolicy::Adaptive);
