@@ -337,7 +337,9 @@ pub fn encode_c2h_data(
 ) {
     let ddgst = encode_c2h_data_head(out, cccid, datao, data, last, success, dg, hpda);
     out.extend_from_slice(data);
-    out.extend(ddgst.into_iter().flatten());
+    if let Some(d) = ddgst {
+        out.extend_from_slice(&d);
+    }
 }
 
 /// C2HData's LAST_PDU and SUCCESS flags (§3.6.2.8): SUCCESS only on the last PDU.
