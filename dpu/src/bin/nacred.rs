@@ -16,6 +16,14 @@ use nacre_shared::size::format_size;
 use serde_json::json;
 use tracing::{info, warn};
 
+/// mimalloc, not glibc's malloc: the data path allocates a request's completion state on the
+/// thread that submits it (a vhost-user-blk worker) and frees it on the thread that completes
+/// it (an initiator's receive thread); glibc returns such frees to the allocating thread's
+/// arena under that arena's lock, mimalloc through a lock-free per-page list. End to end
+/// through XTS and NVMe/TCP it measured 8% more IOPS per core (`fabric-bench`, README).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const EXAMPLES: &str = "\
 Examples:
   # Start with the embedded default: a 1 GiB file volume \"default\" served over

@@ -11,6 +11,13 @@
 //! configuration: IOPS, cores busy (CPU seconds / wall seconds) and IOPS per total core, with
 //! the ratio to the RAM volume measured in the same run.
 //!
+//! The same CPU time is also split by thread into the three machines a deployment has: the
+//! *host* (this process's main thread, the libblkio client standing in for the guest), the
+//! *shelf* (the target's reactor, listener and keep-alive threads: the remote storage) and
+//! the *DPU* (everything else: the vhost-user-blk worker, XTS, the initiator's threads).
+//! IOPS per DPU core is what a BlueField's Arm cores would spend; the total includes a shelf
+//! that in a deployment is another machine.
+//!
 //!   fabric-bench [--seconds S] [--qd N] [--bs BYTES] [--seq] [--io-queues N] [--digests]
 //!                [--nvmf-poll adaptive|always|off] [--only VOLUME,...]
 //!
@@ -33,6 +40,11 @@ use nacre_dpu::volume::BlockDevice;
 use nacre_shared::nvme_tcp::Digests;
 use nacre_tests::blkio_client::{BlkioClient, ClientOptions};
 
+/// The allocator nacred runs with (dpu/src/bin/nacred.rs), so the stack measured here
+/// allocates as the daemon does.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const SIZE: u64 = 256 << 20;
 /// The volumes' logical block size (requests are multiples of it).
 const LBA: u32 = 4096;
@@ -47,6 +59,8 @@ struct Opts {
     digests: bool,
     /// Run only these volumes (for profiling one path); the ratio needs `ram` among them.
     only: Option<Vec<String>>,
+    /// Print each thread's cores busy after each volume's line.
+    threads: bool,
 }
 
 /// The volumes measured, in order; `ram` is the baseline of the ratio column.
@@ -61,6 +75,7 @@ fn parse() -> Result<Opts> {
         io_queues: 1,
         digests: false,
         only: None,
+        threads: false,
     };
     let mut a = std::env::args().skip(1);
     while let Some(k) = a.next() {
@@ -71,6 +86,7 @@ fn parse() -> Result<Opts> {
             "--seq" => o.seq = true,
             "--io-queues" => o.io_queues = a.next().context("--io-queues N")?.parse()?,
             "--digests" => o.digests = true,
+            "--threads" => o.threads = true,
             "--nvmf-poll" => {
                 let v = a.next().context("--nvmf-poll adaptive|always|off")?;
                 let p = PollPolicy::ALL
@@ -90,11 +106,12 @@ fn parse() -> Result<Opts> {
                 o.only = Some(names);
             }
             "-h" | "--help" => {
-                println!("fabric-bench [--seconds S] [--qd N] [--bs BYTES] [--seq] [--io-queues N] [--digests] [--nvmf-poll P] [--only VOLUME,...]");
+                println!("fabric-bench [--seconds S] [--qd N] [--bs BYTES] [--seq] [--io-queues N] [--digests] [--nvmf-poll P] [--only VOLUME,...] [--threads]");
                 println!(
                     "  volumes: {} (--only runs a subset, e.g. to profile one path)",
                     VOLUMES.join(", ")
                 );
+                println!("  --threads: each thread's cores busy too (host = the libblkio client, shelf = the target's threads, dpu = the rest)");
                 std::process::exit(0);
             }
             _ => bail!("unknown argument {k}"),
@@ -116,9 +133,104 @@ fn cpu_seconds() -> f64 {
     t(ru.ru_utime) + t(ru.ru_stime)
 }
 
+/// Which machine of a deployment a thread stands for (module docs).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Host,
+    Dpu,
+    Shelf,
+}
+
+impl Role {
+    fn of(tid: i32, comm: &str) -> Role {
+        // SAFETY: getpid has no preconditions.
+        if tid == unsafe { libc::getpid() } {
+            Role::Host
+        } else if ["nvmf-reactor", "nvmf-listen", "nvmf-keepalive"]
+            .iter()
+            .any(|p| comm.starts_with(p))
+        {
+            Role::Shelf
+        } else {
+            Role::Dpu
+        }
+    }
+}
+
+/// One thread's CPU time at a [`thread_cpu`] snapshot.
+struct ThreadCpu {
+    tid: i32,
+    comm: String,
+    role: Role,
+    secs: f64,
+}
+
+/// CPU seconds of each thread of this process now.
+fn thread_cpu() -> Vec<ThreadCpu> {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return Vec::new();
+    };
+    let mut v = Vec::new();
+    for e in dir.flatten() {
+        let Some(tid) = e.file_name().to_str().and_then(|t| t.parse::<i32>().ok()) else {
+            continue;
+        };
+        let comm = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
+        // The CPU-time clock of thread `tid` (Linux's encoding, the one glibc's
+        // pthread_getcpuclockid returns: CPUCLOCK_SCHED | CPUCLOCK_PERTHREAD): nanoseconds,
+        // where /proc's utime and stime count 10 ms ticks.
+        let clock = ((!tid) << 3) | 6;
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: ts is a valid timespec to fill; a thread that has exited meanwhile makes
+        // the call fail, and is skipped.
+        if unsafe { libc::clock_gettime(clock, &mut ts) } == 0 {
+            let comm = comm.trim_end().to_string();
+            v.push(ThreadCpu {
+                tid,
+                role: Role::of(tid, &comm),
+                comm,
+                secs: ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9,
+            });
+        }
+    }
+    v
+}
+
+/// Cores busy per thread between two [`thread_cpu`] snapshots `wall` seconds apart (a
+/// thread born meanwhile counts from zero; one that ended meanwhile is not counted).
+fn thread_cores(before: &[ThreadCpu], after: Vec<ThreadCpu>, wall: f64) -> Vec<ThreadCpu> {
+    after
+        .into_iter()
+        .map(|mut t| {
+            let t0 = before
+                .iter()
+                .find(|b| b.tid == t.tid)
+                .map_or(0.0, |b| b.secs);
+            t.secs = (t.secs - t0).max(0.0) / wall;
+            t
+        })
+        .collect()
+}
+
 struct Result1 {
     iops: f64,
     cores: f64,
+    /// Cores busy per thread (`secs` holds cores).
+    threads: Vec<ThreadCpu>,
+}
+
+impl Result1 {
+    /// Cores busy as host, DPU and shelf ([`Role`]).
+    fn roles(&self) -> [f64; 3] {
+        let mut c = [0.0; 3];
+        for t in &self.threads {
+            c[t.role as usize] += t.secs;
+        }
+        c
+    }
 }
 
 /// Serve `vol` over vhost-user-blk and drive it with libblkio: `bs`-byte reads at `qd`, random
@@ -186,7 +298,8 @@ fn run(vol: Arc<dyn BlockDevice>, dir: &Path, name: &str, o: &Opts) -> Result<Re
     }
     let mut comps: Vec<MaybeUninit<Completion>> =
         (0..o.qd).map(|_| MaybeUninit::uninit()).collect();
-    let mut measure = |secs: f64| -> Result<(u64, f64, f64)> {
+    let mut measure = |secs: f64| -> Result<(u64, f64, f64, Vec<ThreadCpu>)> {
+        let threads0 = thread_cpu();
         let (t0, c0) = (Instant::now(), cpu_seconds());
         let mut n = 0u64;
         while t0.elapsed().as_secs_f64() < secs {
@@ -211,10 +324,11 @@ fn run(vol: Arc<dyn BlockDevice>, dir: &Path, name: &str, o: &Opts) -> Result<Re
             }
             n += got as u64;
         }
-        Ok((n, t0.elapsed().as_secs_f64(), cpu_seconds() - c0))
+        let (wall, cpu) = (t0.elapsed().as_secs_f64(), cpu_seconds() - c0);
+        Ok((n, wall, cpu, thread_cores(&threads0, thread_cpu(), wall)))
     };
     measure(0.5)?; // warm-up
-    let (n, wall, cpu) = measure(o.seconds)?;
+    let (n, wall, cpu, threads) = measure(o.seconds)?;
     // Drain what is in flight before tearing down.
     let mut left = o.qd;
     while left > 0 {
@@ -227,6 +341,7 @@ fn run(vol: Arc<dyn BlockDevice>, dir: &Path, name: &str, o: &Opts) -> Result<Re
     Ok(Result1 {
         iops: n as f64 / wall,
         cores: cpu / wall,
+        threads,
     })
 }
 
@@ -296,10 +411,20 @@ fn main() -> Result<()> {
         std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     println!(
-        "{:<14} {:>10} {:>9} {:>7} {:>12} {:>14}",
-        "volume", "IOPS", "MiB/s", "cores", "IOPS/core", "per-core vs ram"
+        "{:<14} {:>10} {:>9} {:>7} {:>12} {:>14} | {:>5} {:>5} {:>5} {:>13} {:>7}",
+        "volume",
+        "IOPS",
+        "MiB/s",
+        "cores",
+        "IOPS/core",
+        "per-core vs ram",
+        "host",
+        "dpu",
+        "shelf",
+        "IOPS/dpu-core",
+        "vs ram"
     );
-    let mut ram_per_core = None;
+    let (mut ram_per_core, mut ram_per_dpu_core) = (None, None);
     for (name, vol) in configs {
         if o.only
             .as_ref()
@@ -309,19 +434,40 @@ fn main() -> Result<()> {
         }
         let r = run(vol, dir.path(), name, &o)?;
         let per_core = r.iops / r.cores.max(1e-9);
+        let [host, dpu, shelf] = r.roles();
+        let per_dpu_core = r.iops / dpu.max(1e-9);
         if name == "ram" {
             ram_per_core = Some(per_core);
+            ram_per_dpu_core = Some(per_dpu_core);
         }
-        let ratio = ram_per_core.map_or("-".to_string(), |b| format!("{:.2}x", per_core / b));
+        let ratio =
+            |base: Option<f64>, v: f64| base.map_or("-".to_string(), |b| format!("{:.2}x", v / b));
         println!(
-            "{:<14} {:>10.0} {:>9.0} {:>7.2} {:>12.0} {:>14}",
+            "{:<14} {:>10.0} {:>9.0} {:>7.2} {:>12.0} {:>14} | {:>5.2} {:>5.2} {:>5.2} {:>13.0} {:>7}",
             name,
             r.iops,
             r.iops * o.bs as f64 / (1 << 20) as f64,
             r.cores,
             per_core,
-            ratio
+            ratio(ram_per_core, per_core),
+            host,
+            dpu,
+            shelf,
+            per_dpu_core,
+            ratio(ram_per_dpu_core, per_dpu_core)
         );
+        if o.threads {
+            let mut ts: Vec<&ThreadCpu> = r.threads.iter().filter(|t| t.secs >= 0.005).collect();
+            ts.sort_by(|a, b| b.secs.total_cmp(&a.secs));
+            for t in ts {
+                let role = match t.role {
+                    Role::Host => "host",
+                    Role::Dpu => "dpu",
+                    Role::Shelf => "shelf",
+                };
+                println!("    {:<20} {:<5} {:>5.2} cores", t.comm, role, t.secs);
+            }
+        }
     }
     ctrl.close();
     Ok(())
