@@ -89,6 +89,39 @@ fn fabric_bench_splits_cpu_into_host_dpu_and_shelf() {
     assert_eq!(role_of("fabric-bench"), "host", "{stdout}");
 }
 
+/// Writes go the same way: in-capsule at 4 KiB, through R2T/H2CData at 128 KiB.
+#[test]
+fn fabric_bench_writes_through_the_fabric() {
+    for bs in ["4096", "131072"] {
+        let out = Command::new(bin("fabric-bench"))
+            .args([
+                "--seconds",
+                "0.2",
+                "--write",
+                "--bs",
+                bs,
+                "--qd",
+                "4",
+                "--only",
+                "ram,nvme-tcp,nvme-tcp+xts",
+            ])
+            .output()
+            .expect("run fabric-bench");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "fabric-bench --write --bs {bs} failed: {}\n{stdout}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains(" random write, QD4"), "{stdout}");
+        for volume in ["nvme-tcp", "nvme-tcp+xts"] {
+            let [_, _, shelf] = roles(&stdout, volume);
+            assert!(shelf > 0.0, "{volume}: the shelf did no work\n{stdout}");
+        }
+    }
+}
+
 #[test]
 fn fabric_bench_rejects_an_unknown_volume() {
     let out = Command::new(bin("fabric-bench"))

@@ -224,19 +224,60 @@ fn put_pdu(out: &mut Vec<u8>, t: u8, fl: u8, hdr: &[u8], data: &[u8], digests: D
     }
 }
 
+/// Append a PDU whose `len` data bytes `fill` writes in place: the sender copies them from
+/// where they are (a request's segments) straight into `out`, once, instead of gathering
+/// them into a buffer of their own first. With no data, `fill` is not called.
+#[allow(clippy::too_many_arguments)]
+fn put_pdu_with(
+    out: &mut Vec<u8>,
+    t: u8,
+    fl: u8,
+    hdr: &[u8],
+    len: usize,
+    digests: Digests,
+    pda: u8,
+    fill: impl FnOnce(&mut [u8]),
+) {
+    let dd = put_pdu_head_len(out, t, fl, hdr, len, digests, pda);
+    if len == 0 {
+        return;
+    }
+    let at = out.len();
+    out.resize(at + len, 0);
+    fill(&mut out[at..]);
+    if dd {
+        let d = digest::crc32c(&out[at..]);
+        out.extend_from_slice(&d.to_le_bytes());
+    }
+}
+
 /// A PDU up to its data: CH and PSH, header digest, padding to PDO. Returns the data digest
 /// that follows the data when data digests are on (and there is data).
 fn put_pdu_head(
     out: &mut Vec<u8>,
     t: u8,
-    mut fl: u8,
+    fl: u8,
     hdr: &[u8],
     data: &[u8],
     digests: Digests,
     pda: u8,
 ) -> Option<[u8; DIGEST_LEN]> {
+    put_pdu_head_len(out, t, fl, hdr, data.len(), digests, pda)
+        .then(|| digest::crc32c(data).to_le_bytes())
+}
+
+/// A PDU with `len` data bytes up to its data; returns whether a data digest follows them.
+fn put_pdu_head_len(
+    out: &mut Vec<u8>,
+    t: u8,
+    mut fl: u8,
+    hdr: &[u8],
+    len: usize,
+    digests: Digests,
+    pda: u8,
+) -> bool {
     let hlen = hdr.len();
-    let has_data = !data.is_empty();
+    let has_data = len > 0;
     let pdo = if has_data {
         data_offset(hlen, digests, pda)
     } else {
@@ -248,11 +289,7 @@ fn put_pdu_head(
     } else {
         0
     };
-    let plen = if has_data {
-        pdo + data.len() + dd
-    } else {
-        hlen + hd
-    };
+    let plen = if has_data { pdo + len + dd } else { hlen + hd };
     if digests.header {
         fl |= flags::HDGSTF;
     }
@@ -269,7 +306,7 @@ fn put_pdu_head(
     if has_data {
         out.resize(start + pdo, 0);
     }
-    (dd != 0).then(|| digest::crc32c(data).to_le_bytes())
+    dd != 0
 }
 
 /// CapsuleCmd (§3.6.2.5): CH, the 64-byte SQE, in-capsule data.
@@ -277,6 +314,21 @@ pub fn encode_capsule_cmd(out: &mut Vec<u8>, sqe: &Command, data: &[u8], dg: Dig
     let mut hdr = [0u8; CAPSULE_CMD_HLEN];
     sqe.encode(&mut hdr[CH_LEN..]);
     put_pdu(out, pdu_type::CAPSULE_CMD, 0, &hdr, data, dg, cpda);
+}
+
+/// CapsuleCmd with `len` bytes of in-capsule data that `fill` writes in place (from the
+/// request's memory, without an intermediate buffer).
+pub fn encode_capsule_cmd_with(
+    out: &mut Vec<u8>,
+    sqe: &Command,
+    len: usize,
+    dg: Digests,
+    cpda: u8,
+    fill: impl FnOnce(&mut [u8]),
+) {
+    let mut hdr = [0u8; CAPSULE_CMD_HLEN];
+    sqe.encode(&mut hdr[CH_LEN..]);
+    put_pdu_with(out, pdu_type::CAPSULE_CMD, 0, &hdr, len, dg, cpda, fill);
 }
 
 /// CapsuleResp (§3.6.2.6): CH and the 16-byte CQE.
@@ -406,6 +458,30 @@ pub fn encode_h2c_data(
     put_pdu(out, pdu_type::H2C_DATA, fl, &h, data, dg, cpda);
 }
 
+/// H2CData with `len` data bytes that `fill` writes in place (from the request's memory).
+#[allow(clippy::too_many_arguments)]
+pub fn encode_h2c_data_with(
+    out: &mut Vec<u8>,
+    cccid: u16,
+    ttag: u16,
+    datao: u32,
+    len: usize,
+    last: bool,
+    dg: Digests,
+    cpda: u8,
+    fill: impl FnOnce(&mut [u8]),
+) {
+    let h = DataHeader {
+        cccid,
+        ttag,
+        datao,
+        datal: len as u32,
+    }
+    .header();
+    let fl = if last { flags::LAST_PDU } else { 0 };
+    put_pdu_with(out, pdu_type::H2C_DATA, fl, &h, len, dg, cpda, fill);
+}
+
 /// R2T (§3.6.2.9): CCCID, TTAG, R2TO (offset), R2TL (length) — same PSH layout as the
 /// data PDUs.
 pub fn encode_r2t(out: &mut Vec<u8>, cccid: u16, ttag: u16, r2to: u32, r2tl: u32, dg: Digests) {
@@ -498,6 +574,47 @@ mod test {
                     assert_eq!(whole, pdu, "the copying encoder builds the same PDU");
                 }
             }
+        }
+    }
+
+    /// The in-place encoders (data written by a closure into the send buffer) build the
+    /// very PDUs the slice encoders do, for every digest and alignment, and hand the
+    /// closure exactly the data's place (a fill that wrote elsewhere would show).
+    #[test]
+    fn in_place_encoders_build_the_same_pdus() {
+        let data: Vec<u8> = (0..4100u32).map(|i| (i * 13 + 5) as u8).collect();
+        let sqe = Command {
+            opcode: 0x01,
+            cid: 0x1234,
+            nsid: 1,
+            cdw10: 8,
+            ..Default::default()
+        };
+        for (header, dd) in [(false, false), (true, false), (false, true), (true, true)] {
+            let dg = Digests { header, data: dd };
+            for pda in [0u8, 3] {
+                let (mut a, mut b) = (vec![0xAB], vec![0xAB]);
+                encode_capsule_cmd(&mut a, &sqe, &data, dg, pda);
+                encode_capsule_cmd_with(&mut b, &sqe, data.len(), dg, pda, |d| {
+                    assert_eq!(d.len(), data.len());
+                    d.copy_from_slice(&data)
+                });
+                assert_eq!(a, b, "CapsuleCmd, digests {dg:?}, CPDA {pda}");
+                for last in [false, true] {
+                    let (mut a, mut b) = (vec![0xCD], vec![0xCD]);
+                    encode_h2c_data(&mut a, 3, 7, 8192, &data, last, dg, pda);
+                    encode_h2c_data_with(&mut b, 3, 7, 8192, data.len(), last, dg, pda, |d| {
+                        assert_eq!(d.len(), data.len());
+                        d.copy_from_slice(&data)
+                    });
+                    assert_eq!(a, b, "H2CData, digests {dg:?}, CPDA {pda}, last {last}");
+                }
+            }
+            // No data: no padding, no data digest, and nothing to fill.
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            encode_capsule_cmd(&mut a, &sqe, &[], dg, 0);
+            encode_capsule_cmd_with(&mut b, &sqe, 0, dg, 0, |_| panic!("filled no data"));
+            assert_eq!(a, b);
         }
     }
 

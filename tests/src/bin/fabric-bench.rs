@@ -1,5 +1,5 @@
-//! End-to-end reads (4 KiB random by default) through nacre's whole stack, and the same with a
-//! RAM volume:
+//! End-to-end reads or writes (4 KiB random reads by default) through nacre's whole stack,
+//! and the same with a RAM volume:
 //!
 //! ```text
 //!  libblkio ──vhost-user-blk──▶ nacred frontend ──▶ [AES-XTS] ──▶ NVMe/TCP initiator
@@ -18,7 +18,7 @@
 //! IOPS per DPU core is what a BlueField's Arm cores would spend; the total includes a shelf
 //! that in a deployment is another machine.
 //!
-//!   fabric-bench [--seconds S] [--qd N] [--bs BYTES] [--seq] [--io-queues N] [--digests]
+//!   fabric-bench [--seconds S] [--qd N] [--bs BYTES] [--seq] [--write] [--io-queues N] [--digests]
 //!                [--nvmf-poll adaptive|always|off] [--only VOLUME,...]
 //!
 //! `--bs 131072 --seq --qd 8` is the large sequential read of GPU training's data loaders.
@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use blkio::{Completion, ReqFlags};
+use blkio::{Blkioq, Completion, ReqFlags};
 use nacre_dpu::crypto::volume::EncryptedVolume;
 use nacre_dpu::crypto::{EncryptionPolicy, XtsKey};
 use nacre_dpu::fabric::{Controller, ControllerConfig, RemoteNamespace};
@@ -55,6 +55,8 @@ struct Opts {
     qd: usize,
     bs: usize,
     seq: bool,
+    /// Writes instead of reads.
+    write: bool,
     io_queues: u16,
     digests: bool,
     /// Run only these volumes (for profiling one path); the ratio needs `ram` among them.
@@ -72,6 +74,7 @@ fn parse() -> Result<Opts> {
         qd: 32,
         bs: 4096,
         seq: false,
+        write: false,
         io_queues: 1,
         digests: false,
         only: None,
@@ -84,6 +87,7 @@ fn parse() -> Result<Opts> {
             "--qd" => o.qd = a.next().context("--qd N")?.parse()?,
             "--bs" => o.bs = a.next().context("--bs BYTES")?.parse()?,
             "--seq" => o.seq = true,
+            "--write" => o.write = true,
             "--io-queues" => o.io_queues = a.next().context("--io-queues N")?.parse()?,
             "--digests" => o.digests = true,
             "--threads" => o.threads = true,
@@ -106,7 +110,7 @@ fn parse() -> Result<Opts> {
                 o.only = Some(names);
             }
             "-h" | "--help" => {
-                println!("fabric-bench [--seconds S] [--qd N] [--bs BYTES] [--seq] [--io-queues N] [--digests] [--nvmf-poll P] [--only VOLUME,...] [--threads]");
+                println!("fabric-bench [--seconds S] [--qd N] [--bs BYTES] [--seq] [--write] [--io-queues N] [--digests] [--nvmf-poll P] [--only VOLUME,...] [--threads]");
                 println!(
                     "  volumes: {} (--only runs a subset, e.g. to profile one path)",
                     VOLUMES.join(", ")
@@ -286,15 +290,19 @@ fn run(vol: Arc<dyn BlockDevice>, dir: &Path, name: &str, o: &Opts) -> Result<Re
         };
         b * bs as u64
     };
+    let write = o.write;
+    // Request `i` uses slot i of the mapped region, qd * bs bytes long.
+    let issue = |q: &mut Blkioq, off: u64, i: usize| {
+        // SAFETY: slot i lies inside the mapped region (i < qd).
+        let buf = unsafe { base.add(i * bs) };
+        if write {
+            q.write(off, buf, bs, i, ReqFlags::empty());
+        } else {
+            q.read(off, buf, bs, i, ReqFlags::empty());
+        }
+    };
     for i in 0..o.qd {
-        // SAFETY: slot i of the mapped region, qd * bs bytes long.
-        q.read(
-            next_off(),
-            unsafe { base.add(i * bs) },
-            bs,
-            i,
-            ReqFlags::empty(),
-        );
+        issue(q, next_off(), i);
     }
     let mut comps: Vec<MaybeUninit<Completion>> =
         (0..o.qd).map(|_| MaybeUninit::uninit()).collect();
@@ -310,17 +318,9 @@ fn run(vol: Arc<dyn BlockDevice>, dir: &Path, name: &str, o: &Opts) -> Result<Re
                 // SAFETY: do_io initialised the first `got` entries.
                 let cm = unsafe { cm.assume_init_read() };
                 if cm.ret != 0 {
-                    bail!("read failed: {}", cm.ret);
+                    bail!("request failed: {}", cm.ret);
                 }
-                let i = cm.user_data;
-                // SAFETY: as above.
-                q.read(
-                    next_off(),
-                    unsafe { base.add(i * bs) },
-                    bs,
-                    i,
-                    ReqFlags::empty(),
-                );
+                issue(q, next_off(), cm.user_data);
             }
             n += got as u64;
         }
@@ -401,9 +401,10 @@ fn main() -> Result<()> {
         ),
     ];
     println!(
-        "{} KiB {} read, QD{}, 1 vhost-user-blk queue, {} NVMe/TCP I/O queue(s){}, {} s each, {} CPUs online",
+        "{} KiB {} {}, QD{}, 1 vhost-user-blk queue, {} NVMe/TCP I/O queue(s){}, {} s each, {} CPUs online",
         o.bs / 1024,
         if o.seq { "sequential" } else { "random" },
+        if o.write { "write" } else { "read" },
         o.qd,
         info.io_queues,
         if o.digests { ", header+data digests" } else { "" },

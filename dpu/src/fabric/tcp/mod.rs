@@ -336,28 +336,18 @@ impl QueueConn {
             }
         };
         let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
-        if in_capsule && cmd.len > 0 {
-            // Two copies: the command's segments are gathered into `data`, which the encoder
-            // then copies into the send buffer behind the header (and digests). Sending
-            // straight from the segments (writev) is the reactor work of issue 9.
-            let mut data = vec![0u8; cmd.len];
-            cmd.read_data(0, &mut data);
-            pdu::encode_capsule_cmd(
-                &mut tx.buf,
-                &cmd.sqe,
-                &data,
-                self.params.digests,
-                self.neg.cpda,
-            );
-        } else {
-            pdu::encode_capsule_cmd(
-                &mut tx.buf,
-                &cmd.sqe,
-                &[],
-                self.params.digests,
-                self.neg.cpda,
-            );
-        }
+        // In-capsule data is copied once, from the request's segments straight into the send
+        // buffer behind the header (a gather write from guest memory would hold the guest's
+        // buffer until the socket took it, past the point a plugged batch is sent).
+        let len = if in_capsule { cmd.len } else { 0 };
+        pdu::encode_capsule_cmd_with(
+            &mut tx.buf,
+            &cmd.sqe,
+            len,
+            self.params.digests,
+            self.neg.cpda,
+            |d| cmd.read_data(0, d),
+        );
         // Inside a plug the submitting thread sends the batch itself when the plug closes
         // (admin commands never wait for that: a thread may block on their answer).
         let plugged = self.qid != 0 && plug::is_open();

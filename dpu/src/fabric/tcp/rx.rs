@@ -230,11 +230,11 @@ impl QueueConn {
     }
 
     /// R2T (§3.6.2.9): send the requested range as H2CData PDUs of at most MAXH2CDATA bytes,
-    /// the last one flagged LAST_PDU.
+    /// the last one flagged LAST_PDU, each copied once from the request's memory into the
+    /// send buffer (under the slot lock and then the send lock, the order `issue` takes them).
     fn on_r2t(&self, r: DataHeader, hdr: &[u8]) -> Result<(), Fatal> {
         let (off, len) = (r.datao as usize, r.datal as usize);
-        let mut data = Vec::new();
-        self.with_cmd(r.cccid, hdr, |cmd| {
+        let wake = self.with_cmd(r.cccid, hdr, |cmd| {
             if cmd.dir != Dir::H2C
                 || cmd.len <= self.icd_max()
                 || cmd.sqe.opcode == admin_opcode::FABRICS
@@ -257,29 +257,26 @@ impl QueueConn {
                     hdr,
                 ));
             }
-            data.resize(len, 0);
-            cmd.read_data(off, &mut data);
-            Ok(())
+            let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+            let max = self.neg.maxh2cdata;
+            let mut pos = 0;
+            while pos < len {
+                let n = (len - pos).min(max);
+                pdu::encode_h2c_data_with(
+                    &mut tx.buf,
+                    r.cccid,
+                    r.ttag,
+                    (off + pos) as u32,
+                    n,
+                    pos + n == len,
+                    self.params.digests,
+                    self.neg.cpda,
+                    |d| cmd.read_data(off + pos, d),
+                );
+                pos += n;
+            }
+            Ok(tx.waiting)
         })?;
-        let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
-        let max = self.neg.maxh2cdata;
-        let mut pos = 0;
-        while pos < len {
-            let n = (len - pos).min(max);
-            pdu::encode_h2c_data(
-                &mut tx.buf,
-                r.cccid,
-                r.ttag,
-                (off + pos) as u32,
-                &data[pos..pos + n],
-                pos + n == len,
-                self.params.digests,
-                self.neg.cpda,
-            );
-            pos += n;
-        }
-        let wake = tx.waiting;
-        drop(tx);
         if wake {
             self.tx_cv.notify_one();
         }
