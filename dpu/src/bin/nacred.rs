@@ -20,7 +20,8 @@ use tracing::{info, warn};
 /// thread that submits it (a vhost-user-blk worker) and frees it on the thread that completes
 /// it (an initiator's receive thread); glibc returns such frees to the allocating thread's
 /// arena under that arena's lock, mimalloc through a lock-free per-page list. End to end
-/// through XTS and NVMe/TCP it measured 8% more IOPS per core (`fabric-bench`, README).
+/// through XTS and NVMe/TCP it measured 4-25% more IOPS per core in six alternations
+/// (`fabric-bench`, README); the target alone, whose buffers are pooled, did not move.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
