@@ -31,6 +31,7 @@
 //! appearing later needs the listener re-added).
 
 pub mod cm;
+mod conn;
 mod queue;
 pub(crate) mod verbs;
 
@@ -362,7 +363,7 @@ fn listen_loop(
         };
         let spawned = std::thread::Builder::new()
             .name("nvmf-rdma-queue".into())
-            .spawn(move || queue::serve(target, conn));
+            .spawn(move || conn::serve(target, conn));
         if let Err(e) = spawned {
             // The closure (and the id in it) is gone with the failed spawn: the host sees
             // its connect time out.
