@@ -8,6 +8,22 @@ use std::process::Command;
 
 use nacre_tests::daemon::bin;
 
+/// Run fabric-bench with `args`; its standard output, once it has succeeded.
+fn fabric_bench(args: &[&str]) -> String {
+    let out = Command::new(bin("fabric-bench"))
+        .args(args)
+        .output()
+        .expect("run fabric-bench");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "fabric-bench {args:?} failed: {}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
 /// The cores column after the `|` of a volume's row: `[host, dpu, shelf]`.
 fn roles(stdout: &str, volume: &str) -> [f64; 3] {
     let row = stdout
@@ -44,23 +60,13 @@ fn threads<'a>(stdout: &'a str, volume: &str) -> Vec<(&'a str, &'a str)> {
 
 #[test]
 fn fabric_bench_splits_cpu_into_host_dpu_and_shelf() {
-    let out = Command::new(bin("fabric-bench"))
-        .args([
-            "--seconds",
-            "0.3",
-            "--only",
-            "ram,nvme-tcp+xts",
-            "--threads",
-        ])
-        .output()
-        .expect("run fabric-bench");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "fabric-bench failed: {}\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stdout = fabric_bench(&[
+        "--seconds",
+        "0.3",
+        "--only",
+        "ram,nvme-tcp+xts",
+        "--threads",
+    ]);
 
     // The RAM path has no shelf: its volume is in the DPU's own memory (the target only
     // answers the initiator's keep-alives meanwhile).
@@ -93,27 +99,17 @@ fn fabric_bench_splits_cpu_into_host_dpu_and_shelf() {
 #[test]
 fn fabric_bench_writes_through_the_fabric() {
     for bs in ["4096", "131072"] {
-        let out = Command::new(bin("fabric-bench"))
-            .args([
-                "--seconds",
-                "0.2",
-                "--write",
-                "--bs",
-                bs,
-                "--qd",
-                "4",
-                "--only",
-                "ram,nvme-tcp,nvme-tcp+xts",
-            ])
-            .output()
-            .expect("run fabric-bench");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "fabric-bench --write --bs {bs} failed: {}\n{stdout}\n{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let stdout = fabric_bench(&[
+            "--seconds",
+            "0.2",
+            "--write",
+            "--bs",
+            bs,
+            "--qd",
+            "4",
+            "--only",
+            "ram,nvme-tcp,nvme-tcp+xts",
+        ]);
         assert!(stdout.contains(" random write, QD4"), "{stdout}");
         for volume in ["nvme-tcp", "nvme-tcp+xts"] {
             let [_, _, shelf] = roles(&stdout, volume);
