@@ -515,11 +515,8 @@ impl Conn {
     // ---- NVM command set I/O (NVM Command Set 1.0 §3) ----
 
     fn refresh_namespaces(&mut self) {
-        let Some(s) = &self.subsys else { return };
-        let g = s.ns_gen.load(Ordering::Acquire);
-        if g != self.ns_gen {
-            self.ns = s.namespace_table();
-            self.ns_gen = g;
+        if let Some(s) = &self.subsys {
+            s.refresh_namespace_table(&mut self.ns_gen, &mut self.ns);
         }
     }
 

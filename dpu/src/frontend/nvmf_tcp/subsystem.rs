@@ -109,6 +109,21 @@ impl Subsystem {
             .clone()
     }
 
+    /// Bring a connection's copy of the namespace table (`table`, taken at generation
+    /// `gen`) up to date: one atomic load per command while nothing changed, a copy of the
+    /// table after a namespace was added or removed. Both targets (TCP and RDMA) keep one.
+    pub(crate) fn refresh_namespace_table(
+        &self,
+        gen: &mut u64,
+        table: &mut BTreeMap<u32, Arc<Namespace>>,
+    ) {
+        let g = self.ns_gen.load(Ordering::Acquire);
+        if g != *gen {
+            *table = self.namespace_table();
+            *gen = g;
+        }
+    }
+
     pub(crate) fn namespace(&self, nsid: u32) -> Option<Arc<Namespace>> {
         self.namespaces
             .read()
