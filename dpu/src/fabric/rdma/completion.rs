@@ -12,9 +12,8 @@ use nacre_shared::nvme::Completion as Cqe;
 use rdma_sys::*;
 use tracing::debug;
 
-use super::{
-    event_name, RdmaQueue, BUSY_POLL, IDLE_WAKE_MS, POLL_BATCH, RSP_LEN, WR_RECV, WR_SEND,
-};
+use super::connect::event_name;
+use super::{RdmaQueue, BUSY_POLL, IDLE_WAKE_MS, POLL_BATCH, RSP_LEN, WR_RECV, WR_SEND};
 use crate::fabric::cmd::{Cmd, Dir};
 use crate::fabric::queue::split_cid;
 use crate::frontend::nvmf_rdma::verbs;
