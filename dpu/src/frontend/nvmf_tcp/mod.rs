@@ -25,6 +25,10 @@
 //! * [`ctrl`] — a controller (dynamic controller model): properties, admin commands,
 //!   features, log pages, asynchronous events, keep-alive.
 //! * [`subsystem`] — subsystems, namespaces and the discovery log page.
+//! * `listener` — the TCP listeners subsystems share: binding, the accept loop, stopping.
+//! * `admission` — [`ConnLimits`] and what a listener's connections count against (the RDMA
+//!   listeners count theirs the same way).
+//! * [`limits`] — what nacre advertises to hosts and enforces: queue sizes, MDTS, R2T budget.
 //!
 //! Reactors, not a thread per queue and not an async runtime: a connection belongs to one
 //! reactor thread, which reads it without blocking, handles every complete PDU a read
@@ -40,17 +44,20 @@
 //! `subsystems`. Namespace changes raise Namespace Attribute Changed events on connected
 //! controllers. Dropping the target closes every listener and connection.
 
+mod admission;
 mod command;
 mod conn;
 pub(crate) mod ctrl;
 pub(crate) mod fabrics;
+pub mod limits;
+mod listener;
 mod pdu;
 mod reactor;
 pub(crate) mod subsystem;
 mod transfer;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
@@ -59,91 +66,20 @@ use std::time::{Duration, Instant};
 use nacre_shared::api::nvmf::NvmfSubsystemInfo;
 use nacre_shared::nvme::{validate_nqn, DISCOVERY_NQN};
 use thiserror::Error;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use crate::volume::BlockDevice;
 
+use admission::DEFAULT_LIMITS;
+use listener::{stop_listener, Listener};
+
+pub use admission::{set_default_conn_limits, ConnLimits};
+pub(crate) use admission::{ConnSlot, Evict, ListenerConns};
 pub use reactor::{
     poll_policy, set_default_reactors, set_poll_policy, PollPolicy, ReactorStats,
     MAX_DEFAULT_REACTORS,
 };
 pub use subsystem::{Namespace, Subsystem};
-
-/// Limits nacre advertises (and enforces).
-pub mod limits {
-    /// CAP.MQES + 1: the largest I/O queue a host may create.
-    pub const MAX_QUEUE_ENTRIES: u32 = 1024;
-    /// Largest admin queue (Linux uses 32).
-    pub const MAX_ADMIN_QUEUE_ENTRIES: u32 = 1024;
-    /// I/O queues a controller grants (Set Features Number of Queues).
-    pub const MAX_IO_QUEUES: u16 = 128;
-    /// In-capsule data accepted on I/O queues: IOCCSZ = (64 + this) / 16.
-    pub const IO_INLINE_DATA: usize = 8192;
-    /// The admin queue always accepts 8 KiB in capsule: Linux sends up to
-    /// NVME_TCP_ADMIN_CCSZ there regardless of IOCCSZ.
-    pub const ADMIN_INLINE_DATA: usize = 8192;
-    /// MDTS = 5: 2^5 × 4 KiB = 128 KiB per command.
-    pub const MDTS: u8 = 5;
-    pub const MAX_TRANSFER: usize = 4096 << MDTS;
-    /// ICResp MAXH2CDATA: one H2CData PDU may carry a whole command's data.
-    pub const MAX_H2C_DATA: u32 = MAX_TRANSFER as u32;
-    /// Largest NSID (Identify Controller NN).
-    pub const MAX_NSID: u32 = 1024;
-    /// AERL + 1: outstanding Asynchronous Event Requests per controller.
-    pub const MAX_AERS: usize = 4;
-    /// Keep Alive Support granularity: 1 s (KAS in 100 ms units).
-    pub const KAS_100MS: u16 = 10;
-    /// CAP.TO: CSTS.RDY follows CC.EN at once; 15 s is the worst case we promise.
-    pub const CAP_TO_500MS: u8 = 30;
-    /// Bytes of host data one queue holds buffers for while waiting for it (R2Ts
-    /// outstanding). Further writes wait for their R2T until earlier data has arrived
-    /// (NVMe/TCP 1.0 §3.3.3 lets the controller choose when to send an R2T), so a host cannot
-    /// pin queue entries × MDTS of target memory by announcing writes and never sending data.
-    /// 16 × 128 KiB keeps a queue's pipe full on any link nacre serves.
-    pub const R2T_BUDGET: usize = 16 * MAX_TRANSFER;
-    /// Idle data buffers a queue keeps for reuse, in bytes (the rest are freed).
-    pub const POOL_BYTES: usize = R2T_BUDGET;
-}
-
-/// How many connections peers may hold (the `--nvmf-max-*` flags of nacred).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ConnLimits {
-    /// Connections one listener serves at once, whatever their phase; further connections
-    /// are closed as soon as they are accepted.
-    pub per_listener: usize,
-    /// Connections of one listener that have not completed a Fabrics Connect yet. When a new
-    /// connection would exceed this, the oldest such connection is closed: a peer that opens
-    /// connections and stays silent cannot lock hosts out, it only evicts its own.
-    pub setup_per_listener: usize,
-    /// Queues (connections with a successful Fabrics Connect) one host NQN may hold on the
-    /// target; a Connect beyond it fails with Connect Controller Busy.
-    pub per_host: usize,
-}
-
-impl ConnLimits {
-    /// 1024 connections per listener, 64 of them setting up, 256 queues per host NQN (two
-    /// controllers of 127 I/O queues each, or many smaller ones).
-    pub const DEFAULT: ConnLimits = ConnLimits {
-        per_listener: 1024,
-        setup_per_listener: 64,
-        per_host: 256,
-    };
-}
-
-impl Default for ConnLimits {
-    fn default() -> Self {
-        ConnLimits::DEFAULT
-    }
-}
-
-/// Limits new targets start with: nacred sets them from its command line before the control
-/// plane creates its target.
-static DEFAULT_LIMITS: Mutex<ConnLimits> = Mutex::new(ConnLimits::DEFAULT);
-
-/// Set the [`ConnLimits`] targets created from now on start with.
-pub fn set_default_conn_limits(l: ConnLimits) {
-    *lock(&DEFAULT_LIMITS) = l;
-}
 
 /// Errors of the target's management API.
 #[derive(Debug, Error)]
@@ -230,98 +166,6 @@ pub(crate) struct AsyncReply {
     pub(crate) queue: Weak<dyn ctrl::CtrlQueue>,
     pub(crate) cid: u16,
     pub(crate) dw0: u32,
-}
-
-struct Listener {
-    /// Port ID reported in discovery log entries.
-    portid: u16,
-    subsystems: BTreeSet<String>,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-/// How a listener closes a connection that is still setting up when a newer one pushes it
-/// over [`ConnLimits::setup_per_listener`] (TCP: shut the socket down; RDMA: stop the
-/// queue's thread, which disconnects). Called without any lock held.
-pub(crate) type Evict = Box<dyn FnOnce() + Send>;
-
-/// What a listener's connections count against ([`ConnLimits`]). Transport-independent: the
-/// TCP and the RDMA listeners admit through [`ListenerConns::admit`].
-#[derive(Default)]
-pub(crate) struct ListenerConns {
-    live: std::sync::atomic::AtomicUsize,
-    /// Connections not yet past Fabrics Connect, oldest first.
-    setup: Mutex<std::collections::VecDeque<(u64, Evict)>>,
-}
-
-impl ListenerConns {
-    /// Take a place for connection `id` under `limits`, or `None` when the listener already
-    /// serves [`ConnLimits::per_listener`] connections (the caller closes or rejects it).
-    /// The new connection counts as setting up; if that makes more than
-    /// [`ConnLimits::setup_per_listener`], the oldest ones still setting up are evicted —
-    /// a peer that opens connections and stays silent only evicts its own.
-    pub(crate) fn admit(
-        self: &Arc<Self>,
-        id: u64,
-        limits: &ConnLimits,
-        evict: Option<Evict>,
-    ) -> Option<ConnSlot> {
-        // Check and take in one step: two listeners' threads never race here today, but
-        // the count must not overshoot if one ever does.
-        let taken = self
-            .live
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
-                (n < limits.per_listener).then_some(n + 1)
-            });
-        if taken.is_err() {
-            return None;
-        }
-        let slot = ConnSlot {
-            conns: self.clone(),
-            id,
-        };
-        let evicted: Vec<Evict> = match evict {
-            None => Vec::new(),
-            Some(e) => {
-                let mut setup = lock(&self.setup);
-                setup.push_back((id, e));
-                let over = setup.len().saturating_sub(limits.setup_per_listener.max(1));
-                setup.drain(..over).map(|(_, e)| e).collect()
-            }
-        };
-        for e in evicted {
-            e();
-        }
-        Some(slot)
-    }
-}
-
-/// One accepted connection's place in its listener's counts; given back on drop.
-pub(crate) struct ConnSlot {
-    conns: Arc<ListenerConns>,
-    id: u64,
-}
-
-impl ConnSlot {
-    /// The connection completed a Fabrics Connect: it no longer counts as setting up.
-    pub(crate) fn connected(&self) {
-        // The evict handle is dropped outside the lock (it may own a socket).
-        let gone = {
-            let mut setup = lock(&self.conns.setup);
-            setup
-                .iter()
-                .position(|(id, _)| *id == self.id)
-                .and_then(|i| setup.remove(i))
-        };
-        drop(gone);
-    }
-}
-
-impl Drop for ConnSlot {
-    fn drop(&mut self) {
-        self.connected();
-        self.conns.live.fetch_sub(1, Ordering::SeqCst);
-    }
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -572,23 +416,6 @@ impl Drop for NvmfTarget {
     }
 }
 
-fn stop_listener(addr: SocketAddr, mut l: Listener) {
-    l.stop.store(true, Ordering::SeqCst);
-    // Wake the accept loop with a throw-away connection.
-    let mut wake = addr;
-    if wake.ip().is_unspecified() {
-        wake.set_ip(if addr.is_ipv4() {
-            std::net::Ipv4Addr::LOCALHOST.into()
-        } else {
-            std::net::Ipv6Addr::LOCALHOST.into()
-        });
-    }
-    let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
-    if let Some(t) = l.thread.take() {
-        let _ = t.join();
-    }
-}
-
 impl TargetInner {
     pub(crate) fn bump_genctr(&self) {
         self.genctr.fetch_add(1, Ordering::Relaxed);
@@ -614,68 +441,6 @@ impl TargetInner {
 
     pub(crate) fn all_subsystems(&self) -> Vec<Arc<Subsystem>> {
         lock(&self.subsystems).values().cloned().collect()
-    }
-
-    pub(crate) fn portid(&self, addr: &SocketAddr) -> u16 {
-        lock(&self.listeners).get(addr).map_or(0, |l| l.portid)
-    }
-
-    fn acquire_listener(
-        self: &Arc<Self>,
-        addr: SocketAddr,
-        nqn: &str,
-    ) -> Result<SocketAddr, NvmfError> {
-        let mut ls = lock(&self.listeners);
-        if addr.port() != 0 {
-            if let Some(l) = ls.get_mut(&addr) {
-                l.subsystems.insert(nqn.to_string());
-                return Ok(addr);
-            }
-        }
-        let tl = TcpListener::bind(addr).map_err(|source| NvmfError::Listen { addr, source })?;
-        let bound = tl
-            .local_addr()
-            .map_err(|source| NvmfError::Listen { addr, source })?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let st = stop.clone();
-        let weak = Arc::downgrade(self);
-        let thread = std::thread::Builder::new()
-            .name(format!("nvmf-listen-{}", bound.port()))
-            .spawn(move || accept_loop(tl, bound, st, weak, Arc::default()))
-            .map_err(|source| NvmfError::Listen { addr, source })?;
-        let portid = ls.values().map(|l| l.portid).max().unwrap_or(0) + 1;
-        ls.insert(
-            bound,
-            Listener {
-                portid,
-                subsystems: BTreeSet::from([nqn.to_string()]),
-                stop,
-                thread: Some(thread),
-            },
-        );
-        Ok(bound)
-    }
-
-    fn release_listener(&self, addr: SocketAddr, nqn: &str) {
-        let stopped = {
-            let mut ls = lock(&self.listeners);
-            let empty = match ls.get_mut(&addr) {
-                Some(l) => {
-                    l.subsystems.remove(nqn);
-                    l.subsystems.is_empty()
-                }
-                None => false,
-            };
-            if empty {
-                ls.remove(&addr)
-            } else {
-                None
-            }
-        };
-        if let Some(l) = stopped {
-            stop_listener(addr, l);
-            info!(%addr, "nvmf listener stopped");
-        }
     }
 
     /// Count a connected queue against its host NQN's cap; false if the host is at it.
@@ -714,50 +479,6 @@ impl TargetInner {
     }
 }
 
-fn accept_loop(
-    tl: TcpListener,
-    bound: SocketAddr,
-    stop: Arc<AtomicBool>,
-    t: Weak<TargetInner>,
-    counts: Arc<ListenerConns>,
-) {
-    for s in tl.incoming() {
-        if stop.load(Ordering::SeqCst) {
-            break;
-        }
-        let Some(target) = t.upgrade() else { break };
-        let stream = match s {
-            Ok(s) => s,
-            Err(e) => {
-                warn!(%bound, "nvmf accept failed: {e}");
-                std::thread::sleep(Duration::from_millis(10));
-                continue;
-            }
-        };
-        let limits = *lock(&target.limits);
-        let id = target.next_conn.fetch_add(1, Ordering::Relaxed);
-        let evict = stream.try_clone().ok().map(|c| -> Evict {
-            Box::new(move || {
-                // Its reactor sees the connection end and closes it.
-                debug!("nvmf listener at its setup cap: closing the oldest connection still setting up");
-                let _ = c.shutdown(std::net::Shutdown::Both);
-            })
-        });
-        let Some(slot) = counts.admit(id, &limits, evict) else {
-            // Dropping the stream closes it: the peer sees the connection end at once.
-            debug!(%bound, "nvmf listener at its connection cap: closing a new connection");
-            continue;
-        };
-        let _ = stream.set_nodelay(true);
-        target.reactors.assign(reactor::NewConn {
-            target: target.clone(),
-            sock: stream,
-            listener: bound,
-            slot,
-        });
-    }
-}
-
 /// Tears down controllers whose Keep Alive Timeout expired without any command on any of
 /// their queues (NVMe Base 2.0 §3.9: the host must send Keep Alive — or, for us, any
 /// command — at least every KATO).
@@ -784,96 +505,5 @@ fn keep_alive_reaper(t: Weak<TargetInner>) {
                 }
             }
         }
-    }
-}
-
-impl NvmfTarget {
-    /// Serve one already-connected stream on the calling thread (a reactor of its own) until
-    /// it ends, as if `listener` had accepted it (the fuzz targets' way in:
-    /// dpu/src/fuzzing.rs).
-    #[doc(hidden)]
-    pub fn serve_stream(&self, sock: TcpStream, listener: SocketAddr) {
-        // A listener of its own, holding just this connection: the caps do not apply.
-        let Some(slot) = Arc::new(ListenerConns::default()).admit(0, &ConnLimits::DEFAULT, None)
-        else {
-            return;
-        };
-        reactor::serve_here(reactor::NewConn {
-            target: self.inner.clone(),
-            sock,
-            listener,
-            slot,
-        })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::atomic::AtomicUsize;
-
-    /// An evict handle that records in `log` which connection (by its id) was evicted.
-    fn evict(log: &Arc<Mutex<Vec<u64>>>, id: u64) -> Option<Evict> {
-        let log = log.clone();
-        Some(Box::new(move || lock(&log).push(id)))
-    }
-
-    #[test]
-    fn listener_caps_evict_the_oldest_setup_and_refuse_past_the_cap() {
-        let limits = ConnLimits {
-            per_listener: 3,
-            setup_per_listener: 2,
-            per_host: 256,
-        };
-        let conns = Arc::new(ListenerConns::default());
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let a = conns.admit(1, &limits, evict(&log, 1)).unwrap();
-        let b = conns.admit(2, &limits, evict(&log, 2)).unwrap();
-        assert!(lock(&log).is_empty());
-        // A third silent connection pushes the oldest one still setting up out.
-        let c = conns.admit(3, &limits, evict(&log, 3)).unwrap();
-        assert_eq!(*lock(&log), vec![1]);
-        // The listener is full whatever the phase of its connections.
-        assert_eq!(conns.live.load(Ordering::SeqCst), 3);
-        assert!(conns.admit(4, &limits, evict(&log, 4)).is_none());
-        assert_eq!(conns.live.load(Ordering::SeqCst), 3);
-        // A connection past Connect is never evicted.
-        b.connected();
-        drop(a);
-        let d = conns.admit(5, &limits, evict(&log, 5)).unwrap();
-        drop(c);
-        let e = conns.admit(6, &limits, evict(&log, 6)).unwrap();
-        assert_eq!(
-            *lock(&log),
-            vec![1],
-            "only setting-up connections are evicted"
-        );
-        let f = conns.admit(7, &limits, evict(&log, 7));
-        assert!(f.is_none(), "b, d and e fill the listener");
-        drop((b, d, e));
-        assert_eq!(conns.live.load(Ordering::SeqCst), 0);
-        assert!(lock(&conns.setup).is_empty());
-    }
-
-    #[test]
-    fn a_connected_slot_drops_its_evict_handle() {
-        let conns = Arc::new(ListenerConns::default());
-        let drops = Arc::new(AtomicUsize::new(0));
-        struct Guard(Arc<AtomicUsize>);
-        impl Drop for Guard {
-            fn drop(&mut self) {
-                self.0.fetch_add(1, Ordering::SeqCst);
-            }
-        }
-        let g = Guard(drops.clone());
-        let s = conns
-            .admit(1, &ConnLimits::DEFAULT, Some(Box::new(move || drop(g))))
-            .unwrap();
-        s.connected();
-        // The handle (for TCP, a clone of the socket) is released at Connect, not kept for
-        // the connection's life.
-        assert_eq!(drops.load(Ordering::SeqCst), 1);
-        drop(s);
-        assert_eq!(conns.live.load(Ordering::SeqCst), 0);
     }
 }

@@ -1,0 +1,167 @@
+//! The TCP listeners subsystems share: binding one (port 0 picks a free port), its accept
+//! loop handing connections to the reactors, and stopping it.
+
+use std::collections::BTreeSet;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tracing::{debug, info, warn};
+
+use super::admission::{ConnLimits, Evict, ListenerConns};
+use super::{lock, reactor, NvmfError, NvmfTarget, TargetInner};
+
+pub(super) struct Listener {
+    /// Port ID reported in discovery log entries.
+    portid: u16,
+    subsystems: BTreeSet<String>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl TargetInner {
+    pub(crate) fn portid(&self, addr: &SocketAddr) -> u16 {
+        lock(&self.listeners).get(addr).map_or(0, |l| l.portid)
+    }
+
+    pub(super) fn acquire_listener(
+        self: &Arc<Self>,
+        addr: SocketAddr,
+        nqn: &str,
+    ) -> Result<SocketAddr, NvmfError> {
+        let mut ls = lock(&self.listeners);
+        if addr.port() != 0 {
+            if let Some(l) = ls.get_mut(&addr) {
+                l.subsystems.insert(nqn.to_string());
+                return Ok(addr);
+            }
+        }
+        let tl = TcpListener::bind(addr).map_err(|source| NvmfError::Listen { addr, source })?;
+        let bound = tl
+            .local_addr()
+            .map_err(|source| NvmfError::Listen { addr, source })?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let st = stop.clone();
+        let weak = Arc::downgrade(self);
+        let thread = std::thread::Builder::new()
+            .name(format!("nvmf-listen-{}", bound.port()))
+            .spawn(move || accept_loop(tl, bound, st, weak, Arc::default()))
+            .map_err(|source| NvmfError::Listen { addr, source })?;
+        let portid = ls.values().map(|l| l.portid).max().unwrap_or(0) + 1;
+        ls.insert(
+            bound,
+            Listener {
+                portid,
+                subsystems: BTreeSet::from([nqn.to_string()]),
+                stop,
+                thread: Some(thread),
+            },
+        );
+        Ok(bound)
+    }
+
+    pub(super) fn release_listener(&self, addr: SocketAddr, nqn: &str) {
+        let stopped = {
+            let mut ls = lock(&self.listeners);
+            let empty = match ls.get_mut(&addr) {
+                Some(l) => {
+                    l.subsystems.remove(nqn);
+                    l.subsystems.is_empty()
+                }
+                None => false,
+            };
+            if empty {
+                ls.remove(&addr)
+            } else {
+                None
+            }
+        };
+        if let Some(l) = stopped {
+            stop_listener(addr, l);
+            info!(%addr, "nvmf listener stopped");
+        }
+    }
+}
+
+pub(super) fn stop_listener(addr: SocketAddr, mut l: Listener) {
+    l.stop.store(true, Ordering::SeqCst);
+    // Wake the accept loop with a throw-away connection.
+    let mut wake = addr;
+    if wake.ip().is_unspecified() {
+        wake.set_ip(if addr.is_ipv4() {
+            std::net::Ipv4Addr::LOCALHOST.into()
+        } else {
+            std::net::Ipv6Addr::LOCALHOST.into()
+        });
+    }
+    let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+    if let Some(t) = l.thread.take() {
+        let _ = t.join();
+    }
+}
+
+fn accept_loop(
+    tl: TcpListener,
+    bound: SocketAddr,
+    stop: Arc<AtomicBool>,
+    t: Weak<TargetInner>,
+    counts: Arc<ListenerConns>,
+) {
+    for s in tl.incoming() {
+        if stop.load(Ordering::SeqCst) {
+            break;
+        }
+        let Some(target) = t.upgrade() else { break };
+        let stream = match s {
+            Ok(s) => s,
+            Err(e) => {
+                warn!(%bound, "nvmf accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let limits = *lock(&target.limits);
+        let id = target.next_conn.fetch_add(1, Ordering::Relaxed);
+        let evict = stream.try_clone().ok().map(|c| -> Evict {
+            Box::new(move || {
+                // Its reactor sees the connection end and closes it.
+                debug!("nvmf listener at its setup cap: closing the oldest connection still setting up");
+                let _ = c.shutdown(std::net::Shutdown::Both);
+            })
+        });
+        let Some(slot) = counts.admit(id, &limits, evict) else {
+            // Dropping the stream closes it: the peer sees the connection end at once.
+            debug!(%bound, "nvmf listener at its connection cap: closing a new connection");
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        target.reactors.assign(reactor::NewConn {
+            target: target.clone(),
+            sock: stream,
+            listener: bound,
+            slot,
+        });
+    }
+}
+
+impl NvmfTarget {
+    /// Serve one already-connected stream on the calling thread (a reactor of its own) until
+    /// it ends, as if `listener` had accepted it (the fuzz targets' way in:
+    /// dpu/src/fuzzing.rs).
+    #[doc(hidden)]
+    pub fn serve_stream(&self, sock: TcpStream, listener: SocketAddr) {
+        // A listener of its own, holding just this connection: the caps do not apply.
+        let Some(slot) = Arc::new(ListenerConns::default()).admit(0, &ConnLimits::DEFAULT, None)
+        else {
+            return;
+        };
+        reactor::serve_here(reactor::NewConn {
+            target: self.inner.clone(),
+            sock,
+            listener,
+            slot,
+        })
+    }
+}
