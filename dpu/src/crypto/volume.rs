@@ -25,6 +25,8 @@
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
+use crossbeam_queue::ArrayQueue;
+
 use tracing::warn;
 
 use crate::telemetry::trace::TARGET as TRACE;
@@ -44,8 +46,13 @@ pub const ZERO_CHUNK: usize = 1 << 20;
 /// Alignment of bounce buffers: enough for O_DIRECT on any block size nacre uses.
 const BOUNCE_ALIGN: usize = 4096;
 
-/// At most this many idle bounce buffers are kept for reuse.
-const POOL_MAX: usize = 64;
+/// Idle bounce buffers are kept by size class, class `k` holding buffers of
+/// `BOUNCE_ALIGN << k` bytes; larger ones (beyond 1 MiB, i.e. [`ZERO_CHUNK`]) are freed.
+const POOL_CLASSES: usize = 9;
+/// Idle buffers one class keeps: as many as a deep queue of small requests needs, and
+/// about [`POOL_CLASS_BYTES`] of the large ones (at least 4).
+const POOL_CLASS_MAX: usize = 64;
+const POOL_CLASS_BYTES: usize = 4 << 20;
 
 /// A heap buffer aligned for O_DIRECT, announced to [`dma`] while it lives: the buffer
 /// that carries ciphertext to and from the device below is the one a transport may hand
@@ -94,30 +101,67 @@ impl Drop for Bounce {
     }
 }
 
+/// Idle bounce buffers for reuse. A buffer is taken where a request is submitted (the
+/// frontend's worker) and given back where it completes (the fabric's receive thread), so
+/// every take and give crosses threads: one lock-free queue per size class, where a mutex
+/// over one list was contended on every request (issue 9's end-to-end profile).
+struct BouncePool {
+    classes: [ArrayQueue<Bounce>; POOL_CLASSES],
+}
+
+impl BouncePool {
+    fn new() -> Self {
+        BouncePool {
+            classes: std::array::from_fn(|k| {
+                let cap = BOUNCE_ALIGN << k;
+                ArrayQueue::new((POOL_CLASS_BYTES / cap).clamp(4, POOL_CLASS_MAX))
+            }),
+        }
+    }
+
+    /// The class of buffers of `cap` bytes (a power of two of at least [`BOUNCE_ALIGN`]).
+    fn class_of(cap: usize) -> usize {
+        (cap / BOUNCE_ALIGN).trailing_zeros() as usize
+    }
+
+    /// A buffer of at least `len` bytes: an idle one of its class, or a new one.
+    fn take(&self, len: usize) -> Bounce {
+        let cap = len.max(BOUNCE_ALIGN).next_power_of_two();
+        self.classes
+            .get(Self::class_of(cap))
+            .and_then(ArrayQueue::pop)
+            .unwrap_or_else(|| Bounce::new(cap))
+    }
+
+    /// Keep `b` for reuse if its class has room; free it otherwise.
+    fn give(&self, b: Bounce) {
+        if let Some(q) = self.classes.get(Self::class_of(b.cap)) {
+            // A full class drops the buffer it refuses.
+            let _ = q.push(b);
+        }
+    }
+
+    /// Idle buffers kept, per class (tests).
+    #[cfg(test)]
+    fn idle(&self) -> Vec<usize> {
+        self.classes.iter().map(ArrayQueue::len).collect()
+    }
+}
+
 /// What the volume and its in-flight completions share.
 struct Shared {
     engine: Box<dyn XtsEngine>,
     layout: UnitLayout,
-    pool: Mutex<Vec<Bounce>>,
+    pool: BouncePool,
 }
 
 impl Shared {
     fn take(&self, len: usize) -> Bounce {
-        let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
-        match pool.iter().rposition(|b| b.cap >= len) {
-            Some(i) => pool.swap_remove(i),
-            None => {
-                drop(pool);
-                Bounce::new(len)
-            }
-        }
+        self.pool.take(len)
     }
 
     fn give(&self, b: Bounce) {
-        let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
-        if pool.len() < POOL_MAX {
-            pool.push(b);
-        }
+        self.pool.give(b)
     }
 
     fn unit_of(&self, offset: u64) -> u64 {
@@ -186,7 +230,7 @@ impl EncryptedVolume {
             shared: Arc::new(Shared {
                 engine,
                 layout: policy.layout(),
-                pool: Mutex::new(Vec::new()),
+                pool: BouncePool::new(),
             }),
             policy,
         })
@@ -471,5 +515,73 @@ impl BlockDevice for EncryptedVolume {
 
     fn resize(&self, new_size: u64) -> IoResult {
         self.inner.resize(new_size)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bounce_pool_reuses_buffers_of_the_same_class_only() {
+        let pool = BouncePool::new();
+        let a = pool.take(4096);
+        let a_ptr = a.ptr;
+        pool.give(a);
+        // 1..=4096 bytes share the 4 KiB class; 4097 needs the 8 KiB one.
+        let b = pool.take(512);
+        assert_eq!(b.ptr, a_ptr, "an idle 4 KiB buffer is reused");
+        assert_eq!(b.cap, 4096);
+        let c = pool.take(4097);
+        assert_eq!(c.cap, 8192);
+        assert_ne!(c.ptr, a_ptr);
+        pool.give(b);
+        pool.give(c);
+        let mut idle = vec![0; POOL_CLASSES];
+        idle[0] = 1;
+        idle[1] = 1;
+        assert_eq!(pool.idle(), idle);
+    }
+
+    #[test]
+    fn bounce_pool_bounds_each_class_and_frees_what_it_cannot_keep() {
+        let pool = BouncePool::new();
+        // 4 KiB: up to POOL_CLASS_MAX idle; 1 MiB: POOL_CLASS_BYTES' worth.
+        let small: Vec<Bounce> = (0..POOL_CLASS_MAX + 5).map(|_| pool.take(4096)).collect();
+        small.into_iter().for_each(|b| pool.give(b));
+        let big: Vec<Bounce> = (0..10).map(|_| pool.take(1 << 20)).collect();
+        big.into_iter().for_each(|b| pool.give(b));
+        // Larger than any class: never kept.
+        pool.give(pool.take(ZERO_CHUNK * 2));
+        let idle = pool.idle();
+        assert_eq!(idle[0], POOL_CLASS_MAX);
+        assert_eq!(idle[BouncePool::class_of(1 << 20)], POOL_CLASS_BYTES >> 20);
+        assert_eq!(
+            idle.iter().sum::<usize>(),
+            POOL_CLASS_MAX + (POOL_CLASS_BYTES >> 20)
+        );
+    }
+
+    #[test]
+    fn bounce_pool_takes_and_gives_across_threads() {
+        // The data path's pattern: one thread takes, another gives back.
+        let pool = Arc::new(BouncePool::new());
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Bounce>(16);
+        let giver = {
+            let pool = pool.clone();
+            std::thread::spawn(move || rx.into_iter().for_each(|b| pool.give(b)))
+        };
+        for i in 0..10_000usize {
+            let mut b = pool.take(4096 << (i % 3));
+            b.slice(4096).fill(i as u8);
+            tx.send(b).unwrap();
+        }
+        drop(tx);
+        giver.join().unwrap();
+        let idle = pool.idle();
+        assert!(
+            idle[..3].iter().all(|&n| (1..=POOL_CLASS_MAX).contains(&n)),
+            "{idle:?}"
+        );
     }
 }
