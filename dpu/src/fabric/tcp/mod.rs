@@ -21,12 +21,18 @@
 //!    plus a 6-bit generation that changes each time the slot is reused, so a completion for
 //!    a command that is not (or no longer) outstanding is recognised as such, and a slot is
 //!    only reused after its completion has been fully processed. Commands beyond `depth` wait
-//!    in an overflow list and go out as slots free.
+//!    in an overflow list and go out as slots free. Each slot has its own lock, and the free
+//!    list and overflow another (`SlotAlloc`), held only to pick a slot: the submitting
+//!    thread and the reader meet on a slot only when they handle the same command, which the
+//!    protocol already orders (a response follows its capsule), not on every I/O as they
+//!    did behind one lock over the whole table (issue 9's end-to-end profile).
 //! 4. Any transport or protocol error (a malformed PDU, a digest mismatch, an unknown CID, a
 //!    C2HTermReq, EOF) is fatal to the connection (§3.6.2.4): the host sends H2CTermReq where
-//!    it makes sense and closes. When the reader exits it takes every outstanding command out
-//!    of the table, under the same lock submitters use, and hands them to the owner: nothing
-//!    can touch a command's memory after that, so the owner may safely resubmit it elsewhere.
+//!    it makes sense and closes. When the reader exits it marks the table closed and takes
+//!    every outstanding command out of it, slot by slot under the slots' locks, and hands
+//!    them to the owner; a submitter that stored a command after the reader had passed its
+//!    slot sees the mark under that slot's lock and takes its command back. Nothing can touch
+//!    a command's memory after that, so the owner may safely resubmit it elsewhere.
 //!
 //! The reader (receive side) is in `rx.rs`, its buffer in `rxbuf.rs`; connection set-up,
 //! submission and the writer here.
@@ -58,6 +64,8 @@ use crate::volume::IoError;
 
 mod rx;
 mod rxbuf;
+#[cfg(test)]
+mod tests;
 
 /// In-capsule data the admin queue always accepts (NVMe/TCP 1.0 §3.4: 8 KiB).
 pub const ADMIN_ICD: usize = 8192;
@@ -82,8 +90,8 @@ struct Slot {
     issued_ns: u64,
 }
 
-struct Slots {
-    entries: Vec<Slot>,
+/// Which slots are free, and the commands waiting for one.
+struct SlotAlloc {
     free: Vec<u16>,
     overflow: VecDeque<Cmd>,
     closed: bool,
@@ -114,7 +122,10 @@ pub struct QueueConn {
     stream: TcpStream,
     params: QueueParams,
     neg: Negotiated,
-    slots: Mutex<Slots>,
+    slots: Box<[Mutex<Slot>]>,
+    alloc: Mutex<SlotAlloc>,
+    /// Set (under `alloc`) when the reader takes the commands out for good; see step 4 above.
+    closed: AtomicBool,
     tx: Mutex<Tx>,
     tx_cv: Condvar,
     owner: Weak<dyn QueueOwner>,
@@ -193,18 +204,21 @@ impl QueueConn {
             session,
             stream: own,
             neg,
-            slots: Mutex::new(Slots {
-                entries: (0..depth)
-                    .map(|_| Slot {
+            slots: (0..depth)
+                .map(|_| {
+                    Mutex::new(Slot {
                         gen: 0,
                         cmd: None,
                         issued_ns: clock::now_ns(),
                     })
-                    .collect(),
+                })
+                .collect(),
+            alloc: Mutex::new(SlotAlloc {
                 free: (0..depth).rev().collect(),
                 overflow: VecDeque::new(),
                 closed: false,
             }),
+            closed: AtomicBool::new(false),
             tx: Mutex::new(Tx {
                 buf: Vec::with_capacity(64 << 10),
                 waiting: false,
@@ -295,27 +309,46 @@ impl QueueConn {
     /// Submit a command. Never blocks on the network. Returns the command back if the
     /// connection is closed (the caller holds or fails it).
     pub fn submit(&self, cmd: Cmd) -> Result<(), Cmd> {
-        let mut s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-        if s.closed {
-            return Err(cmd);
-        }
-        match s.free.pop() {
-            Some(idx) => {
-                let wake = self.issue(&mut s, idx, cmd);
-                drop(s);
-                if wake {
-                    self.tx_cv.notify_one();
+        let idx = {
+            let mut a = self.alloc.lock().unwrap_or_else(|p| p.into_inner());
+            if a.closed {
+                return Err(cmd);
+            }
+            match a.free.pop() {
+                Some(idx) => idx,
+                None => {
+                    a.overflow.push_back(cmd);
+                    return Ok(());
                 }
             }
-            None => s.overflow.push_back(cmd),
+        };
+        self.issue_at(idx, cmd)
+    }
+
+    /// Issue `cmd` in the free slot `idx`, or hand it back if the reader has meanwhile
+    /// taken the table's commands out for good (then the slot is never used again).
+    fn issue_at(&self, idx: u16, cmd: Cmd) -> Result<(), Cmd> {
+        #[cfg(test)]
+        tests::pause_point();
+        let mut slot = self.slots[idx as usize]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let wake = self.issue(&mut slot, idx, cmd);
+        // The reader sets `closed` before it empties the slots, each under its lock: if it
+        // emptied this one before the command was stored, the flag shows here.
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(slot.cmd.take().expect("stored above"));
+        }
+        drop(slot);
+        if wake {
+            self.tx_cv.notify_one();
         }
         Ok(())
     }
 
-    /// Put `cmd` in slot `idx` and append its capsule to the send buffer. Returns whether
-    /// the writer must be woken.
-    fn issue(&self, s: &mut Slots, idx: u16, mut cmd: Cmd) -> bool {
-        let slot = &mut s.entries[idx as usize];
+    /// Put `cmd` in `slot` (locked, free) and append its capsule to the send buffer.
+    /// Returns whether the writer must be woken.
+    fn issue(&self, slot: &mut Slot, idx: u16, mut cmd: Cmd) -> bool {
         slot.gen = slot.gen.wrapping_add(1) & 0x3F;
         let cid = cid_of(idx, slot.gen);
         cmd.sqe.cid = cid;
@@ -374,11 +407,15 @@ impl QueueConn {
     /// How long the oldest outstanding command has been waiting (commands waiting for a free
     /// slot count too: they wait on the controller just the same).
     pub fn oldest_outstanding(&self) -> Option<Duration> {
-        let s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-        s.entries
+        let now = clock::read_ns();
+        self.slots
             .iter()
-            .filter(|e| e.cmd.is_some())
-            .map(|e| Duration::from_nanos(clock::read_ns().saturating_sub(e.issued_ns)))
+            .filter_map(|s| {
+                let s = s.lock().unwrap_or_else(|p| p.into_inner());
+                s.cmd
+                    .is_some()
+                    .then(|| Duration::from_nanos(now.saturating_sub(s.issued_ns)))
+            })
             .max()
     }
 

@@ -17,7 +17,7 @@ use nacre_shared::nvme_tcp::{
 use tracing::warn;
 
 use super::rxbuf::{RxBuf, AHEAD, BATCH, DIRECT_MIN};
-use super::{Fatal, QueueConn, MAX_RX_DATA};
+use super::{Fatal, QueueConn, Slot, MAX_RX_DATA};
 use crate::fabric::cmd::{AdminWait, Cmd, Dir, IoData, Target};
 use crate::fabric::queue::split_cid;
 use crate::telemetry::trace::TARGET as TRACE;
@@ -53,10 +53,18 @@ impl QueueConn {
             warn!(qid = self.qid, reason = %fatal.reason, "NVMe/TCP queue failed");
         }
         let cmds = {
-            let mut s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-            s.closed = true;
-            let mut cmds: Vec<Cmd> = s.entries.iter_mut().filter_map(|e| e.cmd.take()).collect();
-            cmds.extend(s.overflow.drain(..));
+            let mut a = self.alloc.lock().unwrap_or_else(|p| p.into_inner());
+            a.closed = true;
+            self.closed.store(true, Ordering::SeqCst);
+            let mut cmds: Vec<Cmd> = a.overflow.drain(..).collect();
+            drop(a);
+            // A submitter past `alloc` stores its command under the slot's lock and then
+            // looks at `closed`: either we find the command here or it takes it back.
+            cmds.extend(
+                self.slots
+                    .iter()
+                    .filter_map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).cmd.take()),
+            );
             cmds
         };
         match self.owner.upgrade() {
@@ -182,29 +190,37 @@ impl QueueConn {
     /// protocol error (a completion for an unknown command must never complete another).
     fn take_cmd(&self, cid: u16, hdr: &[u8]) -> Result<Cmd, Fatal> {
         let (idx, gen) = split_cid(cid);
-        let mut s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-        let ok = s
-            .entries
-            .get(idx)
-            .is_some_and(|e| e.gen == gen && e.cmd.is_some());
-        if !ok {
+        let cmd = self.slots.get(idx).and_then(|s| {
+            let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
+            if s.gen == gen {
+                s.cmd.take()
+            } else {
+                None
+            }
+        });
+        let Some(cmd) = cmd else {
             return Err(Fatal::proto(
                 format!("completion for unknown command id {cid:#06x}"),
                 fes::INVALID_HEADER_FIELD,
                 pdu::data_offset_of::CCCID,
                 hdr,
             ));
-        }
-        let cmd = s.entries[idx].cmd.take().expect("checked");
-        match s.overflow.pop_front() {
-            Some(next) => {
-                let wake = self.issue(&mut s, idx as u16, next);
-                drop(s);
-                if wake {
-                    self.tx_cv.notify_one();
-                }
+        };
+        // The slot is empty and in nobody's free list: reuse it for the oldest waiting
+        // command, or free it.
+        let next = {
+            let mut a = self.alloc.lock().unwrap_or_else(|p| p.into_inner());
+            let next = a.overflow.pop_front();
+            if next.is_none() {
+                a.free.push(idx as u16);
             }
-            None => s.free.push(idx as u16),
+            next
+        };
+        if let Some(next) = next {
+            // Only this thread closes the table, and it is here: the queue is open.
+            if let Err(next) = self.issue_at(idx as u16, next) {
+                next.fail(IoError::PathLost);
+            }
         }
         Ok(cmd)
     }
@@ -217,9 +233,16 @@ impl QueueConn {
         f: impl FnOnce(&mut Cmd) -> Result<T, Fatal>,
     ) -> Result<T, Fatal> {
         let (idx, gen) = split_cid(cid);
-        let mut s = self.slots.lock().unwrap_or_else(|p| p.into_inner());
-        match s.entries.get_mut(idx) {
-            Some(e) if e.gen == gen && e.cmd.is_some() => f(e.cmd.as_mut().expect("checked")),
+        let mut s = self
+            .slots
+            .get(idx)
+            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()));
+        match s.as_deref_mut() {
+            Some(Slot {
+                gen: g,
+                cmd: Some(cmd),
+                ..
+            }) if *g == gen => f(cmd),
             _ => Err(Fatal::proto(
                 format!("data PDU for unknown command id {cid:#06x}"),
                 fes::INVALID_HEADER_FIELD,
@@ -231,7 +254,8 @@ impl QueueConn {
 
     /// R2T (§3.6.2.9): send the requested range as H2CData PDUs of at most MAXH2CDATA bytes,
     /// the last one flagged LAST_PDU, each copied once from the request's memory into the
-    /// send buffer (under the slot lock and then the send lock, the order `issue` takes them).
+    /// send buffer (under the command's slot lock and then the send lock, the order `issue`
+    /// takes them).
     fn on_r2t(&self, r: DataHeader, hdr: &[u8]) -> Result<(), Fatal> {
         let (off, len) = (r.datao as usize, r.datal as usize);
         let wake = self.with_cmd(r.cccid, hdr, |cmd| {
