@@ -421,15 +421,17 @@ impl TargetInner {
         self.genctr.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A CNTLID for a new controller, unique among the controllers that exist: once the
+    /// counter has wrapped (a daemon that has seen 65,519 controllers, e.g. a host
+    /// reconnecting every few minutes for months), the ids of live ones are skipped, or two
+    /// controllers of a subsystem would share one and an I/O queue's Connect could join the
+    /// wrong one.
     pub(crate) fn alloc_cntlid(&self) -> u16 {
-        // CNTLIDs 1..=FFEFh are valid (FFF0h-FFFFh reserved); wrap around.
-        loop {
-            let id = self.next_cntlid.fetch_add(1, Ordering::Relaxed);
-            if (1..0xFFF0).contains(&id) {
-                return id;
-            }
-            self.next_cntlid.store(1, Ordering::Relaxed);
-        }
+        let mut subsystems = self.all_subsystems();
+        subsystems.push(self.discovery.clone());
+        next_free_cntlid(&self.next_cntlid, |id| {
+            subsystems.iter().any(|s| s.controller(id).is_some())
+        })
     }
 
     pub(crate) fn find_subsystem(&self, nqn: &str) -> Option<Arc<Subsystem>> {
@@ -479,6 +481,25 @@ impl TargetInner {
     }
 }
 
+/// The next CNTLID from `next` that `in_use` does not claim. CNTLIDs 1..=FFEFh are valid
+/// (FFF0h-FFFFh are reserved; FFFFh in a Connect asks for a dynamic controller); the counter
+/// wraps around to 1. Should every
+/// valid id be in use (the connection limits, 1,024 connections per listener by default,
+/// keep controllers far fewer), the next one is returned after one full round.
+fn next_free_cntlid(next: &AtomicU16, in_use: impl Fn(u16) -> bool) -> u16 {
+    let bump = || loop {
+        let id = next.fetch_add(1, Ordering::Relaxed);
+        if (1..0xFFF0).contains(&id) {
+            return id;
+        }
+        next.store(1, Ordering::Relaxed);
+    };
+    (0..0xFFEF)
+        .map(|_| bump())
+        .find(|&id| !in_use(id))
+        .unwrap_or_else(bump)
+}
+
 /// Tears down controllers whose Keep Alive Timeout expired without any command on any of
 /// their queues (NVMe Base 2.0 §3.9: the host must send Keep Alive — or, for us, any
 /// command — at least every KATO).
@@ -505,5 +526,31 @@ fn keep_alive_reaper(t: Weak<TargetInner>) {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    #[test]
+    fn cntlids_count_up_wrap_past_the_reserved_range_and_skip_live_controllers() {
+        let next = AtomicU16::new(1);
+        let none = |_| false;
+        assert_eq!([0; 3].map(|_| next_free_cntlid(&next, none)), [1, 2, 3]);
+        // FFF0h-FFFFh are reserved, and 0 is not a CNTLID.
+        next.store(0xFFEF, Ordering::Relaxed);
+        assert_eq!(next_free_cntlid(&next, none), 0xFFEF);
+        assert_eq!(next_free_cntlid(&next, none), 1);
+        // After the wrap, ids of controllers that still exist are passed over.
+        let live: BTreeSet<u16> = [2, 3, 5].into();
+        next.store(2, Ordering::Relaxed);
+        let in_use = |id| live.contains(&id);
+        assert_eq!(next_free_cntlid(&next, in_use), 4);
+        assert_eq!(next_free_cntlid(&next, in_use), 6);
+        // Every id taken: one full round, then an answer rather than a hang.
+        let id = next_free_cntlid(&next, |_| true);
+        assert!((1..0xFFF0).contains(&id));
     }
 }
