@@ -276,9 +276,8 @@ impl RdmaQueue {
             if self.comp.is_null() {
                 return Err(("ibv_create_comp_channel", verbs::errno()));
             }
-            let fd = (*self.comp).fd;
-            let fl = libc::fcntl(fd, libc::F_GETFL);
-            libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
+            verbs::set_nonblocking((*self.comp).fd)
+                .map_err(|e| ("fcntl(O_NONBLOCK) on the completion channel", e))?;
             // Every RECV and every (signaled) SEND.
             let cqe = (self.recv_n + depth + 16) as i32;
             self.cq = ibv_create_cq(ctx, cqe, std::ptr::null_mut(), self.comp, 0);

@@ -447,9 +447,9 @@ pub(super) fn setup(inc: &mut Incoming) -> Result<Arc<RdmaQueue>, (u16, String)>
         if q.comp.is_null() {
             return Err(fail(q, "ibv_create_comp_channel", verbs::errno()));
         }
-        let fd = (*q.comp).fd;
-        let fl = libc::fcntl(fd, libc::F_GETFL);
-        libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
+        if let Err(e) = verbs::set_nonblocking((*q.comp).fd) {
+            return Err(fail(q, "fcntl(O_NONBLOCK) on the completion channel", e));
+        }
         // Every RECV, and per slot a READ or a WRITE + SEND.
         let cqe = (entries + 2 * nslots + 16) as i32;
         q.cq = ibv_create_cq(ctx, cqe, std::ptr::null_mut(), q.comp, 0);

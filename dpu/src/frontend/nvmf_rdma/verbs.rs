@@ -16,6 +16,21 @@ pub(crate) fn errno() -> io::Error {
     io::Error::last_os_error()
 }
 
+/// Make a verbs channel's descriptor non-blocking: its owner reads events until EAGAIN, and
+/// a blocking read there would stall the thread that must also notice a stop.
+pub(crate) fn set_nonblocking(fd: std::os::fd::RawFd) -> io::Result<()> {
+    // SAFETY: fcntl on a descriptor the caller owns; no memory is passed.
+    let ok = unsafe {
+        let fl = libc::fcntl(fd, libc::F_GETFL);
+        fl >= 0 && libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) >= 0
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(errno())
+    }
+}
+
 /// A C status return (`0` or `-1`/`-errno`) as a Result.
 pub(crate) fn check(rc: i32) -> io::Result<()> {
     match rc {
@@ -71,12 +86,7 @@ impl EventChannel {
         let ch = NonNull::new(ch).ok_or_else(errno)?;
         let ch = EventChannel(ch);
         // Non-blocking, so `get` can wait with a timeout and the owner can notice a stop.
-        let fd = ch.fd();
-        // SAFETY: fcntl on a descriptor we own.
-        unsafe {
-            let fl = libc::fcntl(fd, libc::F_GETFL);
-            libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
-        }
+        set_nonblocking(ch.fd())?;
         Ok(ch)
     }
 
@@ -328,3 +338,20 @@ impl Drop for RegBuf {
 unsafe impl Send for RegBuf {}
 // SAFETY: as above.
 unsafe impl Sync for RegBuf {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    #[test]
+    fn set_nonblocking_sets_the_flag_and_reports_a_bad_descriptor() {
+        let (r, _w) = std::os::unix::net::UnixStream::pair().unwrap();
+        set_nonblocking(r.as_raw_fd()).unwrap();
+        // SAFETY: fcntl F_GETFL on a descriptor this test owns.
+        let fl = unsafe { libc::fcntl(r.as_raw_fd(), libc::F_GETFL) };
+        assert_ne!(fl & libc::O_NONBLOCK, 0);
+        let e = set_nonblocking(-1).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EBADF));
+    }
+}
