@@ -3,6 +3,7 @@
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
@@ -18,6 +19,8 @@ pub(super) struct Listener {
     portid: u16,
     subsystems: BTreeSet<String>,
     stop: Arc<AtomicBool>,
+    /// The listening socket (a second descriptor for it): shut down to end the accept loop.
+    sock: TcpListener,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -42,6 +45,9 @@ impl TargetInner {
         let bound = tl
             .local_addr()
             .map_err(|source| NvmfError::Listen { addr, source })?;
+        let sock = tl
+            .try_clone()
+            .map_err(|source| NvmfError::Listen { addr, source })?;
         let stop = Arc::new(AtomicBool::new(false));
         let st = stop.clone();
         let weak = Arc::downgrade(self);
@@ -56,6 +62,7 @@ impl TargetInner {
                 portid,
                 subsystems: BTreeSet::from([nqn.to_string()]),
                 stop,
+                sock,
                 thread: Some(thread),
             },
         );
@@ -79,24 +86,26 @@ impl TargetInner {
             }
         };
         if let Some(l) = stopped {
-            stop_listener(addr, l);
+            stop_listener(l);
             info!(%addr, "nvmf listener stopped");
         }
     }
 }
 
-pub(super) fn stop_listener(addr: SocketAddr, mut l: Listener) {
+/// Stop a listener's accept loop and wait for it: the port is free when this returns.
+pub(super) fn stop_listener(mut l: Listener) {
     l.stop.store(true, Ordering::SeqCst);
-    // Wake the accept loop with a throw-away connection.
-    let mut wake = addr;
-    if wake.ip().is_unspecified() {
-        wake.set_ip(if addr.is_ipv4() {
-            std::net::Ipv4Addr::LOCALHOST.into()
-        } else {
-            std::net::Ipv6Addr::LOCALHOST.into()
-        });
+    // Shutting a listening socket down makes a blocked accept() fail with EINVAL on Linux,
+    // which ends the loop (it sees `stop`). A throw-away connection to the address, the
+    // earlier way, left the loop blocked (and the removal waiting on it) whenever the
+    // address could not be reached from here.
+    // SAFETY: shutdown(2) on a descriptor `l.sock` owns; no memory is passed.
+    if unsafe { libc::shutdown(l.sock.as_raw_fd(), libc::SHUT_RDWR) } != 0 {
+        warn!(
+            "nvmf listener: shutdown failed ({}); its accept thread ends with the next connection",
+            std::io::Error::last_os_error()
+        );
     }
-    let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
     if let Some(t) = l.thread.take() {
         let _ = t.join();
     }
@@ -163,5 +172,38 @@ impl NvmfTarget {
             listener,
             slot,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_listener_stops_without_a_connection_to_its_address() {
+        let tl = TcpListener::bind("127.0.0.1:0").unwrap();
+        let bound = tl.local_addr().unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let st = stop.clone();
+        let l = Listener {
+            portid: 1,
+            subsystems: BTreeSet::new(),
+            stop,
+            sock: tl.try_clone().unwrap(),
+            thread: Some(std::thread::spawn(move || {
+                accept_loop(tl, bound, st, Weak::new(), Arc::default())
+            })),
+        };
+        // Stopping must not depend on reaching the address (an address that went away).
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            stop_listener(l);
+            let _ = done_tx.send(());
+        });
+        done_rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the accept thread ended");
+        // And the port is free again.
+        TcpListener::bind(bound).expect("the port was released");
     }
 }

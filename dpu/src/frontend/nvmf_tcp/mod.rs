@@ -400,8 +400,8 @@ impl Drop for NvmfTarget {
     fn drop(&mut self) {
         self.inner.stop.store(true, Ordering::SeqCst);
         let listeners: Vec<(SocketAddr, Listener)> = lock(&self.inner.listeners).drain().collect();
-        for (addr, l) in listeners {
-            stop_listener(addr, l);
+        for (_, l) in listeners {
+            stop_listener(l);
         }
         for s in lock(&self.inner.subsystems).values() {
             s.teardown_all();
