@@ -20,27 +20,36 @@
 //! segments allocates nothing; a longer chain's segment list ([`crate::volume::Segments`],
 //! inline for four) spills to the heap. The clock is read once per batch
 //! ([`crate::telemetry::clock::batch`]), not per request.
+//!
+//! The code is in three files:
+//! * this file — the worker: its state, the adaptive poll/sleep loop, request execution;
+//! * `rings` — host access to the split virtqueue (descriptor table, available ring, used
+//!   ring; §2.7.5–§2.7.8) and the walk from available heads to descriptor chains;
+//! * `completion` — the completions coming back: the [`QueueCompleter`] the volume calls,
+//!   the used-ring publication and the driver notification (§2.7.8, §2.7.10).
 
-use std::cell::RefCell;
+mod completion;
+mod rings;
+
 use std::num::Wrapping;
 use std::os::unix::io::RawFd;
-use std::sync::atomic::{fence, AtomicBool, AtomicU16, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, error, warn};
-use virtio_bindings::bindings::virtio_ring::{
-    VRING_DESC_F_INDIRECT, VRING_DESC_F_NEXT, VRING_DESC_F_WRITE, VRING_USED_F_NO_NOTIFY,
-};
+use virtio_bindings::bindings::virtio_ring::VRING_USED_F_NO_NOTIFY;
 use virtio_queue::{Queue, QueueT};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::guest::GuestMap;
 use super::request::{self, Action, Desc, DeviceParams, Mem, Outcome};
-use super::spec::{self, S_IOERR, S_OK, S_UNSUPP};
+use super::spec::{self, S_OK};
 use crate::telemetry::{trace, Arrival, Recorder, VolumeMetrics};
 use crate::volume::qos::VolumePath;
-use crate::volume::{BlockDevice, IoCompletion, IoError, IoResult};
+use crate::volume::{BlockDevice, IoCompletion};
+use completion::{signal_fd, INLINE};
+pub use completion::{status_of, QueueCompleter};
+use rings::Rings;
 
 /// Longest busy-poll after a batch (QEMU's default `poll-max-ns` is the same 32 µs).
 pub(super) const MAX_POLL_NS: u64 = 32_000;
@@ -54,130 +63,6 @@ const MIN_POLL_NS: u64 = 4_000;
 /// XTS and NVMe/TCP): +10-15% IOPS per core. The NVMe/TCP target's reactors apply the same
 /// rule (`nvmf_tcp::reactor`, `SLEEP_DEPTH`).
 pub(super) const SLEEP_IN_FLIGHT: usize = 8;
-
-/// Write the driver's interrupt eventfd.
-fn signal_fd(fd: RawFd) {
-    let one: u64 = 1;
-    // SAFETY: writing 8 bytes from a local u64 to an eventfd the vring owns for this batch.
-    let r = unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
-    if r != 8 {
-        debug!(error = %std::io::Error::last_os_error(), "virtio-blk: interrupt eventfd write failed");
-    }
-}
-
-/// Map a volume result to a virtio-blk status (§5.2.6).
-pub fn status_of(result: &IoResult) -> u8 {
-    match result {
-        Ok(()) => S_OK,
-        Err(IoError::Unsupported) => S_UNSUPP,
-        Err(_) => S_IOERR,
-    }
-}
-
-struct InlineDone {
-    /// Address of the completer whose worker runs on this thread.
-    owner: usize,
-    done: Vec<(u64, u8)>,
-}
-
-thread_local! {
-    static INLINE: RefCell<InlineDone> = const {
-        RefCell::new(InlineDone { owner: 0, done: Vec::new() })
-    };
-}
-
-/// The [`IoCompletion`] a queue hands to the volume.
-pub struct QueueCompleter {
-    remote: Mutex<Vec<(u64, u8)>>,
-    pending: AtomicUsize,
-    event: EventFd,
-    /// The worker is running a pass or polling: it looks at `pending` itself before it
-    /// sleeps, so a completion needs no eventfd write (a system call on the completing
-    /// thread, and an epoll round on the worker's).
-    awake: AtomicBool,
-}
-
-impl QueueCompleter {
-    pub fn new(capacity: usize) -> std::io::Result<Self> {
-        Ok(QueueCompleter {
-            remote: Mutex::new(Vec::with_capacity(capacity)),
-            pending: AtomicUsize::new(0),
-            event: EventFd::new(EFD_NONBLOCK)?,
-            awake: AtomicBool::new(false),
-        })
-    }
-
-    /// The worker starts a run: completions from now on skip the eventfd.
-    pub fn wake_up(&self) {
-        self.awake.store(true, Ordering::SeqCst);
-    }
-
-    /// The worker goes back to sleep. A completion that skipped the eventfd because the worker
-    /// was awake, and that the worker has not drained, gets its wake-up written here. The two
-    /// sides are ordered like Dekker's flags (each stores its own, then loads the other's,
-    /// all SeqCst): either the completion sees `awake` false and writes, or this load sees
-    /// its count.
-    pub fn fall_asleep(&self) {
-        self.awake.store(false, Ordering::SeqCst);
-        if self.pending.load(Ordering::SeqCst) != 0 {
-            self.wake_worker();
-        }
-    }
-
-    fn wake_worker(&self) {
-        if let Err(e) = self.event.write(1) {
-            error!(error = %e, "cannot wake the virtio-blk queue worker");
-        }
-    }
-
-    /// Readable when completions from other threads wait for the worker.
-    pub fn event(&self) -> &EventFd {
-        &self.event
-    }
-
-    fn id(&self) -> usize {
-        self as *const Self as usize
-    }
-}
-
-impl IoCompletion for QueueCompleter {
-    fn complete(&self, tag: u64, result: IoResult) {
-        if let Err(e) = &result {
-            debug!(tag, error = %e, "virtio-blk request failed");
-        }
-        let code = status_of(&result);
-        let me = self.id();
-        let inline = INLINE.with(|c| {
-            let mut c = c.borrow_mut();
-            if c.owner == me {
-                c.done.push((tag, code));
-                true
-            } else {
-                false
-            }
-        });
-        if inline {
-            return;
-        }
-        tracing::trace!(target: trace::TARGET, head = tag, "vhost: completion queued for the queue worker");
-        self.remote
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((tag, code));
-        // Wake the worker once per batch, not once per completion: only the completion that
-        // finds nothing pending writes the eventfd; later ones ride on that wake-up, as the
-        // worker takes the whole list when it drains. No completion is left behind: every
-        // entry is pushed before it is counted, and the worker subtracts what it took under
-        // the list's lock, so the count (one atomic, one order of updates) only goes from 0
-        // to 1 — and writes — after the worker's last drain, whenever something is left for
-        // it. (A drain that takes an entry before it was counted leaves the count briefly
-        // "below zero"; the late count brings it back to 0 and does not write, correctly.)
-        // A worker that is awake finds the count itself (see `fall_asleep`).
-        if self.pending.fetch_add(1, Ordering::SeqCst) == 0 && !self.awake.load(Ordering::SeqCst) {
-            self.wake_worker();
-        }
-    }
-}
 
 /// A request handed to the volume and not yet completed.
 struct Slot {
@@ -461,126 +346,6 @@ impl QueueWorker {
         self.map.as_ref().expect("refresh_map ran")
     }
 
-    /// Process the chains made available up to `avail_idx` (a snapshot of avail->idx).
-    /// Returns false when the index is impossible (more chains than the queue holds).
-    fn pop_all(
-        &mut self,
-        rings: &Rings,
-        queue: &mut Queue,
-        avail_idx: u16,
-        rec: Option<&Recorder>,
-    ) -> bool {
-        let size = rings.size;
-        let mut next = queue.next_avail();
-        if avail_idx.wrapping_sub(next) > size {
-            error!(
-                avail_idx,
-                next, "virtio-blk: driver published more chains than the queue holds"
-            );
-            return false;
-        }
-        while next != avail_idx {
-            let head = rings.avail_entry(next);
-            next = next.wrapping_add(1);
-            if head >= size {
-                warn!(
-                    head,
-                    "virtio-blk: available head beyond the queue size; skipped"
-                );
-                continue;
-            }
-            match self.collect_chain(rings, head) {
-                Ok(()) => self.handle_chain(head, rec),
-                Err(reason) => {
-                    warn!(
-                        head,
-                        reason, "virtio-blk: malformed descriptor chain dropped"
-                    );
-                    self.used.push((head, 0));
-                }
-            }
-        }
-        queue.set_next_avail(next);
-        true
-    }
-
-    /// Walk a chain (§2.7.5) into `self.descs`, refusing loops. A chain whose head refers to
-    /// an indirect table (§2.7.5.3, VIRTIO_RING_F_INDIRECT_DESC) is walked inside the table:
-    /// Linux puts a whole request there, so long requests take one ring slot. As in QEMU,
-    /// only the head may be indirect; the spec forbids INDIRECT with NEXT and nested tables
-    /// (§2.7.5.3.1), and such chains are dropped like any other malformed one.
-    fn collect_chain(&mut self, rings: &Rings, head: u16) -> Result<(), &'static str> {
-        self.descs.clear();
-        let (addr, len, flags, _) = rings.desc(head);
-        if flags & VRING_DESC_F_INDIRECT as u16 != 0 {
-            if flags & VRING_DESC_F_NEXT as u16 != 0 {
-                return Err("indirect descriptor with NEXT set");
-            }
-            if len == 0 || len % 16 != 0 || len / 16 > MAX_INDIRECT {
-                return Err("indirect table length is not a multiple of 16 within bounds");
-            }
-            let table = self
-                .map()
-                .ptr(addr, u64::from(len))
-                .ok_or("indirect table outside guest memory")?;
-            if table as usize % 16 != 0 {
-                return Err("indirect table not 16-byte aligned");
-            }
-            let n = len / 16;
-            return Self::walk(&mut self.descs, 0, n, true, |i| {
-                // SAFETY: i < n and the table's n * 16 bytes were checked to lie in one
-                // mapped guest region, which stays mapped while the worker runs.
-                unsafe { read_desc(table, i) }
-            });
-        }
-        Self::walk(
-            &mut self.descs,
-            u32::from(head),
-            u32::from(rings.size),
-            false,
-            |i| rings.desc(i as u16),
-        )
-    }
-
-    /// Follow NEXT links from `start` through a table of `n` descriptors (the ring's
-    /// descriptor table, or an indirect table), at most `n` steps.
-    fn walk(
-        descs: &mut Vec<Desc>,
-        start: u32,
-        n: u32,
-        indirect: bool,
-        desc: impl Fn(u32) -> (u64, u32, u16, u16),
-    ) -> Result<(), &'static str> {
-        let mut i = start;
-        let mut ttl = n;
-        loop {
-            let (addr, len, flags, next) = desc(i);
-            if flags & VRING_DESC_F_INDIRECT as u16 != 0 {
-                return Err(if indirect {
-                    "nested indirect descriptor"
-                } else {
-                    "indirect descriptor not at the head of the chain"
-                });
-            }
-            descs.push(Desc {
-                addr,
-                len,
-                writable: flags & VRING_DESC_F_WRITE as u16 != 0,
-            });
-            if flags & VRING_DESC_F_NEXT as u16 == 0 {
-                return Ok(());
-            }
-            ttl -= 1;
-            if ttl == 0 {
-                return Err("descriptor chain longer than its table (a loop?)");
-            }
-            if u32::from(next) >= n {
-                return Err("next descriptor index beyond its table");
-            }
-            i = u32::from(next);
-        }
-    }
-
     fn handle_chain(&mut self, head: u16, rec: Option<&Recorder>) {
         let Some(slot) = self.slots.get(head as usize) else {
             warn!(
@@ -641,218 +406,6 @@ impl QueueWorker {
                 }
             }
         }
-    }
-
-    fn drain_inline(&mut self, rec: Option<&Recorder>) {
-        INLINE.with(|c| std::mem::swap(&mut c.borrow_mut().done, &mut self.finished));
-        let mut finished = std::mem::take(&mut self.finished);
-        for &(tag, code) in &finished {
-            self.finish(tag, code, rec);
-        }
-        finished.clear();
-        self.finished = finished;
-    }
-
-    /// `rec`: this thread's statistics recorder (`None` without statistics).
-    fn drain_remote(&mut self, rec: Option<&Recorder>) {
-        if self.completer.pending.load(Ordering::Acquire) == 0 {
-            return;
-        }
-        // One clock read for the statistics of everything drained now.
-        let _batch = crate::telemetry::clock::batch();
-        {
-            let mut remote = self
-                .completer
-                .remote
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            std::mem::swap(&mut *remote, &mut self.finished);
-            self.completer
-                .pending
-                .fetch_sub(self.finished.len(), Ordering::AcqRel);
-        }
-        let mut finished = std::mem::take(&mut self.finished);
-        for &(tag, code) in &finished {
-            self.finish(tag, code, rec);
-        }
-        finished.clear();
-        self.finished = finished;
-    }
-
-    /// `rec`: the statistics recorder of this thread's batch (`None` without statistics).
-    fn finish(&mut self, tag: u64, code: u8, rec: Option<&Recorder>) {
-        let Some(slot) = self.slots.get_mut(tag as usize).filter(|s| s.busy) else {
-            error!(tag, "virtio-blk: completion for a request not in flight");
-            return;
-        };
-        // SAFETY: the status byte lies in guest memory that is still mapped: either the
-        // batch's mapping (inline) or the slot's pinned one (async).
-        unsafe { std::ptr::write_volatile(slot.status, code) };
-        let used_len = if code == S_OK { slot.data_in + 1 } else { 1 };
-        slot.busy = false;
-        if let Some(r) = rec {
-            r.complete(&slot.arrival, code != S_OK);
-        }
-        tracing::trace!(target: trace::TARGET,
-            dev = %trace::Serial(&self.params.serial), head = tag, status = code,
-            latency_us = rec.map(|_| slot.arrival.elapsed_ns() as f64 / 1e3), "vhost: done");
-        if slot.pinned.take().is_some() {
-            self.in_flight_async -= 1;
-        }
-        self.used.push((tag as u16, used_len));
-    }
-
-    /// Write the batch's used elements, then the used index once (§2.7.8).
-    fn publish(&mut self, rings: &Rings, queue: &mut Queue) {
-        if self.used.is_empty() {
-            return;
-        }
-        let mut idx = queue.next_used();
-        for &(head, len) in &self.used {
-            rings.set_used_elem(idx, head, len);
-            idx = idx.wrapping_add(1);
-        }
-        rings.set_used_idx(idx);
-        queue.set_next_used(idx);
-        self.used.clear();
-    }
-
-    fn needs_interrupt(&self, rings: &Rings, queue: &Queue, old: Wrapping<u16>) -> bool {
-        let new = Wrapping(queue.next_used());
-        if new == old {
-            return false;
-        }
-        if !queue.event_idx_enabled() {
-            return true;
-        }
-        // The used index store must be globally visible before used_event is read, or the
-        // driver may have re-armed with a stale view and both sides wait (§2.7.10.1).
-        fence(Ordering::SeqCst);
-        let used_event = Wrapping(rings.used_event());
-        // vring_need_event(event, new, old): notify if event lies in [old, new).
-        (new - used_event - Wrapping(1)) < (new - old)
-    }
-}
-
-/// Host pointers to one split virtqueue's three parts (§2.7), valid for one batch.
-/// Entries an indirect table may hold: the largest split ring (§2.7: Queue Size ≤ 32768).
-const MAX_INDIRECT: u32 = 32768;
-
-/// Descriptor `i` of a table (§2.7.5: le64 addr, le32 len, le16 flags, le16 next), copied
-/// once so a concurrent driver write cannot make the fields inconsistent later.
-///
-/// # Safety
-/// `table + 16 * i .. + 16` must be mapped guest memory.
-unsafe fn read_desc(table: *const u8, i: u32) -> (u64, u32, u16, u16) {
-    let mut raw = [0u8; 16];
-    // SAFETY: the caller guarantees the 16 bytes are mapped.
-    unsafe { std::ptr::copy_nonoverlapping(table.add(16 * i as usize), raw.as_mut_ptr(), 16) };
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&raw[0..8]);
-    (
-        u64::from_le_bytes(a),
-        u32::from_le_bytes([raw[8], raw[9], raw[10], raw[11]]),
-        u16::from_le_bytes([raw[12], raw[13]]),
-        u16::from_le_bytes([raw[14], raw[15]]),
-    )
-}
-
-struct Rings {
-    size: u16,
-    desc: *const u8,
-    avail: *const u8,
-    used: *mut u8,
-}
-
-impl Rings {
-    fn new(map: &GuestMap, q: &Queue) -> Option<Self> {
-        let size = q.size();
-        if size == 0 || !size.is_power_of_two() {
-            return None;
-        }
-        let n = u64::from(size);
-        let desc = map.ptr(q.desc_table(), 16 * n)?;
-        let avail = map.ptr(q.avail_ring(), 6 + 2 * n)?;
-        let used = map.ptr(q.used_ring(), 6 + 8 * n)?;
-        // §2.7: alignment 16 / 2 / 4. Atomic u16 accesses below rely on it.
-        if desc as usize % 16 != 0 || avail as usize % 2 != 0 || used as usize % 4 != 0 {
-            return None;
-        }
-        Some(Rings {
-            size,
-            desc,
-            avail,
-            used,
-        })
-    }
-
-    fn atomic16(&self, p: *const u8) -> &AtomicU16 {
-        // SAFETY: callers pass 2-byte aligned pointers into the rings, which stay mapped
-        // (GuestMap holds the mapping) for as long as the Rings value is used; the guest
-        // accesses these fields concurrently, hence atomics.
-        unsafe { &*(p as *const AtomicU16) }
-    }
-
-    /// avail->idx, with acquire: the ring entries it covers are visible after it.
-    fn avail_idx(&self) -> u16 {
-        // SAFETY: offset 2 is inside the checked avail ring.
-        u16::from_le(
-            self.atomic16(unsafe { self.avail.add(2) })
-                .load(Ordering::Acquire),
-        )
-    }
-
-    fn avail_entry(&self, i: u16) -> u16 {
-        let off = 4 + 2 * usize::from(i % self.size);
-        // SAFETY: inside the checked avail ring.
-        u16::from_le(
-            self.atomic16(unsafe { self.avail.add(off) })
-                .load(Ordering::Relaxed),
-        )
-    }
-
-    /// used_event, after the avail ring entries (§2.7.10).
-    fn used_event(&self) -> u16 {
-        let off = 4 + 2 * usize::from(self.size);
-        // SAFETY: inside the checked avail ring (6 + 2 * size bytes).
-        u16::from_le(
-            self.atomic16(unsafe { self.avail.add(off) })
-                .load(Ordering::Relaxed),
-        )
-    }
-
-    /// (addr, len, flags, next) of descriptor `i` (< size).
-    fn desc(&self, i: u16) -> (u64, u32, u16, u16) {
-        // SAFETY: callers pass i < size, so the 16 bytes are inside the checked table.
-        unsafe { read_desc(self.desc, u32::from(i)) }
-    }
-
-    fn set_used_flags(&self, v: u16) {
-        self.atomic16(self.used).store(v.to_le(), Ordering::Relaxed);
-    }
-
-    fn set_used_elem(&self, idx: u16, head: u16, len: u32) {
-        let off = 4 + 8 * usize::from(idx % self.size);
-        let mut raw = [0u8; 8];
-        raw[0..4].copy_from_slice(&u32::from(head).to_le_bytes());
-        raw[4..8].copy_from_slice(&len.to_le_bytes());
-        // SAFETY: inside the checked used ring.
-        unsafe { std::ptr::copy_nonoverlapping(raw.as_ptr(), self.used.add(off), 8) };
-    }
-
-    /// used->idx, with release: the elements before it are visible first (§2.7.8).
-    fn set_used_idx(&self, v: u16) {
-        // SAFETY: offset 2 is inside the checked used ring.
-        self.atomic16(unsafe { self.used.add(2) })
-            .store(v.to_le(), Ordering::Release);
-    }
-
-    /// avail_event, after the used ring elements (§2.7.10).
-    fn set_avail_event(&self, v: u16) {
-        let off = 4 + 8 * usize::from(self.size);
-        // SAFETY: inside the checked used ring (6 + 8 * size bytes).
-        self.atomic16(unsafe { self.used.add(off) })
-            .store(v.to_le(), Ordering::Relaxed);
     }
 }
 
