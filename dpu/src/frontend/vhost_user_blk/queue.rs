@@ -242,7 +242,12 @@ impl QueueWorker {
             // send it from this thread in one go (volume::plug).
             let plug = crate::volume::plug::Plug::open();
             let sane = self.pop_all(&rings, queue, avail_idx.unwrap_or_default(), rec);
+            // Closing the plug sends what it held; a device that completes a request right
+            // there (on this thread) leaves the completion in this thread's inline list,
+            // which only a submit drained before: take it now, or it would wait for the
+            // guest's next request, which may never come.
             drop(plug);
+            self.drain_inline(rec);
             drop(batch);
             self.drain_remote(rec);
             self.publish(&rings, queue);

@@ -565,6 +565,55 @@ fn complete_on_other_thread(vol: &Arc<LaterVolume>, (req, done): Handoff) {
         .unwrap();
 }
 
+/// A volume that holds each request until the worker's plug closes, then completes it there,
+/// on the worker's thread (as a remote volume would if its batched send failed at once).
+struct AtUnplugVolume {
+    inner: RamVolume,
+    held: Mutex<Vec<Handoff>>,
+    me: std::sync::Weak<AtUnplugVolume>,
+}
+
+impl BlockDevice for AtUnplugVolume {
+    fn geometry(&self) -> crate::volume::Geometry {
+        self.inner.geometry()
+    }
+    fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
+        self.held.lock().unwrap().push((req, done.clone()));
+        let me: Arc<dyn crate::volume::plug::Unplug> = self.me.upgrade().unwrap();
+        assert!(
+            crate::volume::plug::defer(&me),
+            "the worker submits inside a plug"
+        );
+    }
+}
+
+impl crate::volume::plug::Unplug for AtUnplugVolume {
+    fn unplug(&self) {
+        let held = std::mem::take(&mut *self.held.lock().unwrap());
+        for (req, done) in held {
+            self.inner.submit(req, &done);
+        }
+    }
+}
+
+#[test]
+fn a_completion_delivered_as_the_plug_closes_is_published_in_the_same_pass() {
+    let vol = Arc::new_cyclic(|me| AtUnplugVolume {
+        inner: RamVolume::new(VOL_SIZE, 512).unwrap(),
+        held: Mutex::new(Vec::new()),
+        me: me.clone(),
+    });
+    let mut h = Harness::with_volume(vol.clone(), false);
+    h.fill(DATA, 512, 0x6b);
+    h.header(spec::T_OUT, 0);
+    let (status, len) = h.one(&[r(HDR, 16), r(DATA, 512), w(STATUS, 1)]);
+    assert_eq!((status, len), (S_OK, 1));
+    assert_eq!(h.worker.in_flight(), 0);
+    let mut back = [0u8; 512];
+    vol.inner.read_at(0, &mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 0x6b));
+}
+
 /// Completions that arrive from another thread while the worker has not drained yet wake it
 /// once (one eventfd write), and it publishes them all; the next completion after that drain
 /// wakes it again.
