@@ -128,7 +128,7 @@ impl Drop for RpcServer {
 }
 
 /// Serve one already-connected client stream on the calling thread, as the accept loop
-/// does (the fuzz targets' way in: dpu/src/fuzzing.rs).
+/// does (the fuzz targets' way in: dpu/src/fuzzing/).
 #[doc(hidden)]
 pub fn serve_stream(d: &Daemon, stream: UnixStream) {
     serve_connection(d, stream)

@@ -158,7 +158,7 @@ fn accept_loop(
 impl NvmfTarget {
     /// Serve one already-connected stream on the calling thread (a reactor of its own) until
     /// it ends, as if `listener` had accepted it (the fuzz targets' way in:
-    /// dpu/src/fuzzing.rs).
+    /// dpu/src/fuzzing/).
     #[doc(hidden)]
     pub fn serve_stream(&self, sock: TcpStream, listener: SocketAddr) {
         // A listener of its own, holding just this connection: the caps do not apply.
