@@ -55,7 +55,21 @@ impl TargetInner {
             .name(format!("nvmf-listen-{}", bound.port()))
             .spawn(move || accept_loop(tl, bound, st, weak, Arc::default()))
             .map_err(|source| NvmfError::Listen { addr, source })?;
-        let portid = ls.values().map(|l| l.portid).max().unwrap_or(0) + 1;
+        // A PORTID names one port for as long as the target runs: a removed listener's id is
+        // not given to another address (a host may have cached the discovery log that showed
+        // it). TCP ports take 1..=7FFFh; RDMA ones are numbered from 8000h (subsystem.rs).
+        let portid = (0..0x7FFF)
+            .map(|_| {
+                let id = self.next_portid.fetch_add(1, Ordering::Relaxed);
+                if (1..0x8000).contains(&id) {
+                    id
+                } else {
+                    self.next_portid.store(2, Ordering::Relaxed);
+                    1
+                }
+            })
+            .find(|id| ls.values().all(|l| l.portid != *id))
+            .unwrap_or(0x7FFF);
         ls.insert(
             bound,
             Listener {
@@ -178,6 +192,21 @@ impl NvmfTarget {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_removed_listeners_portid_is_not_given_to_another_address() {
+        let t = NvmfTarget::new();
+        let nqn = "nqn.2024-01.io.nacre:portid";
+        t.create_subsystem(nqn, "S1", "nacre", true).unwrap();
+        let any = "127.0.0.1:0".parse().unwrap();
+        let a = t.add_listener(nqn, any).unwrap();
+        let b = t.add_listener(nqn, any).unwrap();
+        assert_eq!((t.inner.portid(&a), t.inner.portid(&b)), (1, 2));
+        t.remove_listener(nqn, b).unwrap();
+        let c = t.add_listener(nqn, any).unwrap();
+        assert_eq!(t.inner.portid(&c), 3, "2 named the removed port");
+        assert_eq!(t.inner.portid(&a), 1);
+    }
 
     #[test]
     fn a_listener_stops_without_a_connection_to_its_address() {

@@ -143,6 +143,8 @@ pub(crate) struct TargetInner {
     host_queues: Mutex<HashMap<String, usize>>,
     pub(crate) next_conn: AtomicU64,
     next_cntlid: AtomicU16,
+    /// The next TCP listener's PORTID (see `acquire_listener`).
+    pub(crate) next_portid: AtomicU16,
     /// Discovery log generation counter (GENCTR).
     pub(crate) genctr: AtomicU64,
     /// Milliseconds a new connection may take to send its ICReq and then its Fabrics
@@ -205,6 +207,7 @@ impl NvmfTarget {
             host_queues: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             next_cntlid: AtomicU16::new(1),
+            next_portid: AtomicU16::new(1),
             genctr: AtomicU64::new(1),
             setup_timeout_ms: AtomicU64::new(SETUP_TIMEOUT.as_millis() as u64),
             pdu_timeout_ms: AtomicU64::new(PDU_TIMEOUT.as_millis() as u64),
