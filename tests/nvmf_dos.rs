@@ -467,3 +467,18 @@ fn a_pdu_split_across_a_stop_and_continue_of_nacred_is_served() {
     assert_eq!((c.cid, c.status >> 1), (0x77, 0));
     assert_eq!(h.read(0, 1, 40, 8, 512).unwrap(), vec![0xC3; 4096]);
 }
+
+#[test]
+fn a_setup_cap_of_zero_is_refused_on_the_command_line() {
+    // 0 would let no connection set up: nacred says so and does not start.
+    let out = std::process::Command::new(nacre_tests::daemon::bin("nacred"))
+        .args(["--no-default", "--nvmf-max-setup-connections", "0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--nvmf-max-setup-connections") && err.contains("at least 1"),
+        "{err}"
+    );
+}

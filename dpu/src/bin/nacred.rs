@@ -49,6 +49,15 @@ const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9444";
 #[derive(Debug, Clone, Copy)]
 struct MetricsListen(Option<SocketAddr>);
 
+/// A count that must be at least 1 (0 would refuse every host, silently).
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 fn parse_metrics_listen(s: &str) -> Result<MetricsListen, String> {
     if s == "off" {
         return Ok(MetricsListen(None));
@@ -96,9 +105,10 @@ struct Args {
     #[arg(long, env = "NACRE_NVMF_MAX_CONNECTIONS", default_value_t = ConnLimits::DEFAULT.per_listener)]
     nvmf_max_connections: usize,
 
-    /// NVMe/TCP: connections of one listener not yet past Fabrics Connect; a new one beyond
-    /// this closes the oldest such connection.
-    #[arg(long, env = "NACRE_NVMF_MAX_SETUP_CONNECTIONS", default_value_t = ConnLimits::DEFAULT.setup_per_listener)]
+    /// NVMe/TCP: connections of one listener not yet past Fabrics Connect (at least 1); a new
+    /// one beyond this closes the oldest such connection.
+    #[arg(long, env = "NACRE_NVMF_MAX_SETUP_CONNECTIONS", default_value_t = ConnLimits::DEFAULT.setup_per_listener,
+          value_parser = at_least_one)]
     nvmf_max_setup_connections: usize,
 
     /// NVMe/TCP: queues (admin and I/O) one host NQN may hold; a Connect beyond it fails

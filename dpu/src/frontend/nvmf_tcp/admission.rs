@@ -14,7 +14,8 @@ pub struct ConnLimits {
     pub per_listener: usize,
     /// Connections of one listener that have not completed a Fabrics Connect yet. When a new
     /// connection would exceed this, the oldest such connection is closed: a peer that opens
-    /// connections and stays silent cannot lock hosts out, it only evicts its own.
+    /// connections and stays silent cannot lock hosts out, it only evicts its own. 0 counts as
+    /// 1 (the newest connection may always try; nacred refuses 0 on its command line).
     pub setup_per_listener: usize,
     /// Queues (connections with a successful Fabrics Connect) one host NQN may hold on the
     /// target; a Connect beyond it fails with Connect Controller Busy.
