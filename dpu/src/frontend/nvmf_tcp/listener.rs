@@ -12,7 +12,7 @@ use std::time::Duration;
 use tracing::{debug, info, warn};
 
 use super::admission::{ConnLimits, Evict, ListenerConns};
-use super::{lock, reactor, NvmfError, NvmfTarget, TargetInner};
+use super::{lock, next_free_id, reactor, NvmfError, NvmfTarget, TargetInner};
 
 pub(super) struct Listener {
     /// Port ID reported in discovery log entries.
@@ -58,18 +58,9 @@ impl TargetInner {
         // A PORTID names one port for as long as the target runs: a removed listener's id is
         // not given to another address (a host may have cached the discovery log that showed
         // it). TCP ports take 1..=7FFFh; RDMA ones are numbered from 8000h (subsystem.rs).
-        let portid = (0..0x7FFF)
-            .map(|_| {
-                let id = self.next_portid.fetch_add(1, Ordering::Relaxed);
-                if (1..0x8000).contains(&id) {
-                    id
-                } else {
-                    self.next_portid.store(2, Ordering::Relaxed);
-                    1
-                }
-            })
-            .find(|id| ls.values().all(|l| l.portid != *id))
-            .unwrap_or(0x7FFF);
+        let portid = next_free_id(&self.next_portid, 1..0x8000, |id| {
+            ls.values().any(|l| l.portid == id)
+        });
         ls.insert(
             bound,
             Listener {

@@ -432,7 +432,7 @@ impl TargetInner {
     pub(crate) fn alloc_cntlid(&self) -> u16 {
         let mut subsystems = self.all_subsystems();
         subsystems.push(self.discovery.clone());
-        next_free_cntlid(&self.next_cntlid, |id| {
+        next_free_id(&self.next_cntlid, CNTLIDS, |id| {
             subsystems.iter().any(|s| s.controller(id).is_some())
         })
     }
@@ -484,24 +484,32 @@ impl TargetInner {
     }
 }
 
-/// The next CNTLID from `next` that `in_use` does not claim. CNTLIDs 1..=FFEFh are valid
-/// (FFF0h-FFFFh are reserved; FFFFh in a Connect asks for a dynamic controller); the counter
-/// wraps around to 1. Should every
-/// valid id be in use (the connection limits, 1,024 connections per listener by default,
-/// keep controllers far fewer), the next one is returned after one full round.
-fn next_free_cntlid(next: &AtomicU16, in_use: impl Fn(u16) -> bool) -> u16 {
+/// The next id from the counter `next` within `ids` that `in_use` does not claim; the
+/// counter wraps around to `ids.start`. Should every id be in use, the next one is returned
+/// after one full round. CNTLIDs take 1..=FFEFh (FFF0h-FFFFh are reserved; FFFFh in a
+/// Connect asks for a dynamic controller), and the connection limits (1,024 connections per
+/// listener by default) keep controllers far fewer than that; listeners' PORTIDs take
+/// 1..=7FFFh (`listener.rs`).
+pub(super) fn next_free_id(
+    next: &AtomicU16,
+    ids: std::ops::Range<u16>,
+    in_use: impl Fn(u16) -> bool,
+) -> u16 {
     let bump = || loop {
         let id = next.fetch_add(1, Ordering::Relaxed);
-        if (1..0xFFF0).contains(&id) {
+        if ids.contains(&id) {
             return id;
         }
-        next.store(1, Ordering::Relaxed);
+        next.store(ids.start, Ordering::Relaxed);
     };
-    (0..0xFFEF)
+    (ids.start..ids.end)
         .map(|_| bump())
         .find(|&id| !in_use(id))
         .unwrap_or_else(bump)
 }
+
+/// Valid CNTLIDs (see [`next_free_id`]).
+const CNTLIDS: std::ops::Range<u16> = 1..0xFFF0;
 
 /// Tears down controllers whose Keep Alive Timeout expired without any command on any of
 /// their queues (NVMe Base 2.0 §3.9: the host must send Keep Alive — or, for us, any
@@ -541,19 +549,22 @@ mod tests {
     fn cntlids_count_up_wrap_past_the_reserved_range_and_skip_live_controllers() {
         let next = AtomicU16::new(1);
         let none = |_| false;
-        assert_eq!([0; 3].map(|_| next_free_cntlid(&next, none)), [1, 2, 3]);
+        assert_eq!(
+            [0; 3].map(|_| next_free_id(&next, CNTLIDS, none)),
+            [1, 2, 3]
+        );
         // FFF0h-FFFFh are reserved, and 0 is not a CNTLID.
         next.store(0xFFEF, Ordering::Relaxed);
-        assert_eq!(next_free_cntlid(&next, none), 0xFFEF);
-        assert_eq!(next_free_cntlid(&next, none), 1);
+        assert_eq!(next_free_id(&next, CNTLIDS, none), 0xFFEF);
+        assert_eq!(next_free_id(&next, CNTLIDS, none), 1);
         // After the wrap, ids of controllers that still exist are passed over.
         let live: BTreeSet<u16> = [2, 3, 5].into();
         next.store(2, Ordering::Relaxed);
         let in_use = |id| live.contains(&id);
-        assert_eq!(next_free_cntlid(&next, in_use), 4);
-        assert_eq!(next_free_cntlid(&next, in_use), 6);
+        assert_eq!(next_free_id(&next, CNTLIDS, in_use), 4);
+        assert_eq!(next_free_id(&next, CNTLIDS, in_use), 6);
         // Every id taken: one full round, then an answer rather than a hang.
-        let id = next_free_cntlid(&next, |_| true);
+        let id = next_free_id(&next, CNTLIDS, |_| true);
         assert!((1..0xFFF0).contains(&id));
     }
 }
