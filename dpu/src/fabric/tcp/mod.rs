@@ -404,8 +404,10 @@ impl QueueConn {
         wake
     }
 
-    /// How long the oldest outstanding command has been waiting (commands waiting for a free
-    /// slot count too: they wait on the controller just the same).
+    /// How long the oldest command in a slot has been waiting on the controller. Commands
+    /// still waiting for a free slot do not count: as with the kernel's request timeout,
+    /// the clock starts when a command is sent (a deep but answering queue is not a hung
+    /// controller; a hung one leaves the commands in the slots to time out).
     pub fn oldest_outstanding(&self) -> Option<Duration> {
         let now = clock::read_ns();
         self.slots

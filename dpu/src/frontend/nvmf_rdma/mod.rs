@@ -346,7 +346,7 @@ fn listen_loop(
             })
         };
         let id = target.next_conn.fetch_add(1, Ordering::Relaxed);
-        let Some(slot) = counts.admit(id, &limits, Some(evict)) else {
+        let Some(slot) = counts.admit(id, &limits, evict) else {
             debug!(%bound, "nvmf RDMA listener at its connection cap: rejecting a queue");
             queue::reject(ev.id, cm::reject::NO_RESOURCES);
             continue;

@@ -64,14 +64,16 @@ pub(crate) struct ListenerConns {
 impl ListenerConns {
     /// Take a place for connection `id` under `limits`, or `None` when the listener already
     /// serves [`ConnLimits::per_listener`] connections (the caller closes or rejects it).
-    /// The new connection counts as setting up; if that makes more than
+    /// The new connection counts as setting up, with `evict` as the way to close it (a
+    /// listener that cannot make one must refuse the connection: one it could not evict
+    /// would escape the setup cap); if that makes more than
     /// [`ConnLimits::setup_per_listener`], the oldest ones still setting up are evicted —
     /// a peer that opens connections and stays silent only evicts its own.
     pub(crate) fn admit(
         self: &Arc<Self>,
         id: u64,
         limits: &ConnLimits,
-        evict: Option<Evict>,
+        evict: Evict,
     ) -> Option<ConnSlot> {
         // Check and take in one step: two listeners' threads never race here today, but
         // the count must not overshoot if one ever does.
@@ -87,14 +89,11 @@ impl ListenerConns {
             conns: self.clone(),
             id,
         };
-        let evicted: Vec<Evict> = match evict {
-            None => Vec::new(),
-            Some(e) => {
-                let mut setup = lock(&self.setup);
-                setup.push_back((id, e));
-                let over = setup.len().saturating_sub(limits.setup_per_listener.max(1));
-                setup.drain(..over).map(|(_, e)| e).collect()
-            }
+        let evicted: Vec<Evict> = {
+            let mut setup = lock(&self.setup);
+            setup.push_back((id, evict));
+            let over = setup.len().saturating_sub(limits.setup_per_listener.max(1));
+            setup.drain(..over).map(|(_, e)| e).collect()
         };
         for e in evicted {
             e();
@@ -137,9 +136,9 @@ mod tests {
     use std::sync::atomic::AtomicUsize;
 
     /// An evict handle that records in `log` which connection (by its id) was evicted.
-    fn evict(log: &Arc<Mutex<Vec<u64>>>, id: u64) -> Option<Evict> {
+    fn evict(log: &Arc<Mutex<Vec<u64>>>, id: u64) -> Evict {
         let log = log.clone();
-        Some(Box::new(move || lock(&log).push(id)))
+        Box::new(move || lock(&log).push(id))
     }
 
     #[test]
@@ -191,7 +190,7 @@ mod tests {
         }
         let g = Guard(drops.clone());
         let s = conns
-            .admit(1, &ConnLimits::DEFAULT, Some(Box::new(move || drop(g))))
+            .admit(1, &ConnLimits::DEFAULT, Box::new(move || drop(g)))
             .unwrap();
         s.connected();
         // The handle (for TCP, a clone of the socket) is released at Connect, not kept for

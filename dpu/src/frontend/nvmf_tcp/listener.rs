@@ -138,12 +138,21 @@ fn accept_loop(
         };
         let limits = *lock(&target.limits);
         let id = target.next_conn.fetch_add(1, Ordering::Relaxed);
-        let evict = stream.try_clone().ok().map(|c| -> Evict {
-            Box::new(move || {
-                // Its reactor sees the connection end and closes it.
-                debug!("nvmf listener at its setup cap: closing the oldest connection still setting up");
-                let _ = c.shutdown(std::net::Shutdown::Both);
-            })
+        // The way to evict it while it sets up: a second handle on its socket. Without one
+        // (out of descriptors) it is refused, not admitted beyond the setup cap's reach.
+        let c = match stream.try_clone() {
+            Ok(c) => c,
+            Err(e) => {
+                warn!(%bound, "nvmf listener: closing a new connection: {e}");
+                continue;
+            }
+        };
+        let evict: Evict = Box::new(move || {
+            // Its reactor sees the connection end and closes it.
+            debug!(
+                "nvmf listener at its setup cap: closing the oldest connection still setting up"
+            );
+            let _ = c.shutdown(std::net::Shutdown::Both);
         });
         let Some(slot) = counts.admit(id, &limits, evict) else {
             // Dropping the stream closes it: the peer sees the connection end at once.
@@ -166,8 +175,10 @@ impl NvmfTarget {
     /// dpu/src/fuzzing/).
     #[doc(hidden)]
     pub fn serve_stream(&self, sock: TcpStream, listener: SocketAddr) {
-        // A listener of its own, holding just this connection: the caps do not apply.
-        let Some(slot) = Arc::new(ListenerConns::default()).admit(0, &ConnLimits::DEFAULT, None)
+        // A listener of its own, holding just this connection: the caps do not apply (its
+        // one connection is never evicted, so the handle does nothing).
+        let Some(slot) =
+            Arc::new(ListenerConns::default()).admit(0, &ConnLimits::DEFAULT, Box::new(|| {}))
         else {
             return;
         };
