@@ -18,7 +18,8 @@ pub use proxy::Proxy;
 pub use storage::{Ns, Storage};
 pub use target::{FakeTarget, Fault, TargetOpts};
 
-/// A deterministic pattern for block `lba` of a test (so any misplaced block shows).
+/// `len` deterministic bytes for the data at byte offset `off` of a test seeded `seed`: a
+/// block written to or read from the wrong place shows as the wrong pattern.
 pub fn pattern(seed: u64, off: u64, len: usize) -> Vec<u8> {
     let mut v = Vec::with_capacity(len);
     let mut x = seed ^ off.wrapping_mul(0x9E37_79B9_7F4A_7C15);

@@ -89,11 +89,11 @@ struct TState {
     stop: AtomicBool,
     conns: Mutex<Vec<TcpStream>>,
     /// Digest errors seen in what the host sent (must stay 0).
-    pub digest_errors: AtomicU64,
-    pub connects: AtomicU64,
-    pub writes_in_capsule: AtomicU64,
-    pub writes_r2t: AtomicU64,
-    pub late_writes_done: AtomicU64,
+    digest_errors: AtomicU64,
+    connects: AtomicU64,
+    writes_in_capsule: AtomicU64,
+    writes_r2t: AtomicU64,
+    late_writes_done: AtomicU64,
 }
 
 pub struct FakeTarget {
