@@ -15,6 +15,7 @@ use super::{
 };
 use crate::fabric::cmd::{Cmd, Dir};
 use crate::fabric::queue::cid_of;
+use crate::frontend::nvmf_rdma::verbs;
 use crate::telemetry::clock;
 
 impl RdmaQueue {
@@ -157,20 +158,17 @@ impl RdmaQueue {
 
     pub(super) fn post_recv(&self, r: usize) -> bool {
         let b = self.recv.as_ref().expect("registered at setup");
-        let mut sge = ibv_sge {
-            addr: b.addr(r * RSP_LEN),
-            length: RSP_LEN as u32,
-            lkey: b.lkey(),
-        };
-        // SAFETY: ibv_recv_wr is plain data; all-zero is a valid empty request.
-        let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
-        wr.wr_id = WR_RECV | r as u64;
-        wr.sg_list = &mut sge;
-        wr.num_sge = 1;
-        let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
         // SAFETY: the queue pair exists for self's life; RECV buffer r belongs to the device
-        // until its completion is polled; the request is copied by the provider.
-        unsafe { ibv_post_recv((*self.id).qp, &mut wr, &mut bad) == 0 }
+        // until its completion is polled.
+        unsafe {
+            verbs::post_recv_slot(
+                (*self.id).qp,
+                b,
+                r * RSP_LEN,
+                RSP_LEN as u32,
+                WR_RECV | r as u64,
+            )
+        }
     }
 
     /// The data buffer of slot `s`.

@@ -201,25 +201,22 @@ impl RdmaQueue {
 
     pub(super) fn post_recv(&self, r: usize) -> bool {
         let b = self.recv.as_ref().expect("allocated");
-        let mut sge = ibv_sge {
-            addr: b.addr(r * RECV_LEN),
-            length: RECV_LEN as u32,
-            lkey: b.lkey(),
-        };
-        // SAFETY: ibv_recv_wr is plain data; all-zero is a valid empty request.
-        let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
-        wr.wr_id = WR_RECV | r as u64;
-        wr.sg_list = &mut sge;
-        wr.num_sge = 1;
-        let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
         let open = lock(&self.open);
         if !*open {
             return false;
         }
         // SAFETY: the queue pair is open (checked under the lock teardown takes); the RECV
         // buffer r belongs to the device until its completion is polled (it is not read
-        // before); the request structures are copied by the provider during the call.
-        unsafe { ibv_post_recv((*self.id).qp, &mut wr, &mut bad) == 0 }
+        // before).
+        unsafe {
+            verbs::post_recv_slot(
+                (*self.id).qp,
+                b,
+                r * RECV_LEN,
+                RECV_LEN as u32,
+                WR_RECV | r as u64,
+            )
+        }
     }
 
     /// Post RDMA READ of the host's data for slot `s` into its buffer.

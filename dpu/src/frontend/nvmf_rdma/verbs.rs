@@ -264,6 +264,38 @@ pub(crate) unsafe fn destroy_queue_objects(
     }
 }
 
+/// Post one RECV of `len` bytes at offset `off` of `buf` on queue pair `qp`, tagged `wr_id`
+/// (each side keeps a ring of fixed-size receive slots in one registered buffer). False if
+/// the provider refused it.
+///
+/// # Safety
+/// `qp` is a live queue pair of the protection domain `buf` is registered in, and stays so
+/// for the call; the slot `off..off + len` of `buf` belongs to the device until its
+/// completion is polled (nothing reads or writes it meanwhile).
+pub(crate) unsafe fn post_recv_slot(
+    qp: *mut ibv_qp,
+    buf: &RegBuf,
+    off: usize,
+    len: u32,
+    wr_id: u64,
+) -> bool {
+    debug_assert!(off + len as usize <= buf.len);
+    let mut sge = ibv_sge {
+        addr: buf.addr(off),
+        length: len,
+        lkey: buf.lkey(),
+    };
+    // SAFETY: ibv_recv_wr is plain data; all-zero is a valid empty request.
+    let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
+    wr.wr_id = wr_id;
+    wr.sg_list = &mut sge;
+    wr.num_sge = 1;
+    let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
+    // SAFETY: per the caller's contract; the request structures are copied by the provider
+    // during the call.
+    unsafe { ibv_post_recv(qp, &mut wr, &mut bad) == 0 }
+}
+
 /// A registered buffer: memory from the allocator, and its memory region.
 pub(crate) struct RegBuf {
     pub(crate) ptr: *mut u8,
