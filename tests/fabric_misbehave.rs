@@ -14,21 +14,32 @@ use nacre_tests::fabric_support::{pattern, FakeTarget, Fault, Storage, TargetOpt
 
 const HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-0000-0000-0000000000b1";
 
+/// Attach a controller to `t`. `quick`: timeouts short enough that a fault a timeout
+/// detects resets it within the test (the faulty controller's); otherwise generous ones
+/// (the bystander's: starved threads on a loaded machine must not reset it, only a fault
+/// could).
 fn attach(
     t: &FakeTarget,
     opts: &TargetOpts,
     name: &str,
     dg: Digests,
+    quick: bool,
 ) -> (Controller, Arc<RemoteNamespace>) {
     let mut c = ControllerConfig::new("127.0.0.1", t.port(), &opts.subnqn, HOSTNQN);
     c.digests = dg;
     c.io_queues = 2;
     c.queue_depth = 8;
     c.reconnect_delay = Duration::from_millis(50);
-    c.keep_alive_timeout = Duration::from_millis(500);
-    c.connect_timeout = Duration::from_millis(500);
     c.quiesce_time = Duration::from_millis(50);
-    c.io_timeout = Some(Duration::from_millis(800));
+    if quick {
+        c.keep_alive_timeout = Duration::from_millis(500);
+        c.connect_timeout = Duration::from_millis(500);
+        c.io_timeout = Some(Duration::from_millis(800));
+    } else {
+        c.keep_alive_timeout = Duration::from_secs(10);
+        c.connect_timeout = Duration::from_secs(10);
+        c.io_timeout = Some(Duration::from_secs(30));
+    }
     let ctrl = Controller::start(name, c, None);
     let info = nacre_tests::fabric_support::wait_live(&ctrl, Duration::from_secs(10));
     let dev = Arc::new(RemoteNamespace::new(
@@ -49,7 +60,7 @@ fn check_with(fault: Fault, dg: Digests) {
         bopts.clone(),
         Storage::new(&[(1, 2 << 20, 512, [0xB0; 16])]),
     );
-    let (bctrl, bdev) = attach(&bt, &bopts, "bystander", Digests::NONE);
+    let (bctrl, bdev) = attach(&bt, &bopts, "bystander", Digests::NONE, false);
     let stop = Arc::new(AtomicBool::new(false));
     let berr = Arc::new(AtomicU64::new(0));
     let bystander = {
@@ -75,7 +86,7 @@ fn check_with(fault: Fault, dg: Digests) {
     };
     let st = Storage::new(&[(1, 2 << 20, 512, [0xA0; 16])]);
     let t = FakeTarget::start(opts.clone(), st.clone());
-    let (ctrl, dev) = attach(&t, &opts, "faulty", dg);
+    let (ctrl, dev) = attach(&t, &opts, "faulty", dg, true);
     for i in 0..24u64 {
         let len = if i % 2 == 0 { 4096 } else { 32768 };
         let off = i * 65536;

@@ -26,8 +26,11 @@ fn ctrl_to(port: u16, subnqn: &str, name: &str) -> Controller {
     c.queue_depth = 16;
     c.reconnect_delay = Duration::from_millis(100);
     c.ctrl_loss_timeout = Some(Duration::from_secs(20));
-    c.keep_alive_timeout = Duration::from_millis(600);
-    c.connect_timeout = Duration::from_millis(500);
+    // Cuts here close the sockets (Proxy::sever), which the queues see at once: keep-alive
+    // detects nothing in these tests, and a short one would reset a path whose threads a
+    // loaded machine starved for a moment.
+    c.keep_alive_timeout = Duration::from_secs(5);
+    c.connect_timeout = Duration::from_secs(2);
     c.quiesce_time = Duration::from_millis(100);
     let ctrl = Controller::start(name, c, None);
     nacre_tests::fabric_support::wait_live(&ctrl, HANG);

@@ -521,7 +521,7 @@ fn a_flapping_shelf_link_leaks_no_descriptors_or_threads() {
     for _ in 0..FLAPS {
         flap();
     }
-    let after = n.settled_footprint(|| true);
+    let after = n.footprint_back_to(before, || true);
     after.assert_no_more_than(before, FLAPS, "reconnects");
     // the controller is live at the end (I/O across flaps: fabric_failure.rs)
     assert_eq!(state(), "live");

@@ -311,14 +311,15 @@ fn a_host_that_does_not_read_never_holds_the_control_plane() {
         assert_eq!(unsafe { libc::ioctl(fd, libc::FIONREAD, &mut n) }, 0);
         n
     };
-    // Stalled: the host's receive buffer is full and stays so.
-    let mut last = -1;
+    // Stalled: the host's receive buffer is full and stays so, over three samples 300 ms
+    // apart (one unchanged pair could be a reactor held off its core a moment).
+    let (mut last, mut same) = (-1, 0);
     eventually("nacred's replies filling the host's socket", || {
         std::thread::sleep(Duration::from_millis(300));
         let now = queued();
-        let stalled = now > 0 && now == last;
+        same = if now > 0 && now == last { same + 1 } else { 0 };
         last = now;
-        stalled.then_some(())
+        (same >= 2).then_some(())
     });
     // The event is raised by the RPC; the RPC answers, and another after it, while the host
     // has still read nothing and nothing more has reached it.

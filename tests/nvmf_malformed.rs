@@ -426,7 +426,8 @@ fn pdo_of_a_capsule_without_data_is_ignored() {
 #[test]
 fn connections_that_never_connect_a_queue_are_closed() {
     let (t, addr) = target();
-    t.set_setup_timeout(Duration::from_millis(300));
+    // Long enough that the test's own host, on a loaded machine, sets up within it.
+    t.set_setup_timeout(Duration::from_secs(1));
     let closed_by_target = |s: &mut TcpStream| {
         s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
         let mut b = Vec::new();
@@ -444,7 +445,7 @@ fn connections_that_never_connect_a_queue_are_closed() {
     );
     // Connected and idle past the setup timeout: still served.
     let mut h = NvmfHost::connect(addr, NQN, HostOptions::default()).unwrap();
-    std::thread::sleep(Duration::from_millis(900));
+    std::thread::sleep(Duration::from_millis(2500));
     h.write(0, 1, 9, &[0x3C; 512], 512).unwrap();
     assert_eq!(h.read(0, 1, 9, 1, 512).unwrap(), vec![0x3C; 512]);
 }
@@ -454,11 +455,13 @@ fn connections_that_never_connect_a_queue_are_closed() {
 #[test]
 fn a_host_stalling_mid_pdu_is_disconnected() {
     let (t, addr) = target();
-    t.set_pdu_timeout(Duration::from_millis(300));
+    // Long enough that the test's own 128 KiB write, on a loaded machine, completes its
+    // PDUs within it.
+    t.set_pdu_timeout(Duration::from_secs(1));
     let mut h = NvmfHost::connect(addr, NQN, HostOptions::default()).unwrap();
     // Idle between PDUs longer than the PDU timeout, then a 128 KiB write (R2T and H2CData
     // PDUs) and read: all fine.
-    std::thread::sleep(Duration::from_millis(600));
+    std::thread::sleep(Duration::from_millis(1500));
     let big: Vec<u8> = (0..128 * 1024).map(|i| (i % 251) as u8).collect();
     h.write(0, 1, 64, &big, 512).unwrap();
     assert_eq!(h.read(0, 1, 64, 256, 512).unwrap(), big);
@@ -479,9 +482,9 @@ fn a_host_stalling_mid_pdu_is_disconnected() {
     // Another host, served by the same reactor all along.
     let mut other = NvmfHost::connect(addr, NQN, HostOptions::default()).unwrap();
     s.write_all(&pdu[..40]).unwrap();
-    // Trickle for up to 3 s: ten times the timeout. A per-read timeout would never fire.
+    // Trickle for up to 6 s: six times the timeout. A per-read timeout would never fire.
     let mut refused = false;
-    for i in 0..30 {
+    for i in 0..60 {
         std::thread::sleep(Duration::from_millis(100));
         other.write(0, 1, 20, &[i as u8; 512], 512).unwrap();
         assert_eq!(other.read(0, 1, 20, 1, 512).unwrap(), vec![i as u8; 512]);

@@ -67,7 +67,16 @@ fn patterns_on_queues(vol: Arc<dyn BlockDevice>, queues: usize) {
     let bs = vol.geometry().block_size as u64;
     let server = start(config(dir.path(), queues as u16), vol.clone());
     let mut client = connect(server.socket(), queues);
-    assert!(server.is_connected());
+    // The server marks itself connected once the thread that accepted the client has
+    // handed it on, which may be after the client is done negotiating.
+    let t = Instant::now();
+    while !server.is_connected() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "never marked connected"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let capacity = client.capacity().unwrap();
     assert_eq!(capacity, vol.geometry().size);
     let stripe = capacity / queues as u64 / (128 * 1024) * (128 * 1024);

@@ -110,14 +110,26 @@ fn devices_made_over_rpc_serve_and_come_back() {
     );
     let sock = n.run_dir.join("vhost-d.sock");
     let mut c = BlkioClient::connect(&sock, &opts(2)).unwrap();
-    let devs = n.ok("vhost_blk_list", json!({}));
-    let d = devs
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["name"] == "d")
-        .unwrap();
-    assert_eq!(d["connected"], true, "{devs}");
+    // Marked connected once the accepting thread has handed the client on, which may be
+    // after the client is done negotiating.
+    let connected = || {
+        let devs = n.ok("vhost_blk_list", json!({}));
+        let d = devs
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["name"] == "d")
+            .cloned();
+        d.unwrap()["connected"] == true
+    };
+    let t = std::time::Instant::now();
+    while !connected() {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "never listed as connected"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
     let written = write_spread(&mut c, 3);
     drop(c);
     // The read-only device sees the same data and refuses writes.
@@ -165,7 +177,7 @@ fn reconnecting_clients_leak_no_descriptors_or_threads() {
     for round in 1..=ROUNDS {
         cycle(round);
     }
-    let after = n.settled_footprint(idle);
+    let after = n.footprint_back_to(before, idle);
     after.assert_no_more_than(before, ROUNDS as usize, "connections");
 }
 

@@ -220,6 +220,21 @@ impl Nacred {
         }
     }
 
+    /// The footprint once it is back to `before` (or below) and `idle()` holds; whatever it
+    /// is after 20 s. For the "after" side of a leak check: a thread that a loaded machine
+    /// left a moment late in its teardown gets there, a leak never does.
+    pub fn footprint_back_to(&self, before: Footprint, idle: impl Fn() -> bool) -> Footprint {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let now = self.footprint();
+            let back = now.fds <= before.fds && now.threads <= before.threads;
+            if (back && idle()) || Instant::now() > deadline {
+                return now;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     pub fn client(&self) -> Client {
         Client::connect(&self.rpc).expect("connect to nacred")
     }
