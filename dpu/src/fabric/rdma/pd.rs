@@ -78,6 +78,10 @@ impl Pd {
 
     /// A queue on the domain is gone; the last one drops the zero-copy registrations.
     pub(super) fn queue_gone(&self) {
+        // Under the registry's lock, which [`Pd::for_queue`] counts a new queue under: a
+        // queue opening on the domain meanwhile would otherwise see its fresh registrations
+        // (or ones it just reused) dropped by the departing queue.
+        let _pds = PDS.lock().unwrap_or_else(|p| p.into_inner());
         if self.queues.fetch_sub(1, Ordering::AcqRel) != 1 {
             return;
         }
