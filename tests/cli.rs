@@ -211,6 +211,12 @@ fn command_line_errors_are_one_line_starting_nacre() {
             vec!["volume", "resize", "x", "--size", "-1"],
             "a size cannot be negative",
         ),
+        // Once a panic ("cannot convert float seconds to Duration").
+        (
+            vec!["top", "--interval", "1e20"],
+            "between 0.1 and 3600 seconds",
+        ),
+        (vec!["top", "--interval", "NaN"], "between 0.1 and 3600"),
     ] {
         let out = nacre(&args);
         assert_eq!(out.status.code(), Some(2), "{args:?}");

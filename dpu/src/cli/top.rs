@@ -18,8 +18,8 @@ use super::Ctx;
     after_help = "Examples:\n  nacre top                   # refresh every second until Ctrl-C\n  nacre top --interval 5\n  nacre top --count 3 --no-clear > log   # three samples, appended, for scripts\n\nRates are differences of `nacre stats` counters over the interval; tails (P99, P99.9) are\ncumulative since nacred started."
 )]
 pub struct TopArgs {
-    /// Seconds between refreshes.
-    #[arg(long, default_value_t = 1.0)]
+    /// Seconds between refreshes (0.1 to 3600).
+    #[arg(long, default_value_t = 1.0, value_parser = interval_secs)]
     interval: f64,
     /// Stop after this many refreshes [default: run until interrupted].
     #[arg(long)]
@@ -29,10 +29,24 @@ pub struct TopArgs {
     no_clear: bool,
 }
 
-pub fn run(ctx: &mut Ctx, a: TopArgs) -> Result<()> {
-    if !(a.interval.is_finite() && a.interval >= 0.1) {
-        anyhow::bail!("--interval must be at least 0.1 seconds");
+/// Refresh interval bounds: faster than 0.1 s the table cannot be read; the upper bound keeps
+/// the value a `Duration` can hold (1e20 seconds cannot be one).
+const MIN_INTERVAL: f64 = 0.1;
+const MAX_INTERVAL: f64 = 3600.0;
+
+fn interval_secs(s: &str) -> std::result::Result<f64, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("not a number of seconds: {s}"))?;
+    if !(MIN_INTERVAL..=MAX_INTERVAL).contains(&v) {
+        return Err(format!(
+            "must be between {MIN_INTERVAL} and {MAX_INTERVAL} seconds"
+        ));
     }
+    Ok(v)
+}
+
+pub fn run(ctx: &mut Ctx, a: TopArgs) -> Result<()> {
     let mut prev: HashMap<String, VolumeStats> = fetch(ctx, None)?
         .into_iter()
         .map(|s| (s.volume.clone(), s))
