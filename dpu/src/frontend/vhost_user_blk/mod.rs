@@ -249,9 +249,30 @@ fn validate(
     })
 }
 
+/// Make way for the device's socket at `path`: a socket nothing listens on (a crashed or
+/// stopped nacred's) is removed; a live one, or any other file, is refused. "Nothing listens"
+/// means a stream connect is refused: a socket some program serves (or a datagram socket,
+/// such as journald's, which a stream connect cannot reach) is left alone.
 fn remove_stale_socket(path: &Path) -> Result<(), VhostBlkError> {
+    let refuse = |why: String| VhostBlkError::Socket {
+        path: path.to_path_buf(),
+        source: io::Error::new(io::ErrorKind::AddrInUse, why),
+    };
     match std::fs::symlink_metadata(path) {
         Ok(m) if m.file_type().is_socket() => {
+            match std::os::unix::net::UnixStream::connect(path) {
+                Ok(_) => {
+                    return Err(refuse(
+                        "a program is listening on this socket; refusing to replace it".into(),
+                    ))
+                }
+                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {}
+                Err(e) => {
+                    return Err(refuse(format!(
+                        "not a stale stream socket ({e}); refusing to replace it"
+                    )))
+                }
+            }
             std::fs::remove_file(path).map_err(|source| VhostBlkError::Socket {
                 path: path.to_path_buf(),
                 source,
@@ -346,6 +367,38 @@ fn serve_one(
     // backend's queues wait for any request still inside the volume.
     drop(daemon);
     result.map_err(|e| vhost(&e))
+}
+
+#[cfg(test)]
+mod stale_socket_test {
+    use super::remove_stale_socket;
+    use std::os::unix::net::{UnixDatagram, UnixListener};
+
+    #[test]
+    fn only_a_socket_nothing_listens_on_is_replaced() {
+        let dir = tempfile::tempdir().unwrap();
+        // Live: another program's listener keeps its socket.
+        let live = dir.path().join("live.sock");
+        let _l = UnixListener::bind(&live).unwrap();
+        let e = remove_stale_socket(&live).unwrap_err().to_string();
+        assert!(e.contains("listening"), "{e}");
+        assert!(live.exists());
+        // A datagram socket (journald's kind) is not ours to remove either.
+        let dgram = dir.path().join("dgram.sock");
+        let _d = UnixDatagram::bind(&dgram).unwrap();
+        assert!(remove_stale_socket(&dgram).is_err());
+        assert!(dgram.exists());
+        // Stale: bound, then its listener gone (a nacred that crashed).
+        let stale = dir.path().join("stale.sock");
+        drop(UnixListener::bind(&stale).unwrap());
+        remove_stale_socket(&stale).unwrap();
+        assert!(!stale.exists());
+        // Nothing there: nothing to do; a regular file: refused.
+        remove_stale_socket(&stale).unwrap();
+        let file = dir.path().join("file");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(remove_stale_socket(&file).is_err());
+    }
 }
 
 #[cfg(test)]
