@@ -126,19 +126,35 @@ impl KekSource for KeyFileKek {
     }
 
     fn load(&self) -> Result<Kek, CryptoError> {
-        use std::os::unix::fs::PermissionsExt;
-        if let Ok(meta) = std::fs::metadata(&self.path) {
-            if meta.permissions().mode() & 0o077 != 0 {
-                tracing::warn!(
-                    path = %self.path.display(),
-                    "key file is readable or writable by group/others: chmod 600 it"
-                );
-            }
+        use std::io::Read;
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        let io_err = |e| CryptoError::io(format!("key file {}", self.path.display()), e);
+        // The path comes from an RPC, read under the control plane's lock: opened without
+        // blocking (a FIFO would wait for a writer forever), accepted only as a regular file
+        // (/dev/zero would be read until memory ran out), and read no further than one byte
+        // past a key.
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&self.path)
+            .map_err(io_err)?;
+        let meta = f.metadata().map_err(io_err)?;
+        if !meta.is_file() {
+            return Err(CryptoError::KekSource(format!(
+                "key file {} is not a regular file",
+                self.path.display()
+            )));
         }
-        let bytes = Zeroizing::new(
-            std::fs::read(&self.path)
-                .map_err(|e| CryptoError::io(format!("key file {}", self.path.display()), e))?,
-        );
+        if meta.permissions().mode() & 0o077 != 0 {
+            tracing::warn!(
+                path = %self.path.display(),
+                "key file is readable or writable by group/others: chmod 600 it"
+            );
+        }
+        let mut bytes = Zeroizing::new(Vec::with_capacity(KEK_LEN + 1));
+        f.take(KEK_LEN as u64 + 1)
+            .read_to_end(&mut bytes)
+            .map_err(io_err)?;
         if bytes.len() != KEK_LEN {
             return Err(CryptoError::KekSource(format!(
                 "key file {} holds {} bytes; it must hold exactly {KEK_LEN} random bytes (head -c 32 /dev/urandom > FILE)",
@@ -254,6 +270,25 @@ mod test {
         assert_eq!(KeyFileKek::new(&p).load().unwrap().as_bytes(), &[9u8; 32]);
         let missing = KeyFileKek::new(dir.path().join("nope")).load().unwrap_err();
         assert!(missing.to_string().contains("key file"), "{missing}");
+        std::fs::write(&p, [9u8; 4096]).unwrap();
+        let e = KeyFileKek::new(&p).load().unwrap_err().to_string();
+        assert!(e.contains("exactly 32"), "{e}");
+    }
+
+    /// What an RPC may name as a key file: neither a device that never ends nor a FIFO that
+    /// never gets a writer holds the control plane (both once did: read to the end, under
+    /// its lock).
+    #[test]
+    fn key_file_that_is_not_a_regular_file_is_refused_at_once() {
+        let e = KeyFileKek::new("/dev/zero").load().unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: mkfifo(3) with a NUL-terminated path; no memory is retained.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = KeyFileKek::new(&fifo).load().unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
     }
 
     #[test]
