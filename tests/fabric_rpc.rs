@@ -458,6 +458,16 @@ fn multipath_and_stripe_volumes_over_rpc() {
                "remote": {"extents": ["a1:1+b:1"]}}),
     );
     assert!(msg.contains("not the same namespace"), "{msg}");
+    // Extents of one stripe must be different namespaces, whether named twice or reached
+    // through two portals (same NGUID): otherwise two stripe units land on the same blocks.
+    for extents in [json!(["a1:1", "a1:1"]), json!(["a1:1", "b:1", "a2:1"])] {
+        let (_, msg) = n.err(
+            "volume_create",
+            json!({"name": "bad", "backend": "remote", "size": 0,
+                   "remote": {"extents": extents}}),
+        );
+        assert!(msg.contains("already an extent"), "{extents}: {msg}");
+    }
     let l = n.ok("remote_list", json!({"name": "a1"}));
     assert_eq!(l[0]["used_by"], json!(["mp", "st"]));
     // Everything is replayed after a restart: remotes reconnect in the background, the

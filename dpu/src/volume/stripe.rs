@@ -31,6 +31,8 @@ pub enum StripeError {
     BadStripeSize(u64, u32),
     #[error("extent {0} ({1} bytes) is smaller than one stripe unit of {2} bytes")]
     ExtentTooSmall(usize, u64, u64),
+    #[error("the extents together hold more than 2^64 bytes")]
+    TooLarge,
 }
 
 pub struct StripeVolume {
@@ -61,7 +63,10 @@ impl StripeVolume {
             }
             units = units.min(size / stripe_size);
         }
-        let size = units * stripe_size * extents.len() as u64;
+        let size = units
+            .checked_mul(stripe_size)
+            .and_then(|s| s.checked_mul(extents.len() as u64))
+            .ok_or(StripeError::TooLarge)?;
         Ok(StripeVolume {
             shift: stripe_size.trailing_zeros(),
             geo: Geometry {

@@ -12,6 +12,7 @@ use tracing::warn;
 use super::controllers::Controllers;
 use crate::control::error::RpcError;
 use crate::control::state::VolumeRecord;
+use crate::fabric::controller::NamespaceInfo;
 use crate::fabric::namespace::BlockSizeView;
 use crate::fabric::{MultipathDevice, PathPolicy, RemoteNamespace};
 use crate::volume::stripe::StripeVolume;
@@ -33,9 +34,13 @@ fn build(
         MultipathPolicy::RoundRobin => PathPolicy::RoundRobin,
     };
     let mut devs: Vec<Arc<dyn BlockDevice>> = Vec::new();
+    // Namespaces the extents so far use: one in two extents would put two stripe units on
+    // the same blocks, each write overwriting the other's.
+    let mut used: Vec<(String, NamespaceInfo)> = Vec::new();
     for e in &layout.extents {
         let paths = parse_extent(e).map_err(RpcError::invalid_params)?;
         let mut members = Vec::new();
+        let first_used = used.len();
         for (remote, nsid) in &paths {
             let ctrl = ctrls.get(remote).ok_or_else(|| {
                 RpcError::invalid_params(format!(
@@ -56,6 +61,26 @@ fn build(
                             .join(", ")
                     ))
                 })?;
+            // (What a live controller reports is checked when it identifies the namespace;
+            // this also covers what a saved state file says.)
+            if !(512..=65536).contains(&ns.block_size)
+                || !ns.block_size.is_power_of_two()
+                || ns.blocks.checked_mul(u64::from(ns.block_size)).is_none()
+            {
+                return Err(RpcError::invalid_params(format!(
+                    "extent {e:?}: namespace {nsid} of {remote:?} reports {} blocks of {} bytes, which no namespace has",
+                    ns.blocks, ns.block_size
+                )));
+            }
+            if let Some((other, _)) = used[..first_used]
+                .iter()
+                .find(|(r, u)| (r == remote && u.nsid == ns.nsid) || u.same_namespace(&ns))
+            {
+                return Err(RpcError::invalid_params(format!(
+                    "extent {e:?}: namespace {nsid} of {remote:?} is already an extent of this volume (through {other:?}): its stripe units would overwrite each other"
+                )));
+            }
+            used.push((remote.clone(), ns.clone()));
             if block_size % ns.block_size != 0 {
                 return Err(RpcError::invalid_params(format!(
                     "extent {e:?}: namespace block size {} does not divide the volume block size {block_size}",
