@@ -240,3 +240,46 @@ fn nvme_tcp_frontend_is_limited_too() {
     assert_eq!(s["queue_depth"], 0, "{s}");
     assert!(s["p50_us"].as_f64().unwrap() >= 1000.0, "{s}");
 }
+
+/// Limits in the saved state that `qos_set` would refuse (a rate of 0: a hand-edited or
+/// damaged state file) are left out at start with a warning naming them; the volume serves,
+/// unlimited (the limiter once divided by the 0 on the second read, and the thread
+/// submitting it died).
+#[test]
+fn invalid_saved_limits_are_not_applied() {
+    let mut n = Nacred::start_args(&["--no-default"]);
+    let nqn = "nqn.2024-01.io.nacre:qos-saved";
+    n.ok(
+        "volume_create",
+        json!({"name": "vs", "size": 1u64 << 30, "backend": "null"}),
+    );
+    n.export_nvmf(nqn, "vs");
+    n.ok(
+        "qos_set",
+        json!({"volume": "vs", "limits": {"read_iops": 100}}),
+    );
+    assert!(n.stop(), "nacred did not stop:\n{}", n.log_text());
+    let path = n.state_dir.join("state.json");
+    let mut state: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(state["qos"]["volumes"]["vs"]["read_iops"], 100, "{state}");
+    state["qos"]["volumes"]["vs"]["read_iops"] = json!(0);
+    std::fs::write(&path, serde_json::to_vec_pretty(&state).unwrap()).unwrap();
+    n.spawn_again();
+    let addr = n.ok("nvmf_get_subsystems", json!({}));
+    let port = addr
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["nqn"] == nqn)
+        .and_then(|s| s["listeners"][0].as_str().map(String::from))
+        .unwrap_or_else(|| panic!("subsystem not replayed: {addr}"));
+    let mut h = NvmfHost::connect(port.parse().unwrap(), nqn, HostOptions::default()).unwrap();
+    for lba in 0..20 {
+        h.read(0, 1, lba, 1, 4096).unwrap();
+    }
+    let log = n.log_text();
+    assert!(
+        log.contains("saved QoS limits of volume \"vs\" not applied: read_iops must be at least 1"),
+        "{log}"
+    );
+}

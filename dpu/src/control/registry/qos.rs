@@ -4,7 +4,7 @@
 
 use nacre_shared::api::qos::{QosInfo, QosLimits};
 use nacre_shared::api::validate_name;
-use tracing::info;
+use tracing::{info, warn};
 
 use super::store::Registry;
 use crate::control::error::RpcError;
@@ -99,14 +99,32 @@ impl Target {
 impl Registry {
     /// Push persisted limits into the live limiter (nacred start, before volumes are
     /// reopened).
+    /// Limits `qos_set` would refuse (a rate of 0, say: a hand-edited or damaged state file)
+    /// are left out with a warning, as other records that cannot be replayed are: the
+    /// limiter never divides by them.
     pub(super) fn apply_qos(&self, q: &QosState) {
+        let valid = |what: String, l: &QosLimits| match l.validate() {
+            Ok(()) => true,
+            Err(e) => {
+                warn!("saved QoS limits of {what} not applied: {e}");
+                false
+            }
+        };
         for (v, l) in &q.volumes {
-            self.qos.set(Some(v), None, Some(l));
+            if valid(format!("volume {v:?}"), l) {
+                self.qos.set(Some(v), None, Some(l));
+            }
         }
         for (t, l) in &q.tenants {
-            self.qos.set(None, Some(t), Some(l));
+            if valid(format!("tenant {t:?}"), l) {
+                self.qos.set(None, Some(t), Some(l));
+            }
         }
-        if let Some(l) = &q.global {
+        if let Some(l) = q
+            .global
+            .as_ref()
+            .filter(|l| valid("the whole daemon".into(), l))
+        {
             self.qos.set(None, None, Some(l));
         }
     }
