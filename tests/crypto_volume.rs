@@ -300,6 +300,74 @@ fn asynchronous_device_below_keeps_bounce_buffers_alive() {
     }
 }
 
+/// A device below that records the longest request it was handed, completing inline or,
+/// `late`, on another thread as a remote backend does.
+struct Longest {
+    inner: Arc<dyn BlockDevice>,
+    late: bool,
+    longest: std::sync::atomic::AtomicU64,
+}
+
+impl BlockDevice for Longest {
+    fn geometry(&self) -> Geometry {
+        self.inner.geometry()
+    }
+
+    fn submit(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
+        self.longest
+            .fetch_max(req.len, std::sync::atomic::Ordering::Relaxed);
+        if !self.late {
+            return self.inner.submit(req, done);
+        }
+        let (inner, done) = (self.inner.clone(), done.clone());
+        std::thread::spawn(move || inner.submit(req, &done));
+    }
+}
+
+/// Reads and writes longer than one chunk are served a chunk at a time through one bounce
+/// buffer: the device below never sees more than `CHUNK` bytes at once (a guest that claims
+/// gigabytes cannot make the layer allocate them), and the data is the same as through the
+/// one-buffer path of short requests, whichever way the device below completes.
+#[test]
+fn long_requests_go_down_a_chunk_at_a_time_and_read_back_exactly() {
+    use nacre_dpu::crypto::volume::CHUNK;
+    for late in [false, true] {
+        let below = Arc::new(Longest {
+            inner: Arc::new(RamVolume::new(VOL_SIZE, 4096).unwrap()),
+            late,
+            longest: Default::default(),
+        });
+        let key = XtsKey::generate(64).unwrap();
+        let vol = EncryptedVolume::new(below.clone(), &key, EncryptionPolicy::default()).unwrap();
+        // 3.5 chunks, from 4 KiB in, in segments that split data units and chunks.
+        let len = 3 * CHUNK + CHUNK / 2;
+        let data = pattern(len, 21);
+        let sizes = [CHUNK - 100, 4196, 2 * CHUNK + 7];
+        write_split(&vol, 4096, &data, &sizes).unwrap();
+        assert!(
+            below.longest.load(std::sync::atomic::Ordering::Relaxed) <= CHUNK as u64,
+            "late {late}: a write went down whole"
+        );
+        // Read back whole (chunked), and in 64 KiB requests (one bounce each): both agree.
+        let whole = read_split(&vol, 4096, len, &[3000, CHUNK, 77]);
+        assert!(whole == data, "late {late}: long read differs");
+        for (i, piece) in data.chunks(65536).enumerate() {
+            let off = 4096 + (i * 65536) as u64;
+            assert!(
+                read_split(&vol, off, piece.len(), &[]) == piece,
+                "late {late}: short read at {off} differs"
+            );
+        }
+        assert!(below.longest.load(std::sync::atomic::Ordering::Relaxed) <= CHUNK as u64);
+        // Written in short requests, read back in one long one.
+        let other = pattern(len, 22);
+        for (i, piece) in other.chunks(65536).enumerate() {
+            write_split(&vol, 4096 + (i * 65536) as u64, piece, &[]).unwrap();
+        }
+        assert!(read_split(&vol, 4096, len, &[]) == other, "late {late}");
+    }
+}
+
 #[test]
 fn write_zeroes_reads_back_zeros_and_discard_passes_through() {
     let ram: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(8 << 20, 4096).unwrap());

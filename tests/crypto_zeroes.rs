@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use nacre_dpu::crypto::volume::{EncryptedVolume, ZERO_CHUNK};
+use nacre_dpu::crypto::volume::{EncryptedVolume, CHUNK};
 use nacre_dpu::crypto::{EncryptionPolicy, XtsKey};
 use nacre_dpu::volume::ram::RamVolume;
 use nacre_dpu::volume::{BlockDevice, Geometry, IoCompletion, IoKind, IoRequest, IoResult, Waiter};
@@ -63,7 +63,7 @@ impl IoCompletion for Done {
 #[test]
 fn large_write_zeroes_start_no_thread_and_zero_the_range() {
     const REQS: u64 = 8;
-    const LEN: u64 = 4 * ZERO_CHUNK as u64 + 4096;
+    const LEN: u64 = 4 * CHUNK as u64 + 4096;
     let size = REQS * LEN;
     let ram = Arc::new(RamVolume::new(size, 4096).unwrap());
     let gate = Arc::new(Gate {
@@ -77,16 +77,21 @@ fn large_write_zeroes_start_no_thread_and_zero_the_range() {
     )
     .unwrap();
     // Something other than zeros first, so the zeroing shows.
+    // (A write this long goes down a chunk at a time, each after the last completed: the
+    // gate is opened until it is all written.)
     let junk = vec![0xA5u8; size as usize];
+    let written = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let w = std::thread::spawn({
-        let gate = gate.clone();
+        let (gate, written) = (gate.clone(), written.clone());
         move || {
-            while gate.release() == 0 {
+            while !written.load(std::sync::atomic::Ordering::SeqCst) {
+                gate.release();
                 std::thread::yield_now();
             }
         }
     });
     vol.write_at(0, &junk).unwrap();
+    written.store(true, std::sync::atomic::Ordering::SeqCst);
     w.join().unwrap();
 
     let before = threads();

@@ -13,11 +13,15 @@
 //! * Reads: the device below fills a bounce buffer with ciphertext; on its completion the
 //!   plaintext is produced there and copied into the request's segments. A read that fails
 //!   below is passed up unchanged and nothing is decrypted or copied.
+//! * Reads and writes larger than [`CHUNK`] go the way Write Zeroes goes (below): one
+//!   chunk's bounce buffer, reused chunk after chunk. What a request costs in memory is then
+//!   bounded whatever length its submitter claims (a guest may chain descriptors of nearly
+//!   4 GiB each, all over the same page of its memory).
 //! * Flush and Discard pass through. Discarded ranges read back as whatever the device
 //!   below returns, decrypted, i.e. garbage (Discard makes contents undefined; dm-crypt with
 //!   `allow_discards` behaves the same). Write Zeroes cannot pass through, because the
 //!   command promises zeros on read: the range is written as encrypted zeros instead, in
-//!   chunks of [`ZERO_CHUNK`] bytes, one after the other, each started by the completion of
+//!   chunks of [`CHUNK`] bytes, one after the other, each started by the completion of
 //!   the one before (no thread per request; a device completing inline loops, not
 //!   recurses). Never-written blocks read as decrypted zeros, which is
 //!   garbage — as with dm-crypt and SPDK's crypto bdev.
@@ -41,13 +45,13 @@ use crate::volume::{
 };
 
 /// Write Zeroes is carried out as encrypted writes of at most this many bytes.
-pub const ZERO_CHUNK: usize = 1 << 20;
+pub const CHUNK: usize = 1 << 20;
 
 /// Alignment of bounce buffers: enough for O_DIRECT on any block size nacre uses.
 const BOUNCE_ALIGN: usize = 4096;
 
 /// Idle bounce buffers are kept by size class, class `k` holding buffers of
-/// `BOUNCE_ALIGN << k` bytes; larger ones (beyond 1 MiB, i.e. [`ZERO_CHUNK`]) are freed.
+/// `BOUNCE_ALIGN << k` bytes; larger ones (beyond 1 MiB, i.e. [`CHUNK`]) are freed.
 const POOL_CLASSES: usize = 9;
 /// Idle buffers one class keeps: as many as a deep queue of small requests needs, and
 /// about [`POOL_CLASS_BYTES`] of the large ones (at least 4).
@@ -308,26 +312,31 @@ impl EncryptedVolume {
         self.inner.submit(down, &c);
     }
 
-    fn submit_write_zeroes(&self, req: IoRequest, done: &Arc<dyn IoCompletion>) {
-        let job = Arc::new_cyclic(|me| ZeroJob {
+    /// A request taken [`CHUNK`] bytes at a time, one chunk in flight ([`ChunkJob`]).
+    fn submit_chunked(&self, op: ChunkOp, req: IoRequest, done: &Arc<dyn IoCompletion>) {
+        let job = Arc::new_cyclic(|me| ChunkJob {
             me: me.clone(),
             inner: self.inner.clone(),
             shared: self.shared.clone(),
             tag: req.tag,
+            start: req.offset,
             end: req.offset + req.len,
+            op,
+            segments: req.segments,
             upstream: done.clone(),
             phase: AtomicU8::new(IDLE),
-            state: Mutex::new(ZeroState {
+            state: Mutex::new(ChunkState {
                 next: req.offset,
-                bounce: Some(self.shared.take((req.len as usize).min(ZERO_CHUNK))),
+                bounce: Some(self.shared.take((req.len as usize).min(CHUNK))),
                 result: Ok(()),
+                landed: None,
             }),
         });
         job.run();
     }
 }
 
-/// Phases of a [`ZeroJob`]'s chunk: submitted and not yet complete, completed while its
+/// Phases of a [`ChunkJob`]'s chunk: submitted and not yet complete, completed while its
 /// submitter was still in `submit` (it goes on looping), or waited for (the completion goes
 /// on with the next chunk).
 const IDLE: u8 = 0;
@@ -335,67 +344,121 @@ const SUBMITTED: u8 = 1;
 const COMPLETED_INLINE: u8 = 2;
 const WAITING: u8 = 3;
 
-/// A Write Zeroes over the encrypted volume: encrypted zeros written [`ZERO_CHUNK`] bytes at
-/// a time, one chunk in flight, the next started by the previous one's completion.
-struct ZeroJob {
+/// What a [`ChunkJob`] does with each chunk.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ChunkOp {
+    /// Encrypted zeros written (Write Zeroes).
+    Zeroes,
+    /// The request's data, copied from its segments and encrypted, written.
+    Write,
+    /// Ciphertext read, decrypted and copied into the request's segments.
+    Read,
+}
+
+/// A request served [`CHUNK`] bytes at a time through one bounce buffer, one chunk in
+/// flight, the next started by the previous one's completion.
+struct ChunkJob {
     /// The job itself, for completions arriving on another thread to continue it.
-    me: std::sync::Weak<ZeroJob>,
+    me: std::sync::Weak<ChunkJob>,
     inner: Arc<dyn BlockDevice>,
     shared: Arc<Shared>,
     tag: u64,
+    /// The request's range: its segments hold bytes `start..end` of the volume.
+    start: u64,
     end: u64,
+    op: ChunkOp,
+    segments: Segments,
     upstream: Arc<dyn IoCompletion>,
     phase: AtomicU8,
-    state: Mutex<ZeroState>,
+    state: Mutex<ChunkState>,
 }
 
-struct ZeroState {
+struct ChunkState {
     next: u64,
     bounce: Option<Bounce>,
     result: IoResult,
+    /// A read chunk (offset, length) whose ciphertext is in the bounce buffer once its read
+    /// completes: decrypted and delivered before the buffer takes the next chunk.
+    landed: Option<(u64, usize)>,
 }
 
-impl ZeroJob {
-    /// Write chunks until one completes asynchronously (its completion calls `run` again)
+impl ChunkJob {
+    /// Submit chunks until one completes asynchronously (its completion calls `run` again)
     /// or the range is done (the request completes).
     fn run(self: &Arc<Self>) {
         loop {
-            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let st = &mut *guard;
+            if let (Some((off, n)), Some(bounce)) = (st.landed.take(), st.bounce.as_mut()) {
+                if st.result.is_ok() {
+                    let buf = bounce.slice(n);
+                    st.result = self
+                        .shared
+                        .engine
+                        .decrypt_in_place(self.shared.layout, self.shared.unit_of(off), buf)
+                        .map_err(|e| IoError::Crypto(e.to_string()));
+                    if st.result.is_ok() {
+                        // SAFETY: the request (and so its segments, which cover
+                        // `start..end`: geometry checked) is in flight until this job
+                        // completes it.
+                        unsafe {
+                            copy_to_segments(&self.segments, (off - self.start) as usize, buf)
+                        };
+                    }
+                }
+            }
             if st.next >= self.end || st.result.is_err() {
                 let r = std::mem::replace(&mut st.result, Ok(()));
-                if let Some(b) = st.bounce.take() {
+                let bounce = st.bounce.take();
+                drop(guard);
+                if let Some(b) = bounce {
                     self.shared.give(b);
                 }
-                drop(st);
                 self.upstream.complete(self.tag, r);
                 return;
             }
             let off = st.next;
-            let n = ((self.end - off) as usize).min(ZERO_CHUNK);
+            let n = ((self.end - off) as usize).min(CHUNK);
             let Some(bounce) = st.bounce.as_mut() else {
                 return;
             };
             let buf = bounce.slice(n);
-            buf.fill(0);
-            if let Err(e) = self.shared.engine.encrypt_in_place(
-                self.shared.layout,
-                self.shared.unit_of(off),
-                buf,
-            ) {
-                st.result = Err(IoError::Crypto(e.to_string()));
-                continue;
-            }
+            let kind = match self.op {
+                ChunkOp::Read => {
+                    st.landed = Some((off, n));
+                    IoKind::Read
+                }
+                ChunkOp::Zeroes | ChunkOp::Write => {
+                    if self.op == ChunkOp::Zeroes {
+                        buf.fill(0);
+                    } else {
+                        // SAFETY: in flight until this job completes it; the segments cover
+                        // `start..end` (geometry checked).
+                        unsafe {
+                            copy_from_segments(&self.segments, (off - self.start) as usize, buf)
+                        };
+                    }
+                    if let Err(e) = self.shared.engine.encrypt_in_place(
+                        self.shared.layout,
+                        self.shared.unit_of(off),
+                        buf,
+                    ) {
+                        st.result = Err(IoError::Crypto(e.to_string()));
+                        continue;
+                    }
+                    IoKind::Write
+                }
+            };
             // SAFETY: the bounce buffer stays in this job, untouched, until the device below
             // completes this chunk (the next chunk is prepared only after that).
             let seg = unsafe { Segment::from_slice(buf) };
             st.next = off + n as u64;
-            drop(st);
             self.phase.store(SUBMITTED, Ordering::SeqCst);
             let me: Arc<dyn IoCompletion> = self.clone();
-            self.inner.submit(
-                IoRequest::new(IoKind::Write, off, n as u64, self.tag).with_segments([seg]),
-                &me,
-            );
+            // Not under the state lock: a device completing inline re-enters `complete`.
+            let down = IoRequest::new(kind, off, n as u64, self.tag).with_segments([seg]);
+            drop(guard);
+            self.inner.submit(down, &me);
             if self
                 .phase
                 .compare_exchange(SUBMITTED, WAITING, Ordering::SeqCst, Ordering::SeqCst)
@@ -409,7 +472,7 @@ impl ZeroJob {
     }
 }
 
-impl IoCompletion for ZeroJob {
+impl IoCompletion for ChunkJob {
     fn complete(&self, _tag: u64, result: IoResult) {
         if let Err(e) = result {
             self.state.lock().unwrap_or_else(|p| p.into_inner()).result = Err(e);
@@ -505,10 +568,13 @@ impl BlockDevice for EncryptedVolume {
             },
             unit = self.shared.unit_of(req.offset), len = req.len)
         .entered();
+        let large = req.len > CHUNK as u64;
         match req.kind {
+            IoKind::Write if large => self.submit_chunked(ChunkOp::Write, req, done),
+            IoKind::Read if large => self.submit_chunked(ChunkOp::Read, req, done),
             IoKind::Write if req.len > 0 => self.submit_write(req, done),
             IoKind::Read if req.len > 0 => self.submit_read(req, done),
-            IoKind::WriteZeroes if req.len > 0 => self.submit_write_zeroes(req, done),
+            IoKind::WriteZeroes if req.len > 0 => self.submit_chunked(ChunkOp::Zeroes, req, done),
             _ => self.inner.submit(req, done),
         }
     }
@@ -552,7 +618,7 @@ mod tests {
         let big: Vec<Bounce> = (0..10).map(|_| pool.take(1 << 20)).collect();
         big.into_iter().for_each(|b| pool.give(b));
         // Larger than any class: never kept.
-        pool.give(pool.take(ZERO_CHUNK * 2));
+        pool.give(pool.take(CHUNK * 2));
         let idle = pool.idle();
         assert_eq!(idle[0], POOL_CLASS_MAX);
         assert_eq!(idle[BouncePool::class_of(1 << 20)], POOL_CLASS_BYTES >> 20);
