@@ -166,6 +166,12 @@ fn flush_discard_and_write_zeroes_read_back_as_zeros() {
     let mut client = connect(server.socket(), 1);
     assert!(client.get_u64("max-discard-len").unwrap() >= 1 << 20);
     assert!(client.get_u64("max-write-zeroes-len").unwrap() >= 1 << 20);
+    // SIZE_MAX and SEG_MAX offered: a segment is at most 1 MiB, a request at most seg_max
+    // of them.
+    assert_eq!(client.get_i32("max-segment-len").unwrap(), 1 << 20);
+    let segs = client.get_i32("max-segments").unwrap();
+    assert!(segs >= 14, "{segs}");
+    assert_eq!(client.get_i32("max-transfer").unwrap(), segs << 20);
     let mut q = client.take_queues().pop().unwrap();
     let buf = client.mem();
     let len = 256 * 1024;
@@ -303,8 +309,10 @@ fn restarted_server_on_the_same_socket_and_file_serves_the_data() {
     assert!(!cfg.socket.exists(), "socket removed on stop");
     drop(q);
     drop(client);
-    // A stale socket file left behind (as by a killed nacred) is replaced.
-    let _stale = std::os::unix::net::UnixListener::bind(&cfg.socket).unwrap();
+    // A stale socket file left behind (as by a killed nacred: the file, nobody listening)
+    // is replaced.
+    drop(std::os::unix::net::UnixListener::bind(&cfg.socket).unwrap());
+    assert!(cfg.socket.exists());
     let vol = Arc::new(FileVolume::open(&img, 8 << 20, 512, false).unwrap());
     let second = start(cfg.clone(), vol);
     let mut client = connect(second.socket(), 1);

@@ -150,6 +150,7 @@ impl VhostUserBackend for BlkBackend {
             // Long requests take one ring slot (virtio 1.2 §2.7.5.3); the queue worker walks
             // the indirect table itself, with its bounds checks (`queue.rs`).
             | bit(VIRTIO_RING_F_INDIRECT_DESC)
+            | bit(vb::VIRTIO_BLK_F_SIZE_MAX)
             | bit(vb::VIRTIO_BLK_F_SEG_MAX)
             | bit(vb::VIRTIO_BLK_F_BLK_SIZE)
             | bit(vb::VIRTIO_BLK_F_FLUSH)

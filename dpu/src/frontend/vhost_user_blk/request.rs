@@ -103,6 +103,7 @@ fn segments(
     mut skip: u64,
     trim: u64,
     max: u32,
+    max_len: u64,
 ) -> Option<Segments> {
     let total: u64 = descs.iter().map(|d| d.len as u64).sum();
     let mut remaining = total.checked_sub(skip)?.checked_sub(trim)?;
@@ -117,7 +118,7 @@ fn segments(
             continue;
         }
         let n = (len - skip).min(remaining);
-        if segs.len() as u32 >= max {
+        if segs.len() as u32 >= max || n > max_len {
             return None;
         }
         let ptr = mem.ptr(d.addr.checked_add(skip)?, n)?;
@@ -198,10 +199,14 @@ pub fn parse(mem: &GuestMap, descs: &[Desc], dev: &DeviceParams) -> Outcome {
             let Some(offset) = sector.checked_mul(spec::SECTOR_SIZE) else {
                 return fail(S_IOERR);
             };
+            // §5.2.3: with VIRTIO_BLK_F_SIZE_MAX no data segment exceeds size_max, so no
+            // request exceeds seg_max × size_max bytes (and its length fits the used
+            // element's 32 bits).
+            let max_len = u64::from(spec::SIZE_MAX);
             let segs = if is_read {
-                segments(mem, wr, 0, 1, dev.seg_max)
+                segments(mem, wr, 0, 1, dev.seg_max, max_len)
             } else {
-                segments(mem, rd, hdr_len, 0, dev.seg_max)
+                segments(mem, rd, hdr_len, 0, dev.seg_max, max_len)
             };
             let Some(segs) = segs else {
                 return fail(S_IOERR);
@@ -231,7 +236,7 @@ pub fn parse(mem: &GuestMap, descs: &[Desc], dev: &DeviceParams) -> Outcome {
             let n = in_bytes.min(spec::ID_BYTES as u64);
             // Only the first 20 bytes are ever written; anything beyond is left alone.
             let trim = 1 + (in_bytes - n);
-            match segments(mem, wr, 0, trim, u32::MAX) {
+            match segments(mem, wr, 0, trim, u32::MAX, u64::MAX) {
                 Some(segs) => Outcome::Parsed(Parsed {
                     status,
                     data_in: n as u32,

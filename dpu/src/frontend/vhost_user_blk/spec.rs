@@ -38,9 +38,18 @@ pub const MAX_DWZ_SEG: u32 = 1;
 /// enough that one request cannot occupy a queue for long.
 pub const MAX_DWZ_SECTORS: u32 = 1 << 22;
 
+/// The longest data segment a request may carry (`size_max`, VIRTIO_BLK_F_SIZE_MAX): with
+/// `seg_max` it bounds a request to `seg_max × SIZE_MAX` bytes (126 MiB), which drivers then
+/// respect (Linux sets its queue's segment size from it). Unbounded, a driver could claim
+/// close to 4 GiB per descriptor, over the same page of its memory, and have the layers
+/// below plan work for hundreds of gigabytes. 1 MiB keeps one segment of a large
+/// contiguous buffer whole.
+pub const SIZE_MAX: u32 = 1 << 20;
+
 /// Offsets of the `struct virtio_blk_config` fields nacre fills (§5.2.4).
 pub mod cfg {
     pub const CAPACITY: usize = 0;
+    pub const SIZE_MAX: usize = 8;
     pub const SEG_MAX: usize = 12;
     pub const BLK_SIZE: usize = 20;
     pub const NUM_QUEUES: usize = 34;
@@ -72,6 +81,7 @@ impl ConfigSpace {
             b[off..off + 4].copy_from_slice(&v.to_le_bytes())
         };
         b[cfg::CAPACITY..cfg::CAPACITY + 8].copy_from_slice(&self.capacity_sectors.to_le_bytes());
+        put32(&mut b, cfg::SIZE_MAX, SIZE_MAX);
         put32(&mut b, cfg::SEG_MAX, self.seg_max);
         put32(&mut b, cfg::BLK_SIZE, self.blk_size);
         b[cfg::NUM_QUEUES..cfg::NUM_QUEUES + 2].copy_from_slice(&self.num_queues.to_le_bytes());
@@ -105,6 +115,7 @@ mod test {
     #[test]
     fn config_offsets_match_the_uapi_struct() {
         assert_eq!(offset_of!(C, capacity), cfg::CAPACITY);
+        assert_eq!(offset_of!(C, size_max), cfg::SIZE_MAX);
         assert_eq!(offset_of!(C, seg_max), cfg::SEG_MAX);
         assert_eq!(offset_of!(C, blk_size), cfg::BLK_SIZE);
         assert_eq!(offset_of!(C, num_queues), cfg::NUM_QUEUES);
@@ -144,6 +155,7 @@ mod test {
         }
         .encode();
         assert_eq!(&c[0..8], &[8, 7, 6, 5, 4, 3, 2, 1]);
+        assert_eq!(&c[8..12], &(1u32 << 20).to_le_bytes());
         assert_eq!(&c[12..16], &126u32.to_le_bytes());
         assert_eq!(&c[20..24], &4096u32.to_le_bytes());
         assert_eq!(&c[34..36], &3u16.to_le_bytes());

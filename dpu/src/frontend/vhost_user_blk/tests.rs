@@ -317,6 +317,36 @@ fn short_header_and_wrong_directions_fail_with_ioerr() {
     assert!(h.vol_bytes(0, 512).iter().all(|&b| b == 0));
 }
 
+/// A data segment longer than the advertised size_max fails the request (a driver that
+/// ignores it could otherwise claim ~4 GiB per descriptor); the same bytes in segments
+/// within it are served.
+#[test]
+fn segments_beyond_size_max_fail_with_ioerr() {
+    let vol: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(4 << 20, 4096).unwrap());
+    let mut h = Harness::with_volume(vol, false);
+    let max = spec::SIZE_MAX;
+    h.header(spec::T_IN, 0);
+    assert_eq!(
+        h.one(&[r(HDR, 16), w(DATA, max + 4096), w(STATUS, 1)]),
+        (S_IOERR, 1)
+    );
+    h.header(spec::T_OUT, 0);
+    assert_eq!(
+        h.one(&[r(HDR, 16), r(DATA, max + 4096), w(STATUS, 1)]),
+        (S_IOERR, 1)
+    );
+    h.header(spec::T_IN, 0);
+    assert_eq!(
+        h.one(&[
+            r(HDR, 16),
+            w(DATA, max),
+            w(DATA + u64::from(max), 4096),
+            w(STATUS, 1)
+        ]),
+        (S_OK, max + 4096 + 1)
+    );
+}
+
 #[test]
 fn out_of_range_oversize_and_unaligned_fail_with_ioerr() {
     let mut h = Harness::new(false, 4096);
