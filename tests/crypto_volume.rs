@@ -330,10 +330,10 @@ impl BlockDevice for Longest {
 /// one-buffer path of short requests, whichever way the device below completes.
 #[test]
 fn long_requests_go_down_a_chunk_at_a_time_and_read_back_exactly() {
-    use nacre_dpu::crypto::volume::CHUNK;
+    use nacre_dpu::crypto::volume::RW_CHUNK as CHUNK;
     for late in [false, true] {
         let below = Arc::new(Longest {
-            inner: Arc::new(RamVolume::new(VOL_SIZE, 4096).unwrap()),
+            inner: Arc::new(RamVolume::new(4 * CHUNK as u64, 4096).unwrap()),
             late,
             longest: Default::default(),
         });

@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use nacre_dpu::crypto::volume::{EncryptedVolume, CHUNK};
+use nacre_dpu::crypto::volume::{EncryptedVolume, ZERO_CHUNK};
 use nacre_dpu::crypto::{EncryptionPolicy, XtsKey};
 use nacre_dpu::volume::ram::RamVolume;
 use nacre_dpu::volume::{BlockDevice, Geometry, IoCompletion, IoKind, IoRequest, IoResult, Waiter};
@@ -63,7 +63,7 @@ impl IoCompletion for Done {
 #[test]
 fn large_write_zeroes_start_no_thread_and_zero_the_range() {
     const REQS: u64 = 8;
-    const LEN: u64 = 4 * CHUNK as u64 + 4096;
+    const LEN: u64 = 4 * ZERO_CHUNK as u64 + 4096;
     let size = REQS * LEN;
     let ram = Arc::new(RamVolume::new(size, 4096).unwrap());
     let gate = Arc::new(Gate {
