@@ -139,14 +139,40 @@ pub fn wait_one(q: &mut Blkioq) -> Result<Completion> {
     Ok(unsafe { c[0].assume_init_read() })
 }
 
+/// The longest segment the helpers below put in one request: nacred's virtio-blk
+/// `size_max` (a longer one fails with -EIO, as the spec lets a device do).
+pub const SEGMENT: usize = 1 << 20;
+
+/// `buf` as segments of at most [`SEGMENT`] bytes, as a guest's kernel splits a request.
+fn iovecs(buf: *mut u8, len: usize) -> Vec<libc::iovec> {
+    (0..len)
+        .step_by(SEGMENT)
+        .map(|at| libc::iovec {
+            // SAFETY: `at < len`: inside the buffer.
+            iov_base: unsafe { buf.add(at) }.cast(),
+            iov_len: SEGMENT.min(len - at),
+        })
+        .collect()
+}
+
 /// Synchronous helpers over one queue; `buf` must lie inside the client's region.
 pub fn read(q: &mut Blkioq, offset: u64, buf: &mut [u8]) -> Result<i32> {
-    q.read(offset, buf.as_mut_ptr(), buf.len(), 0, ReqFlags::empty());
+    if buf.len() <= SEGMENT {
+        q.read(offset, buf.as_mut_ptr(), buf.len(), 0, ReqFlags::empty());
+        return Ok(wait_one(q)?.ret);
+    }
+    let iov = iovecs(buf.as_mut_ptr(), buf.len());
+    q.readv(offset, iov.as_ptr(), iov.len() as u32, 0, ReqFlags::empty());
     Ok(wait_one(q)?.ret)
 }
 
 pub fn write(q: &mut Blkioq, offset: u64, buf: &[u8]) -> Result<i32> {
-    q.write(offset, buf.as_ptr(), buf.len(), 0, ReqFlags::empty());
+    if buf.len() <= SEGMENT {
+        q.write(offset, buf.as_ptr(), buf.len(), 0, ReqFlags::empty());
+        return Ok(wait_one(q)?.ret);
+    }
+    let iov = iovecs(buf.as_ptr().cast_mut(), buf.len());
+    q.writev(offset, iov.as_ptr(), iov.len() as u32, 0, ReqFlags::empty());
     Ok(wait_one(q)?.ret)
 }
 
