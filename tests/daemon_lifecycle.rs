@@ -47,6 +47,26 @@ fn second_nacred(state: &std::path::Path, run: &std::path::Path) -> (Option<i32>
     }
 }
 
+/// A file at the RPC socket's path that is not a stale stream socket (here a regular file)
+/// is refused with one line, and left as it was: nacred removed whatever was there.
+#[test]
+fn a_file_at_the_rpc_socket_path_is_refused_not_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, run) = (dir.path().join("state"), dir.path().join("run"));
+    std::fs::create_dir_all(&run).unwrap();
+    let rpc = run.join("nacred.sock");
+    std::fs::write(&rpc, b"not a socket").unwrap();
+    let (code, err) = second_nacred(&state, &run);
+    assert_eq!(code, Some(1), "{err}");
+    // (After the log of what it set up before binding the RPC socket.)
+    let line = err.trim_end().lines().last().unwrap_or_default();
+    assert!(
+        line.starts_with("nacred: error: ") && line.contains("exists and is not a socket"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&rpc).unwrap(), b"not a socket");
+}
+
 #[test]
 fn a_second_nacred_on_the_same_directories_is_refused_and_leaves_the_first_alone() {
     let mut n = Nacred::start();

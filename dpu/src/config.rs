@@ -27,3 +27,39 @@ pub fn default_rpc_path() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(DEFAULT_RUN_DIR));
     run.join(RPC_SOCKET_NAME)
 }
+
+/// Make way for a socket nacred binds at `path` (the RPC socket, a vhost-user device's): a
+/// socket nothing listens on (left by a crashed or stopped nacred) is removed; a live one,
+/// or any other file, is refused with an error saying which. "Nothing listens" means a
+/// stream connect is refused: a socket some program serves (or a datagram socket, such as
+/// journald's, which a stream connect cannot reach) is left alone.
+pub fn make_way_for_socket(path: &std::path::Path) -> std::io::Result<()> {
+    use std::io::{Error, ErrorKind};
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => {
+            match std::os::unix::net::UnixStream::connect(path) {
+                Ok(_) => {
+                    return Err(Error::new(
+                        ErrorKind::AddrInUse,
+                        "a program is listening on this socket; refusing to replace it",
+                    ))
+                }
+                Err(e) if e.kind() == ErrorKind::ConnectionRefused => {}
+                Err(e) => {
+                    return Err(Error::new(
+                        ErrorKind::AddrInUse,
+                        format!("not a stale stream socket ({e}); refusing to replace it"),
+                    ))
+                }
+            }
+            std::fs::remove_file(path)
+        }
+        Ok(_) => Err(Error::new(
+            ErrorKind::AlreadyExists,
+            "exists and is not a socket; refusing to replace it",
+        )),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}

@@ -43,18 +43,17 @@ pub struct RpcServer {
 }
 
 impl RpcServer {
-    /// Bind `path` (a stale socket left by a crashed nacred is replaced; a live one is refused)
-    /// and serve `daemon` on it.
+    /// Bind `path` (a stale socket left by a crashed nacred is replaced; a live one, or a
+    /// file that is no stream socket, is refused) and serve `daemon` on it.
     pub fn start(daemon: Arc<Daemon>, path: &Path) -> anyhow::Result<Self> {
-        if path.exists() {
-            if UnixStream::connect(path).is_ok() {
+        if let Err(e) = crate::config::make_way_for_socket(path) {
+            if e.kind() == std::io::ErrorKind::AddrInUse && UnixStream::connect(path).is_ok() {
                 anyhow::bail!(
                     "{} is in use: another nacred is running with this run directory",
                     path.display()
                 );
             }
-            std::fs::remove_file(path)
-                .map_err(|e| anyhow::anyhow!("cannot remove stale {}: {e}", path.display()))?;
+            anyhow::bail!("cannot use {} for the RPC socket: {e}", path.display());
         }
         // SAFETY: umask only changes this process's file-creation mask; restored right after.
         let old = unsafe { libc::umask(0o177) };

@@ -33,7 +33,6 @@ mod tests;
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
-use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -249,48 +248,12 @@ fn validate(
     })
 }
 
-/// Make way for the device's socket at `path`: a socket nothing listens on (a crashed or
-/// stopped nacred's) is removed; a live one, or any other file, is refused. "Nothing listens"
-/// means a stream connect is refused: a socket some program serves (or a datagram socket,
-/// such as journald's, which a stream connect cannot reach) is left alone.
+/// Make way for the device's socket at `path` ([`crate::config::make_way_for_socket`]).
 fn remove_stale_socket(path: &Path) -> Result<(), VhostBlkError> {
-    let refuse = |why: String| VhostBlkError::Socket {
+    crate::config::make_way_for_socket(path).map_err(|source| VhostBlkError::Socket {
         path: path.to_path_buf(),
-        source: io::Error::new(io::ErrorKind::AddrInUse, why),
-    };
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_socket() => {
-            match std::os::unix::net::UnixStream::connect(path) {
-                Ok(_) => {
-                    return Err(refuse(
-                        "a program is listening on this socket; refusing to replace it".into(),
-                    ))
-                }
-                Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {}
-                Err(e) => {
-                    return Err(refuse(format!(
-                        "not a stale stream socket ({e}); refusing to replace it"
-                    )))
-                }
-            }
-            std::fs::remove_file(path).map_err(|source| VhostBlkError::Socket {
-                path: path.to_path_buf(),
-                source,
-            })
-        }
-        Ok(_) => Err(VhostBlkError::Socket {
-            path: path.to_path_buf(),
-            source: io::Error::new(
-                io::ErrorKind::AlreadyExists,
-                "exists and is not a socket; refusing to replace it",
-            ),
-        }),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(VhostBlkError::Socket {
-            path: path.to_path_buf(),
-            source,
-        }),
-    }
+        source,
+    })
 }
 
 /// The accept loop: one daemon (and one fresh device) per client connection.
