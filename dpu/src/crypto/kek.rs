@@ -159,7 +159,8 @@ impl KekSource for KeyFileKek {
             return Err(CryptoError::KekSource(format!(
                 "key file {} holds {} bytes; it must hold exactly {KEK_LEN} random bytes (head -c 32 /dev/urandom > FILE)",
                 self.path.display(),
-                bytes.len()
+                // (What was read stops one byte past a key: the file's own length.)
+                meta.len()
             )));
         }
         Kek::from_bytes(&bytes)
@@ -272,7 +273,10 @@ mod test {
         assert!(missing.to_string().contains("key file"), "{missing}");
         std::fs::write(&p, [9u8; 4096]).unwrap();
         let e = KeyFileKek::new(&p).load().unwrap_err().to_string();
-        assert!(e.contains("exactly 32"), "{e}");
+        assert!(
+            e.contains("holds 4096 bytes") && e.contains("exactly 32"),
+            "{e}"
+        );
     }
 
     /// What an RPC may name as a key file: neither a device that never ends nor a FIFO that
