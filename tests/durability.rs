@@ -21,7 +21,6 @@
 
 use std::collections::HashMap;
 use std::mem::MaybeUninit;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -246,20 +245,6 @@ impl Disk for Nvmf {
     }
 }
 
-fn nvmf_address(n: &Nacred) -> SocketAddr {
-    let subs = n.ok("nvmf_get_subsystems", json!({}));
-    let sub = subs
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["nqn"] == NQN)
-        .expect("subsystem restored");
-    let l = sub["listeners"][0]
-        .as_str()
-        .unwrap_or_else(|| panic!("no listener after restart: {sub}"));
-    l.parse().unwrap()
-}
-
 /// A nacred with a file volume exported through both frontends.
 fn daemon(dir: &Path) -> (Nacred, PathBuf) {
     let n = Nacred::start_args(&["--no-default"]);
@@ -295,7 +280,7 @@ fn connect(frontend: &str, n: &Nacred, socket: &Path, killed: &Arc<AtomicBool>) 
         let r: Result<Box<dyn Disk>> = if frontend == "vhost" {
             Vhost::connect(socket, killed.clone()).map(|d| Box::new(d) as Box<dyn Disk>)
         } else {
-            NvmfHost::connect(nvmf_address(n), NQN, HostOptions::default())
+            NvmfHost::connect(n.nvmf_listener(NQN), NQN, HostOptions::default())
                 .map(|h| Box::new(Nvmf(h)) as Box<dyn Disk>)
                 .map_err(Into::into)
         };

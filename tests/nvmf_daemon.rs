@@ -293,11 +293,9 @@ fn persisted_rdma_listener_without_a_device_fails_alone_at_start() {
         json!({"nqn": NQN, "host": HostOptions::default().hostnqn}),
     );
     assert!(n.stop(), "nacred did not stop:\n{}", n.log_text());
-    let path = n.state_dir.join("state.json");
-    let mut state: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    state["nvmf"]["subsystems"][NQN]["rdma_listeners"] = json!(["127.0.0.1:4420"]);
-    std::fs::write(&path, serde_json::to_vec_pretty(&state).unwrap()).unwrap();
+    n.edit_state(|state| {
+        state["nvmf"]["subsystems"][NQN]["rdma_listeners"] = json!(["127.0.0.1:4420"]);
+    });
     n.spawn_again();
     let subs = n.ok("nvmf_get_subsystems", json!({}));
     let sub = subs

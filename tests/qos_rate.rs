@@ -259,21 +259,12 @@ fn invalid_saved_limits_are_not_applied() {
         json!({"volume": "vs", "limits": {"read_iops": 100}}),
     );
     assert!(n.stop(), "nacred did not stop:\n{}", n.log_text());
-    let path = n.state_dir.join("state.json");
-    let mut state: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    assert_eq!(state["qos"]["volumes"]["vs"]["read_iops"], 100, "{state}");
-    state["qos"]["volumes"]["vs"]["read_iops"] = json!(0);
-    std::fs::write(&path, serde_json::to_vec_pretty(&state).unwrap()).unwrap();
+    n.edit_state(|state| {
+        assert_eq!(state["qos"]["volumes"]["vs"]["read_iops"], 100, "{state}");
+        state["qos"]["volumes"]["vs"]["read_iops"] = json!(0);
+    });
     n.spawn_again();
-    let addr = n.ok("nvmf_get_subsystems", json!({}));
-    let port = addr
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["nqn"] == nqn)
-        .and_then(|s| s["listeners"][0].as_str().map(String::from))
-        .unwrap_or_else(|| panic!("subsystem not replayed: {addr}"));
-    let mut h = NvmfHost::connect(port.parse().unwrap(), nqn, HostOptions::default()).unwrap();
+    let mut h = NvmfHost::connect(n.nvmf_listener(nqn), nqn, HostOptions::default()).unwrap();
     for lba in 0..20 {
         h.read(0, 1, lba, 1, 4096).unwrap();
     }

@@ -29,10 +29,10 @@ pub fn default_rpc_path() -> PathBuf {
 }
 
 /// Make way for a socket nacred binds at `path` (the RPC socket, a vhost-user device's): a
-/// socket nothing listens on (left by a crashed or stopped nacred) is removed; a live one,
-/// or any other file, is refused with an error saying which. "Nothing listens" means a
-/// stream connect is refused: a socket some program serves (or a datagram socket, such as
-/// journald's, which a stream connect cannot reach) is left alone.
+/// socket nothing listens on (left by a crashed or stopped nacred) is removed; a live one
+/// (`AddrInUse`), or any other file (`AlreadyExists`), is refused with an error saying which.
+/// "Nothing listens" means a stream connect is refused: a socket some program serves (or a
+/// datagram socket, such as journald's, which a stream connect cannot reach) is left alone.
 pub fn make_way_for_socket(path: &std::path::Path) -> std::io::Result<()> {
     use std::io::{Error, ErrorKind};
     use std::os::unix::fs::FileTypeExt;
@@ -48,7 +48,7 @@ pub fn make_way_for_socket(path: &std::path::Path) -> std::io::Result<()> {
                 Err(e) if e.kind() == ErrorKind::ConnectionRefused => {}
                 Err(e) => {
                     return Err(Error::new(
-                        ErrorKind::AddrInUse,
+                        ErrorKind::AlreadyExists,
                         format!("not a stale stream socket ({e}); refusing to replace it"),
                     ))
                 }

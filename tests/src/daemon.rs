@@ -268,6 +268,29 @@ impl Nacred {
         std::net::SocketAddr::from(([127, 0, 0, 1], port))
     }
 
+    /// The first listener of subsystem `nqn` (one a restart replayed, say).
+    pub fn nvmf_listener(&self, nqn: &str) -> std::net::SocketAddr {
+        let subs = self.ok("nvmf_get_subsystems", serde_json::json!({}));
+        let sub = subs
+            .as_array()
+            .and_then(|a| a.iter().find(|s| s["nqn"] == nqn))
+            .unwrap_or_else(|| panic!("no subsystem {nqn}: {subs}"));
+        sub["listeners"][0]
+            .as_str()
+            .and_then(|l| l.parse().ok())
+            .unwrap_or_else(|| panic!("no listener: {sub}"))
+    }
+
+    /// Rewrite the saved `state.json` with `edit` (the daemon stopped: a hand-edited or
+    /// damaged state for the next start to replay).
+    pub fn edit_state(&self, edit: impl FnOnce(&mut Value)) {
+        let path = self.state_dir.join("state.json");
+        let mut state: Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        edit(&mut state);
+        std::fs::write(&path, serde_json::to_vec_pretty(&state).unwrap()).unwrap();
+    }
+
     /// Call and expect a JSON-RPC error; returns (code, message).
     pub fn err(&self, method: &str, params: Value) -> (i64, String) {
         match self.call(method, params) {

@@ -47,7 +47,7 @@ impl RpcServer {
     /// file that is no stream socket, is refused) and serve `daemon` on it.
     pub fn start(daemon: Arc<Daemon>, path: &Path) -> anyhow::Result<Self> {
         if let Err(e) = crate::config::make_way_for_socket(path) {
-            if e.kind() == std::io::ErrorKind::AddrInUse && UnixStream::connect(path).is_ok() {
+            if e.kind() == std::io::ErrorKind::AddrInUse {
                 anyhow::bail!(
                     "{} is in use: another nacred is running with this run directory",
                     path.display()
