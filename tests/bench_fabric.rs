@@ -91,7 +91,7 @@ fn fabric_bench_splits_cpu_into_host_dpu_and_shelf() {
             .unwrap_or_else(|| panic!("no {prefix}* thread under nvme-tcp+xts:\n{stdout}"))
     };
     assert_eq!(role_of("nvmf-reactor-"), "shelf", "{stdout}");
-    assert_eq!(role_of("nvmf-q1-rx"), "dpu", "{stdout}");
+    assert_eq!(role_of("fabric-tcp-"), "dpu", "{stdout}");
     assert_eq!(role_of("fabric-bench"), "host", "{stdout}");
 }
 

@@ -129,8 +129,8 @@ fn target_gone_mid_io_and_back_loses_nothing() {
 }
 
 /// More submitters than a queue has slots: commands wait in the overflow list and are
-/// issued by the receive thread as slots free, while cuts close the queue under them (a
-/// command stored in a slot the closing reader had already emptied must come back to the
+/// issued by the queue's reactor as slots free, while cuts close the queue under them (a
+/// command stored in a slot the closing reactor had already emptied must come back to the
 /// controller, not be lost: a lost one hangs its submitter).
 #[test]
 fn cuts_while_commands_wait_for_slots_lose_nothing() {

@@ -18,7 +18,7 @@ use tracing::{info, warn};
 
 /// mimalloc, not glibc's malloc: the data path allocates a request's completion state on the
 /// thread that submits it (a vhost-user-blk worker) and frees it on the thread that completes
-/// it (an initiator's receive thread); glibc returns such frees to the allocating thread's
+/// it (an initiator's reactor); glibc returns such frees to the allocating thread's
 /// arena under that arena's lock, mimalloc through a lock-free per-page list. End to end
 /// through XTS and NVMe/TCP it measured 4-25% more IOPS per core in six alternations
 /// (`fabric-bench`, README); the target alone, whose buffers are pooled, did not move.
@@ -121,6 +121,12 @@ struct Args {
     #[arg(long, env = "NACRE_NVMF_REACTORS", default_value_t = 0)]
     nvmf_reactors: usize,
 
+    /// Remote storage over NVMe/TCP: threads serving the initiator's queues (every queue of
+    /// every remote controller), each many of them through epoll, sleeping when idle; the
+    /// thread that submits a command sends it. 0: one per core, at most 4.
+    #[arg(long, env = "NACRE_FABRIC_REACTORS", default_value_t = 0)]
+    fabric_reactors: usize,
+
     /// NVMe/TCP: when a reactor busy-polls after work rather than sleeping in epoll_wait.
     /// `adaptive`: poll (up to 50 µs) for hosts that wait on each reply (QD1, QD2), sleep at
     /// once for hosts that keep 8 or more commands in flight, whose throughput a wake-up
@@ -211,6 +217,7 @@ fn run(args: Args) -> anyhow::Result<()> {
 
     raise_fd_limit();
     nvmf_tcp::set_default_reactors(args.nvmf_reactors);
+    nacre_dpu::fabric::tcp::set_reactors(args.fabric_reactors);
     nvmf_tcp::set_poll_policy(args.nvmf_poll);
     nvmf_tcp::set_default_conn_limits(ConnLimits {
         per_listener: args.nvmf_max_connections,

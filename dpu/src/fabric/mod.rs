@@ -11,7 +11,8 @@
 //! * [`queue`] — the transport seam: [`queue::FabricQueue`] is one NVMe-oF queue of any
 //!   transport; [`Transport`] picks which (`ControllerConfig::transport`).
 //! * [`tcp`] — one NVMe/TCP queue: ICReq/ICResp, Fabrics Connect, PDUs in and out, R2T,
-//!   C2H SUCCESS, digests; asynchronous completion from a reader thread.
+//!   C2H SUCCESS, digests; asynchronous completion from a few reactor threads that
+//!   serve every NVMe/TCP queue through epoll.
 //! * [`rdma`] — one NVMe/RDMA queue: RDMA CM with the NVMe RDMA private data, SEND capsules,
 //!   a pre-posted RECV ring, keyed SGLs into registered slot buffers.
 //! * [`controller`] — bring-up (Property Get/Set, CC.EN, Identify), keep-alive, and the

@@ -4,7 +4,8 @@
 //! Requests are split at the controller's maximum transfer size (MDTS, capped at 1 MiB) and
 //! at the 16-bit NLB limit; the parts complete the request together (first error wins).
 //! Submission never waits: commands go to a queue's send buffer, or are held by the
-//! controller while it reconnects, and complete from the queue's reader thread.
+//! controller while it reconnects, and complete from the thread that receives the queue's
+//! answers (an NVMe/TCP reactor, an RDMA queue's completion thread).
 
 use std::sync::Arc;
 

@@ -141,7 +141,7 @@ pub trait FabricQueue: Send + Sync + fmt::Debug {
         (0, 0)
     }
     /// Bytes of C2HData the kernel read straight into the requests' memory, and those
-    /// copied there from the reader's own buffer (NVMe/TCP's receive side; see
+    /// copied there from the receive buffer (NVMe/TCP's receive side; see
     /// `fabric::tcp::rxbuf`). (0, 0) for a transport without that split.
     fn rx_bytes(&self) -> (u64, u64) {
         (0, 0)

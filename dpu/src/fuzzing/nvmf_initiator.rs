@@ -86,7 +86,7 @@ pub const INIT_CNTLID: u16 = 1;
 ///
 /// Input: one options byte ([`init_flags`]), the raw ICResp if asked, then the stream.
 ///
-/// Checks: no panic on the reader thread, no request completed twice, and no data written
+/// Checks: no panic on the receiving reactor, no request completed twice, and no data written
 /// outside the read's buffer.
 pub fn nvmf_initiator(data: &[u8]) {
     let Some((&opts, mut rest)) = data.split_first() else {

@@ -4,9 +4,10 @@
 //!
 //! The idea and the name are the Linux block layer's (`blk_start_plug`/`blk_finish_plug`).
 //! Here it is what lets a vhost-user-blk queue worker that pops 32 chains hand the NVMe/TCP
-//! initiator 32 capsules and have them leave in one `send` from the worker's own thread. Without it, each
-//! batch woke the queue's writer thread (a futex wake and a context switch on a 2-core DPU
-//! slice) to do the same send.
+//! initiator 32 capsules and have them leave in one `send` from the worker's own thread.
+//! Without it each capsule cost its own `send` (and before the initiator's reactors, each
+//! batch woke the queue's writer thread: a futex wake and a context switch on a 2-core DPU
+//! slice).
 //!
 //! Rules that keep it from losing or stalling I/O:
 //! * A plug only defers, never drops: closing it (dropping the guard, also while unwinding)

@@ -38,7 +38,7 @@
 //! ## Teardown
 //! Closing never waits on the network for long: a live controller gets a normal shutdown
 //! notification (CC.SHN) bounded by `shutdown_timeout`, then every socket is shut down and the
-//! reader threads hand back what was outstanding, which fails with `PathFailed`.
+//! queues' receiving threads hand back what was outstanding, which fails with `PathFailed`.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};

@@ -6,44 +6,45 @@
 //!    requires it), the digests it wants and MAXR2T 0 (one R2T per command at a time), and
 //!    reads ICResp: CPDA (where our data PDUs must start), the digests the controller
 //!    enabled (they must be the ones we asked for) and MAXH2CDATA.
-//! 2. Two threads per connection. The *writer* sends what submitters append to a buffer, so
-//!    a submitter never blocks on the network and many PDUs leave in one `write`. A submitter
-//!    inside a [`plug`] (a vhost-user-blk worker's batch) does not wake the writer: when the
-//!    plug closes it sends the batch itself with one non-blocking `send`, and only what the
-//!    socket does not take is left to the writer. One of them sends at a time (`Tx::sending`),
-//!    always from the front of the buffer, so PDUs leave in order. The *reader* owns the
-//!    receive side: it parses every PDU and moves C2HData into the request's memory. The
-//!    kernel reads a long PDU's data straight there when there is no data digest (`rxbuf`);
-//!    the rest is copied from the read buffer or from a small private chunk (the memory may
-//!    be a guest's, which no Rust reference may cover). It answers R2Ts with H2CData and
-//!    completes commands (CapsuleResp, or C2HData with SUCCESS, §3.6.2.8).
+//! 2. No thread of its own: the socket is non-blocking and one of a few reactors
+//!    (`reactor.rs`) owns its receive side, with many other queues. A submitter appends its
+//!    capsule to the send buffer and sends it itself with a non-blocking `send`; inside a
+//!    [`plug`] (a vhost-user-blk worker's batch) it only appends, and the batch leaves in one
+//!    `send` when the plug closes. One sender at a time (`Tx::sending`), always from the front
+//!    of the buffer, so PDUs leave in order; a sender that finds others' bytes appended
+//!    meanwhile sends those too. What the socket does not take waits for `EPOLLOUT`, and the
+//!    reactor sends it. The reactor parses every PDU (`rx.rs`) and moves C2HData into the
+//!    request's memory: the kernel reads a long PDU's data straight there when there is no
+//!    data digest (`rxbuf`); the rest is copied from the receive buffer (the memory may be a
+//!    guest's, which no Rust reference may cover). It answers R2Ts with H2CData and completes
+//!    commands (CapsuleResp, or C2HData with SUCCESS, §3.6.2.8).
 //! 3. Commands in flight live in a slot table of `depth` entries. The CID is the slot index
 //!    plus a 6-bit generation that changes each time the slot is reused, so a completion for
 //!    a command that is not (or no longer) outstanding is recognised as such, and a slot is
 //!    only reused after its completion has been fully processed. Commands beyond `depth` wait
 //!    in an overflow list and go out as slots free. Each slot has its own lock, and the free
 //!    list and overflow another (`SlotAlloc`), held only to pick a slot: the submitting
-//!    thread and the reader meet on a slot only when they handle the same command, which the
+//!    thread and the reactor meet on a slot only when they handle the same command, which the
 //!    protocol already orders (a response follows its capsule), not on every I/O as they
 //!    did behind one lock over the whole table (issue 9's end-to-end profile).
 //! 4. Any transport or protocol error (a malformed PDU, a digest mismatch, an unknown CID, a
-//!    C2HTermReq, EOF) is fatal to the connection (§3.6.2.4): the host sends H2CTermReq where
-//!    it makes sense and closes. When the reader exits it marks the table closed and takes
-//!    every outstanding command out of it, slot by slot under the slots' locks, and hands
-//!    them to the owner; a submitter that stored a command after the reader had passed its
-//!    slot sees the mark under that slot's lock and takes its command back. Nothing can touch
-//!    a command's memory after that, so the owner may safely resubmit it elsewhere.
+//!    C2HTermReq, EOF, a shutdown) is fatal to the connection (§3.6.2.4): the host sends
+//!    H2CTermReq where it makes sense and closes. The reactor then forgets the queue, marks
+//!    the table closed and takes every outstanding command out of it, slot by slot under the
+//!    slots' locks, and hands them to the owner; a submitter that stored a command after the
+//!    reactor had passed its slot sees the mark under that slot's lock and takes its command
+//!    back. Nothing can touch a command's memory after that, so the owner may safely resubmit
+//!    it elsewhere.
 //!
-//! The reader (receive side) is in `rx.rs`, its buffer in `rxbuf.rs`; connection set-up,
-//! submission and the writer here.
+//! The receive side is in `rx.rs`, its buffer in `rxbuf.rs`, the reactors in `reactor.rs`;
+//! connection set-up, submission and sending here.
 
 use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Weak};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use nacre_shared::nvme::command::{sgl, PSDT_SGL};
@@ -62,8 +63,11 @@ pub use super::queue::{QueueOwner, QueueParams, MAX_DEPTH};
 use super::FabricError;
 use crate::volume::IoError;
 
+mod reactor;
 mod rx;
 mod rxbuf;
+
+pub use reactor::{set_reactors, MAX_DEFAULT_REACTORS};
 #[cfg(test)]
 mod tests;
 
@@ -99,12 +103,12 @@ struct SlotAlloc {
 
 struct Tx {
     buf: Vec<u8>,
-    /// The writer is asleep on the condition variable: only then is a wake-up (a futex
-    /// system call) needed; while it is sending it picks new PDUs up by itself.
-    waiting: bool,
-    /// The writer or a submitter closing its plug is sending bytes taken from the front of
-    /// `buf`: nobody else may send until it is done (the byte stream would interleave).
+    /// Some thread is sending bytes taken from the front of `buf`: nobody else may send until
+    /// it is done (the byte stream would interleave); it sends what was appended meanwhile.
     sending: bool,
+    /// The socket refused part of a send: the reactor waits for `EPOLLOUT` and sends the
+    /// rest (nobody else sends meanwhile: the socket is full).
+    out_armed: bool,
     /// A plug on some submitter's thread will flush this queue when it closes, so later
     /// plugged submits need not register again.
     deferred: bool,
@@ -124,23 +128,27 @@ pub struct QueueConn {
     neg: Negotiated,
     slots: Box<[Mutex<Slot>]>,
     alloc: Mutex<SlotAlloc>,
-    /// Set (under `alloc`) when the reader takes the commands out for good; see step 4 above.
+    /// Set (under `alloc`) when the reactor takes the commands out for good; see step 4 above.
     closed: AtomicBool,
     tx: Mutex<Tx>,
-    tx_cv: Condvar,
+    /// The receive side: only the queue's reactor takes it.
+    rx: Mutex<rx::Rx>,
+    /// The reactor serving the queue.
+    home: reactor::Home,
     owner: Weak<dyn QueueOwner>,
     dead: AtomicBool,
+    /// The reactor has handed the outstanding commands back and forgotten the queue.
+    finished: AtomicBool,
     /// Commands completed on this connection (observability).
     pub completed: AtomicU64,
-    threads: Mutex<Vec<JoinHandle<()>>>,
     /// This queue as a plug registers it (see [`plug::defer`]).
     me: Weak<QueueConn>,
     /// Batches sent by a submitter closing its plug, and those of them the socket did not
-    /// take whole, whose rest went to the writer (observability, and what the tests check).
+    /// take whole, whose rest the reactor sent (observability, and what the tests check).
     pub inline_sends: AtomicU64,
     pub inline_partial: AtomicU64,
     /// C2HData bytes read straight into the requests' memory, and those copied there from
-    /// the reader's buffer or chunk (observability, and what the tests check: `rxbuf`).
+    /// the receive buffer (observability, and what the tests check: `rxbuf`).
     pub rx_direct: AtomicU64,
     pub rx_copied: AtomicU64,
 }
@@ -182,7 +190,7 @@ impl Fatal {
 }
 
 impl QueueConn {
-    /// Connect TCP, exchange ICReq/ICResp, start the reader and writer, and send Fabrics
+    /// Connect TCP, exchange ICReq/ICResp, hand the queue to a reactor, and send Fabrics
     /// Connect (NVMe-oF 1.1 §3.3). Returns the queue and the Connect completion (CNTLID in
     /// Dword 0 for the admin queue).
     pub fn open(
@@ -197,12 +205,16 @@ impl QueueConn {
             .map_err(|e| FabricError::Connect(format!("cannot connect to {addr}: {e}")))?;
         let _ = stream.set_nodelay(true);
         let neg = initialize(&stream, &params)?;
+        // From here on the socket never blocks: the reactor reads when it is readable, and
+        // senders send what it takes; a silent controller is caught by keep-alive and the
+        // I/O timeout, not by a socket timeout.
+        stream.set_nonblocking(true).map_err(FabricError::io)?;
         let depth = params.depth.clamp(1, MAX_DEPTH);
-        let own = stream.try_clone().map_err(FabricError::io)?;
+        let home = reactor::pick().map_err(FabricError::io)?;
         let q = Arc::new_cyclic(|me| QueueConn {
             qid: params.qid,
             session,
-            stream: own,
+            stream,
             neg,
             slots: (0..depth)
                 .map(|_| {
@@ -221,17 +233,18 @@ impl QueueConn {
             closed: AtomicBool::new(false),
             tx: Mutex::new(Tx {
                 buf: Vec::with_capacity(64 << 10),
-                waiting: false,
                 sending: false,
+                out_armed: false,
                 deferred: false,
                 spare: Vec::new(),
                 closed: false,
             }),
-            tx_cv: Condvar::new(),
+            rx: Mutex::new(rx::Rx::new()),
+            home,
             owner,
             dead: AtomicBool::new(false),
+            finished: AtomicBool::new(false),
             completed: AtomicU64::new(0),
-            threads: Mutex::new(Vec::new()),
             me: me.clone(),
             inline_sends: AtomicU64::new(0),
             inline_partial: AtomicU64::new(0),
@@ -239,25 +252,9 @@ impl QueueConn {
             rx_copied: AtomicU64::new(0),
             params,
         });
-        // The socket has no timeouts from here on: the reader blocks until data or shutdown,
-        // and a silent controller is caught by keep-alive, not by a socket timeout.
-        let _ = stream.set_read_timeout(None);
-        let _ = stream.set_write_timeout(None);
-        let rs = stream.try_clone().map_err(FabricError::io)?;
-        let (qr, qw) = (q.clone(), q.clone());
-        let name = format!("nvmf-q{}", q.qid);
-        let r = std::thread::Builder::new()
-            .name(format!("{name}-rx"))
-            .spawn(move || qr.reader(rs))
-            .map_err(FabricError::io)?;
-        let w = std::thread::Builder::new()
-            .name(format!("{name}-tx"))
-            .spawn(move || qw.writer(stream))
-            .map_err(FabricError::io)?;
-        q.threads
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend([r, w]);
+        // The queue knows its reactor before the reactor can see it (a wake-up may come at
+        // once, and closing needs it).
+        q.home.add(&q).map_err(FabricError::io)?;
 
         // Fabrics Connect: SQSIZE is zero-based, and one entry more than the commands we put
         // in flight keeps a full SQ distinguishable from an empty one.
@@ -325,7 +322,7 @@ impl QueueConn {
         self.issue_at(idx, cmd)
     }
 
-    /// Issue `cmd` in the free slot `idx`, or hand it back if the reader has meanwhile
+    /// Issue `cmd` in the free slot `idx`, or hand it back if the reactor has meanwhile
     /// taken the table's commands out for good (then the slot is never used again).
     fn issue_at(&self, idx: u16, cmd: Cmd) -> Result<(), Cmd> {
         #[cfg(test)]
@@ -333,21 +330,22 @@ impl QueueConn {
         let mut slot = self.slots[idx as usize]
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        let wake = self.issue(&mut slot, idx, cmd);
-        // The reader sets `closed` before it empties the slots, each under its lock: if it
+        let send = self.issue(&mut slot, idx, cmd);
+        // The reactor sets `closed` before it empties the slots, each under its lock: if it
         // emptied this one before the command was stored, the flag shows here.
         if self.closed.load(Ordering::SeqCst) {
             return Err(slot.cmd.take().expect("stored above"));
         }
+        // Sent only now: the command is in its slot before its answer can be parsed.
         drop(slot);
-        if wake {
-            self.tx_cv.notify_one();
+        if send {
+            self.send_pending(false);
         }
         Ok(())
     }
 
     /// Put `cmd` in `slot` (locked, free) and append its capsule to the send buffer.
-    /// Returns whether the writer must be woken.
+    /// Returns whether the caller must send it (it is not held by a plug).
     fn issue(&self, slot: &mut Slot, idx: u16, mut cmd: Cmd) -> bool {
         slot.gen = slot.gen.wrapping_add(1) & 0x3F;
         let cid = cid_of(idx, slot.gen);
@@ -387,7 +385,7 @@ impl QueueConn {
         // The first plugged submit registers the queue; later ones ride on that.
         let register = plugged && !tx.deferred;
         tx.deferred |= register;
-        let mut wake = !plugged && tx.waiting;
+        let mut send = !plugged;
         drop(tx);
         if register {
             match self.me.upgrade() {
@@ -395,13 +393,13 @@ impl QueueConn {
                     let me: Arc<dyn Unplug> = me;
                     plug::defer(&me);
                 }
-                // Being dropped: nobody would unplug it, so hand the bytes to the writer.
-                None => wake = true,
+                // Being dropped: nobody would unplug it, so send it now.
+                None => send = true,
             }
         }
         slot.cmd = Some(cmd);
         slot.issued_ns = clock::now_ns();
-        wake
+        send
     }
 
     /// How long the oldest command in a slot has been waiting on the controller. Commands
@@ -429,69 +427,131 @@ impl QueueConn {
         }
     }
 
-    /// Close the connection: the reader and writer stop, and the reader hands outstanding
-    /// commands to the owner. Returns at once; it never waits on the peer.
+    /// Close the connection: its reactor hands outstanding commands to the owner and
+    /// forgets it. Returns at once; it never waits on the peer.
     pub fn shutdown(&self) {
         self.dead.store(true, Ordering::Release);
+        // The reactor sees the socket readable (end of file) and closes the queue.
         let _ = self.stream.shutdown(Shutdown::Both);
         let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
         tx.closed = true;
-        drop(tx);
-        self.tx_cv.notify_all();
     }
 
-    /// Wait (bounded) for the reader and writer to exit after [`QueueConn::shutdown`].
+    /// Wait (bounded) for the reactor to have handed the outstanding commands back after
+    /// [`QueueConn::shutdown`].
     pub fn join(&self, timeout: Duration) {
         let deadline = Instant::now() + timeout;
-        let threads: Vec<_> = self
-            .threads
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .drain(..)
-            .collect();
-        for t in threads {
-            while !t.is_finished() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            if t.is_finished() {
-                let _ = t.join();
-            }
+        while !self.finished.load(Ordering::Acquire) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 
-    fn writer(self: Arc<Self>, mut stream: TcpStream) {
-        let mut out = Vec::with_capacity(64 << 10);
-        let mut wrote = false;
-        loop {
-            {
+    fn fd(&self) -> RawFd {
+        self.stream.as_raw_fd()
+    }
+
+    /// The reactor's part: `events` happened on the socket.
+    fn on_ready(self: &Arc<Self>, events: u32) {
+        if self.finished.load(Ordering::Acquire) {
+            return;
+        }
+        if events & libc::EPOLLOUT as u32 != 0 {
+            let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+            if tx.out_armed {
+                tx.out_armed = false;
+                let _ = self.home.want_out(self, false);
+            }
+            drop(tx);
+            self.send_pending(false);
+        }
+        let r = {
+            let mut rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
+            self.on_readable(&mut rx, self.fd())
+        };
+        // H2CData answering R2Ts, appended while parsing, leave in one send.
+        self.send_pending(false);
+        if let Err(fatal) = r {
+            self.close(fatal);
+        }
+    }
+
+    /// The reactor's part when the connection failed: tell the controller why where that
+    /// makes sense (§3.6.2.4), forget the queue and hand its commands back.
+    fn close(&self, fatal: Fatal) {
+        if let Some((fes, fei, hdr)) = &fatal.term {
+            if !self.is_dead() {
+                // Best effort: if the socket does not take it now it is not sent.
+                let mut v = Vec::new();
+                pdu::encode_term_req(&mut v, false, *fes, *fei, hdr);
                 let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
-                if wrote {
-                    tx.sending = false;
-                }
-                // An inline sender (a closing plug) owns the socket while `sending`: it hands
-                // back what the socket did not take and wakes us.
-                while (tx.buf.is_empty() || tx.sending) && !tx.closed {
-                    tx.waiting = true;
-                    tx = self.tx_cv.wait(tx).unwrap_or_else(|p| p.into_inner());
-                    tx.waiting = false;
-                }
-                if tx.closed && (tx.buf.is_empty() || tx.sending) {
+                tx.buf.extend_from_slice(&v);
+                drop(tx);
+                self.send_pending(false);
+            }
+        }
+        self.home.remove(self);
+        self.fail_outstanding(fatal);
+        self.finished.store(true, Ordering::Release);
+    }
+
+    /// Send what is in the send buffer, from this thread, without blocking: what the socket
+    /// does not take waits for the reactor (`EPOLLOUT`). `plug`: a closing plug sends (what
+    /// `inline_sends` counts).
+    fn send_pending(&self, plug: bool) {
+        loop {
+            let mut out = {
+                let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+                // Someone else is sending (and picks these bytes up when done), or the socket
+                // is full (the reactor sends when it drains).
+                if tx.closed || tx.sending || tx.out_armed || tx.buf.is_empty() {
                     return;
                 }
-                std::mem::swap(&mut tx.buf, &mut out);
                 tx.sending = true;
-                wrote = true;
+                let spare = std::mem::take(&mut tx.spare);
+                std::mem::replace(&mut tx.buf, spare)
+            };
+            let r = send_nonblocking(&self.stream, &out);
+            if plug {
+                self.inline_sends.fetch_add(1, Ordering::Relaxed);
             }
-            if let Err(e) = stream.write_all(&out) {
-                if !self.is_dead() {
-                    debug!(qid = self.qid, error = %e, "send failed");
+            let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+            tx.sending = false;
+            match r {
+                Ok(n) if n == out.len() => {
+                    out.clear();
+                    if tx.spare.capacity() == 0 && out.capacity() <= KEEP_TX_CAPACITY {
+                        tx.spare = out;
+                    }
+                    // Others appended while this thread sent: theirs go next.
+                    if tx.buf.is_empty() {
+                        return;
+                    }
                 }
-                self.shutdown();
-                return;
-            }
-            out.clear();
-            if out.capacity() > (4 << 20) {
-                out = Vec::with_capacity(64 << 10);
+                Ok(n) => {
+                    // The socket is full: the rest goes first, before anything appended since,
+                    // when the reactor sees it writable.
+                    if plug {
+                        self.inline_partial.fetch_add(1, Ordering::Relaxed);
+                    }
+                    out.drain(..n);
+                    out.extend_from_slice(&tx.buf);
+                    tx.buf = out;
+                    tx.out_armed = true;
+                    if let Err(e) = self.home.want_out(self, true) {
+                        drop(tx);
+                        debug!(qid = self.qid, error = %e, "cannot wait for the socket");
+                        self.shutdown();
+                    }
+                    return;
+                }
+                Err(e) => {
+                    drop(tx);
+                    if !self.is_dead() {
+                        debug!(qid = self.qid, error = %e, "send failed");
+                    }
+                    self.shutdown();
+                    return;
+                }
             }
         }
     }
@@ -499,52 +559,10 @@ impl QueueConn {
 
 impl Unplug for QueueConn {
     /// Send what plugged submitters appended, from this (the submitting) thread, without
-    /// blocking: what the socket does not take goes back to the front of the buffer for the
-    /// writer.
+    /// blocking: what the socket does not take the reactor sends when it can.
     fn unplug(&self) {
-        let mut out = {
-            let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
-            tx.deferred = false;
-            // While the writer sends, it picks these bytes up itself when it is done.
-            if tx.closed || tx.sending || tx.buf.is_empty() {
-                return;
-            }
-            tx.sending = true;
-            let spare = std::mem::take(&mut tx.spare);
-            std::mem::replace(&mut tx.buf, spare)
-        };
-        let r = send_nonblocking(&self.stream, &out);
-        self.inline_sends.fetch_add(1, Ordering::Relaxed);
-        let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
-        tx.sending = false;
-        match r {
-            Ok(n) if n == out.len() => {
-                out.clear();
-                if tx.spare.capacity() == 0 && out.capacity() <= KEEP_TX_CAPACITY {
-                    tx.spare = out;
-                }
-            }
-            Ok(n) => {
-                // The socket is full: the rest goes first, before anything appended since.
-                self.inline_partial.fetch_add(1, Ordering::Relaxed);
-                out.drain(..n);
-                out.extend_from_slice(&tx.buf);
-                tx.buf = out;
-            }
-            Err(e) => {
-                drop(tx);
-                if !self.is_dead() {
-                    debug!(qid = self.qid, error = %e, "send failed");
-                }
-                self.shutdown();
-                return;
-            }
-        }
-        let wake = !tx.buf.is_empty() && tx.waiting;
-        drop(tx);
-        if wake {
-            self.tx_cv.notify_one();
-        }
+        self.tx.lock().unwrap_or_else(|p| p.into_inner()).deferred = false;
+        self.send_pending(true);
     }
 }
 

@@ -1,14 +1,16 @@
-//! The receive side of an NVMe/TCP queue (NVMe/TCP Transport 1.0 §3.6): the reader thread
-//! parses every PDU the controller sends, moves C2HData into the request's memory, answers
-//! R2Ts with H2CData, completes commands, and on any fatal error hands every outstanding
-//! command back to the owner (module docs of [`super`]).
+//! The receive side of an NVMe/TCP queue (NVMe/TCP Transport 1.0 §3.6), run by the queue's
+//! reactor: it parses every PDU the controller sends, moves C2HData into the request's
+//! memory, answers R2Ts with H2CData, completes commands, and on any fatal error hands every
+//! outstanding command back to the owner (module docs of [`super`]).
+//!
+//! The socket is non-blocking and one reactor serves many queues, so the parser is
+//! resumable: it acts on a header only once the whole header (and, for C2HData, its padding)
+//! is buffered, and a C2HData PDU's data may arrive over many wake-ups ([`DataRx`] records
+//! how far it got).
 
-use std::io::{BufRead, Read};
-use std::net::TcpStream;
-use std::os::fd::AsRawFd;
+use std::os::fd::RawFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
 use nacre_shared::nvme::{admin_opcode, Completion as Cqe};
 use nacre_shared::nvme_tcp::{
@@ -16,37 +18,95 @@ use nacre_shared::nvme_tcp::{
 };
 use tracing::warn;
 
-use super::rxbuf::{RxBuf, AHEAD, BATCH, DIRECT_MIN};
+use super::rxbuf::{Fill, RxBuf, AHEAD, BATCH, DIRECT_MIN};
 use super::{Fatal, QueueConn, Slot, MAX_RX_DATA};
 use crate::fabric::cmd::{AdminWait, Cmd, Dir, IoData, Target};
 use crate::fabric::queue::split_cid;
 use crate::telemetry::trace::TARGET as TRACE;
 use crate::volume::{copy_to_segments, IoError};
 
+/// Bytes one wake-up reads from a queue before the reactor moves on to its other queues
+/// (level-triggered epoll brings it back for the rest).
+const RX_BUDGET: usize = 1 << 20;
+
+/// A queue's receive state, owned by its reactor.
+pub(super) struct Rx {
+    buf: RxBuf,
+    data: Option<DataRx>,
+}
+
+impl Rx {
+    pub(super) fn new() -> Self {
+        Rx {
+            buf: RxBuf::new(),
+            data: None,
+        }
+    }
+}
+
+/// A C2HData PDU whose header was handled and whose data is arriving.
+struct DataRx {
+    dest: Dest,
+    /// Offset (within the command's data) of the next byte.
+    at: usize,
+    left: usize,
+    /// The PDU carries a data digest: its CRC so far.
+    digest: bool,
+    crc: u32,
+    success: bool,
+    cccid: u16,
+    /// The PDU's header, for the H2CTermReq a late error reports.
+    hdr: [u8; pdu::DATA_HLEN],
+}
+
+/// What one parsing step did.
+enum Step {
+    /// Consumed something: go on.
+    Progress,
+    /// Needs more bytes than are buffered.
+    More,
+    /// Read straight from the socket, which has nothing now.
+    Blocked,
+}
+
 impl QueueConn {
-    pub(super) fn reader(self: Arc<Self>, stream: TcpStream) {
-        let mut rd = RxBuf::new(stream);
-        // Where C2HData read past the reader's buffer lands before it is copied into the
-        // request's memory: one per connection, not a zeroed 16 KiB array per PDU (a memset
-        // per 4 KiB read showed in the profile, issue 9).
-        let mut chunk = vec![0u8; 16 << 10];
-        let fatal = loop {
-            if let Err(f) = self.read_pdu(&mut rd, &mut chunk) {
-                break f;
+    /// Handle what the socket has (up to [`RX_BUDGET`] bytes of it).
+    pub(super) fn on_readable(&self, rx: &mut Rx, fd: RawFd) -> Result<(), Fatal> {
+        let mut budget = RX_BUDGET;
+        loop {
+            let step = match rx.data.is_some() {
+                false => self.rx_header(rx)?,
+                true => self.rx_data(rx, fd, &mut budget)?,
+            };
+            match step {
+                Step::Progress => continue,
+                Step::Blocked => return Ok(()),
+                Step::More => {}
             }
-        };
-        if let Some((fes, fei, hdr)) = &fatal.term {
-            if !self.is_dead() {
-                // Best effort: tell the controller why (§3.6.2.4), then close.
-                let mut v = Vec::new();
-                pdu::encode_term_req(&mut v, false, *fes, *fei, hdr);
-                let mut tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
-                tx.buf.extend_from_slice(&v);
-                drop(tx);
-                self.tx_cv.notify_all();
-                std::thread::sleep(Duration::from_millis(5));
+            if budget == 0 {
+                return Ok(());
+            }
+            match rx.buf.fill(fd).map_err(Fatal::io)? {
+                Fill::Blocked => return Ok(()),
+                Fill::Got { n, short } => {
+                    budget = budget.saturating_sub(n);
+                    // A short read emptied the socket: parse what came, then wait for the
+                    // next readiness rather than spend a read on EAGAIN.
+                    if short {
+                        while let Step::Progress = match rx.data.is_some() {
+                            false => self.rx_header(rx)?,
+                            true => self.rx_data_buffered(rx)?,
+                        } {}
+                        return Ok(());
+                    }
+                }
             }
         }
+    }
+
+    /// Hand every outstanding command to the owner, for good (the reactor, once the
+    /// connection has failed or was shut down; module docs, step 4).
+    pub(super) fn fail_outstanding(&self, fatal: Fatal) {
         let was_dead = self.is_dead();
         self.shutdown();
         if !was_dead {
@@ -73,11 +133,13 @@ impl QueueConn {
         }
     }
 
-    /// Read and handle one PDU.
-    fn read_pdu(&self, rd: &mut RxBuf<TcpStream>, chunk: &mut [u8]) -> Result<(), Fatal> {
-        let mut hdr = [0u8; 128];
-        rd.read_exact(&mut hdr[..CH_LEN]).map_err(Fatal::io)?;
-        let ch = CommonHeader::decode(&hdr);
+    /// One PDU header, if it is all buffered: validate it and act on it.
+    fn rx_header(&self, rx: &mut Rx) -> Result<Step, Fatal> {
+        let b = rx.buf.buffer();
+        if b.len() < CH_LEN {
+            return Ok(Step::More);
+        }
+        let ch = CommonHeader::decode(b);
         let hlen = match pdu::expected_hlen(ch.pdu_type) {
             Some(h)
                 if matches!(
@@ -95,7 +157,7 @@ impl QueueConn {
                     format!("unexpected PDU type {:#04x} from controller", ch.pdu_type),
                     fes::INVALID_HEADER_FIELD,
                     pdu::ch_offset::TYPE,
-                    &hdr[..CH_LEN],
+                    &b[..CH_LEN],
                 ))
             }
         };
@@ -104,12 +166,14 @@ impl QueueConn {
                 format!("PDU type {:#04x} with HLEN {}", ch.pdu_type, ch.hlen),
                 fes::INVALID_HEADER_FIELD,
                 pdu::ch_offset::HLEN,
-                &hdr[..CH_LEN],
+                &b[..CH_LEN],
             ));
         }
         if ch.pdu_type == pdu_type::C2H_TERM_REQ {
-            rd.read_exact(&mut hdr[CH_LEN..hlen]).map_err(Fatal::io)?;
-            let (f, i, _) = pdu::decode_term_req(&hdr[..hlen]);
+            if b.len() < hlen {
+                return Ok(Step::More);
+            }
+            let (f, i, _) = pdu::decode_term_req(&b[..hlen]);
             return Err(Fatal::quiet(format!(
                 "controller terminated the connection (C2HTermReq FES {f:#x}, FEI {i:#x})"
             )));
@@ -120,7 +184,7 @@ impl QueueConn {
                 "header digest flag does not match what was negotiated",
                 fes::INVALID_HEADER_FIELD,
                 pdu::ch_offset::FLAGS,
-                &hdr[..CH_LEN],
+                &b[..CH_LEN],
             ));
         }
         let hd_len = if hd { DIGEST_LEN } else { 0 };
@@ -133,23 +197,26 @@ impl QueueConn {
                 ),
                 fes::INVALID_HEADER_FIELD,
                 pdu::ch_offset::PLEN,
-                &hdr[..CH_LEN],
+                &b[..CH_LEN],
             ));
         }
-        rd.read_exact(&mut hdr[CH_LEN..hlen]).map_err(Fatal::io)?;
-        if hd {
-            let mut d = [0u8; 4];
-            rd.read_exact(&mut d).map_err(Fatal::io)?;
-            if u32::from_le_bytes(d) != crc32c(&hdr[..hlen]) {
-                return Err(Fatal::proto(
-                    "header digest mismatch",
-                    fes::HEADER_DIGEST_ERROR,
-                    0,
-                    &hdr[..hlen],
-                ));
-            }
+        if b.len() < hlen + hd_len {
+            return Ok(Step::More);
         }
-        let hdr = &hdr[..hlen];
+        if hd
+            && u32::from_le_bytes(b[hlen..hlen + 4].try_into().expect("4 bytes"))
+                != crc32c(&b[..hlen])
+        {
+            return Err(Fatal::proto(
+                "header digest mismatch",
+                fes::HEADER_DIGEST_ERROR,
+                0,
+                &b[..hlen],
+            ));
+        }
+        let mut hdr_buf = [0u8; 128];
+        hdr_buf[..hlen].copy_from_slice(&b[..hlen]);
+        let hdr = &hdr_buf[..hlen];
         match ch.pdu_type {
             pdu_type::CAPSULE_RESP => {
                 if plen != hlen + hd_len {
@@ -160,6 +227,7 @@ impl QueueConn {
                         hdr,
                     ));
                 }
+                rx.buf.consume(hlen + hd_len);
                 let cqe = Cqe::decode(&hdr[CH_LEN..]);
                 let cmd = self.take_cmd(cqe.cid, hdr)?;
                 self.completed.fetch_add(1, Ordering::Relaxed);
@@ -168,7 +236,7 @@ impl QueueConn {
                     cid = format_args!("{:#06x}", cqe.cid), sct = st.sct, sc = st.sc)
                 .entered();
                 cmd.complete(cqe);
-                Ok(())
+                Ok(Step::Progress)
             }
             pdu_type::R2T => {
                 if plen != hlen + hd_len {
@@ -179,9 +247,11 @@ impl QueueConn {
                         hdr,
                     ));
                 }
-                self.on_r2t(DataHeader::decode(hdr), hdr)
+                rx.buf.consume(hlen + hd_len);
+                self.on_r2t(DataHeader::decode(hdr), hdr)?;
+                Ok(Step::Progress)
             }
-            pdu_type::C2H_DATA => self.on_c2h_data(rd, &ch, hdr, hd_len, chunk),
+            pdu_type::C2H_DATA => self.on_c2h_header(rx, &ch, hdr, hd_len),
             _ => unreachable!("filtered above"),
         }
     }
@@ -217,7 +287,7 @@ impl QueueConn {
             next
         };
         if let Some(next) = next {
-            // Only this thread closes the table, and it is here: the queue is open.
+            // Only the reactor closes the table, and it is here: the queue is open.
             if let Err(next) = self.issue_at(idx as u16, next) {
                 next.fail(IoError::PathLost);
             }
@@ -252,13 +322,13 @@ impl QueueConn {
         }
     }
 
-    /// R2T (§3.6.2.9): send the requested range as H2CData PDUs of at most MAXH2CDATA bytes,
-    /// the last one flagged LAST_PDU, each copied once from the request's memory into the
-    /// send buffer (under the command's slot lock and then the send lock, the order `issue`
-    /// takes them).
+    /// R2T (§3.6.2.9): append the requested range as H2CData PDUs of at most MAXH2CDATA
+    /// bytes, the last one flagged LAST_PDU, each copied once from the request's memory into
+    /// the send buffer (under the command's slot lock and then the send lock, the order
+    /// `issue` takes them). The reactor sends them when it is done with the wake-up.
     fn on_r2t(&self, r: DataHeader, hdr: &[u8]) -> Result<(), Fatal> {
         let (off, len) = (r.datao as usize, r.datal as usize);
-        let wake = self.with_cmd(r.cccid, hdr, |cmd| {
+        self.with_cmd(r.cccid, hdr, |cmd| {
             if cmd.dir != Dir::H2C
                 || cmd.len <= self.icd_max()
                 || cmd.sqe.opcode == admin_opcode::FABRICS
@@ -299,24 +369,19 @@ impl QueueConn {
                 );
                 pos += n;
             }
-            Ok(tx.waiting)
-        })?;
-        if wake {
-            self.tx_cv.notify_one();
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
-    /// C2HData (§3.6.2.8): data is copied into the command's memory as it is read; with
-    /// SUCCESS (only valid with LAST_PDU) the command completes without a CapsuleResp.
-    fn on_c2h_data(
+    /// A C2HData header (§3.6.2.8), with its padding buffered: check it against its command
+    /// and start taking its data.
+    fn on_c2h_header(
         &self,
-        rd: &mut RxBuf<TcpStream>,
+        rx: &mut Rx,
         ch: &CommonHeader,
         hdr: &[u8],
         hd_len: usize,
-        chunk: &mut [u8],
-    ) -> Result<(), Fatal> {
+    ) -> Result<Step, Fatal> {
         let dh = DataHeader::decode(hdr);
         let hlen = hdr.len();
         let plen = ch.plen as usize;
@@ -353,8 +418,19 @@ impl QueueConn {
                 hdr,
             ));
         }
-        // Where the data goes: checked and captured under the slot lock, then read without it
-        // (only this thread ever removes an outstanding command, so it cannot vanish).
+        if pdo - hlen - hd_len > 128 {
+            return Err(Fatal::proto(
+                "C2HData padding too long",
+                fes::INVALID_HEADER_FIELD,
+                pdu::ch_offset::PDO,
+                hdr,
+            ));
+        }
+        if rx.buf.buffer().len() < pdo {
+            return Ok(Step::More);
+        }
+        // Where the data goes: checked and captured under the slot lock, then written without
+        // it (only the reactor ever removes an outstanding command, so it cannot vanish).
         let off = dh.datao as usize;
         let dest = self.with_cmd(dh.cccid, hdr, |cmd| {
             if cmd.dir != Dir::C2H {
@@ -380,184 +456,181 @@ impl QueueConn {
                 Target::Io {
                     parent,
                     data: IoData::Segs { off: base },
-                } => Dest::Segs(parent.clone(), *base + off),
+                } => Dest::Segs(parent.clone(), *base),
                 Target::Io { .. } => Dest::Discard,
-                Target::Admin(w) => Dest::Admin(w.clone(), off),
+                Target::Admin(w) => Dest::Admin(w.clone()),
             })
         })?;
-        let mut pad = [0u8; 128];
-        let padn = pdo - hlen - hd_len;
-        if padn > pad.len() {
-            return Err(Fatal::proto(
-                "C2HData padding too long",
-                fes::INVALID_HEADER_FIELD,
-                pdu::ch_offset::PDO,
-                hdr,
-            ));
-        }
-        rd.read_exact(&mut pad[..padn]).map_err(Fatal::io)?;
+        rx.buf.consume(pdo);
         // After long data, read only a little ahead: the next long PDU's data then goes
         // straight into its request's memory instead of through the buffer (rxbuf).
-        rd.set_refill(if dd == 0 && datal >= DIRECT_MIN {
+        rx.buf.set_refill(if dd == 0 && datal >= DIRECT_MIN {
             AHEAD
         } else {
             BATCH
         });
-        let (crc, direct) = dest.read(rd, datal, dd != 0, chunk).map_err(Fatal::io)?;
-        if let Dest::Segs(..) = dest {
-            self.rx_direct.fetch_add(direct as u64, Ordering::Relaxed);
-            self.rx_copied
-                .fetch_add((datal - direct) as u64, Ordering::Relaxed);
+        let mut h = [0u8; pdu::DATA_HLEN];
+        h.copy_from_slice(&hdr[..pdu::DATA_HLEN]);
+        rx.data = Some(DataRx {
+            dest,
+            at: off,
+            left: datal,
+            digest: dd != 0,
+            crc: 0,
+            success,
+            cccid: dh.cccid,
+            hdr: h,
+        });
+        Ok(Step::Progress)
+    }
+
+    /// The data of the C2HData PDU in progress: from the buffer, or (no digest, nothing
+    /// buffered) read by the kernel straight into the request's memory.
+    fn rx_data(&self, rx: &mut Rx, fd: RawFd, budget: &mut usize) -> Result<Step, Fatal> {
+        let d = rx.data.as_mut().expect("data in progress");
+        if d.left > 0 && rx.buf.buffer().is_empty() && !d.digest && *budget > 0 {
+            if let Some(got) = d.dest.read_direct(fd, d.at, d.left).map_err(Fatal::io)? {
+                if got == 0 {
+                    return Ok(Step::Blocked);
+                }
+                self.rx_direct.fetch_add(got as u64, Ordering::Relaxed);
+                d.at += got;
+                d.left -= got;
+                *budget = budget.saturating_sub(got);
+                return Ok(Step::Progress);
+            }
         }
-        if dd != 0 {
-            let mut d = [0u8; 4];
-            rd.read_exact(&mut d).map_err(Fatal::io)?;
-            if u32::from_le_bytes(d) != crc {
+        self.rx_data_buffered(rx)
+    }
+
+    /// The data of the C2HData PDU in progress, from what is buffered only; then its digest,
+    /// and its completion when it stands for the response (SUCCESS).
+    fn rx_data_buffered(&self, rx: &mut Rx) -> Result<Step, Fatal> {
+        let Some(d) = rx.data.as_mut() else {
+            return Ok(Step::More);
+        };
+        if d.left > 0 {
+            let b = rx.buf.buffer();
+            if b.is_empty() {
+                return Ok(Step::More);
+            }
+            let m = b.len().min(d.left);
+            if d.digest {
+                d.crc = crc32c::crc32c_append(d.crc, &b[..m]);
+            }
+            if d.dest.put(d.at, &b[..m]) {
+                self.rx_copied.fetch_add(m as u64, Ordering::Relaxed);
+            }
+            rx.buf.consume(m);
+            d.at += m;
+            d.left -= m;
+            return Ok(Step::Progress);
+        }
+        if d.digest {
+            let b = rx.buf.buffer();
+            if b.len() < DIGEST_LEN {
+                return Ok(Step::More);
+            }
+            let got = u32::from_le_bytes(b[..DIGEST_LEN].try_into().expect("4 bytes"));
+            if got != d.crc {
                 // The data is bad but the stream is intact; still, a controller that corrupts
                 // data is not one to keep talking to: reset the connection, and the command
                 // is retried on the next one like every other outstanding command.
                 return Err(Fatal::quiet(format!(
                     "data digest mismatch on C2HData for command {:#06x}",
-                    dh.cccid
+                    d.cccid
                 )));
             }
+            rx.buf.consume(DIGEST_LEN);
         }
-        if success {
-            let cmd = self.take_cmd(dh.cccid, hdr)?;
+        let d = rx.data.take().expect("data in progress");
+        if d.success {
+            let cmd = self.take_cmd(d.cccid, &d.hdr)?;
             self.completed.fetch_add(1, Ordering::Relaxed);
             // A C2HData PDU with the SUCCESS flag stands for the response capsule.
             let _span = tracing::trace_span!(target: TRACE, "fabric_cpl", qid = self.qid,
-                cid = format_args!("{:#06x}", dh.cccid), sct = 0u8, sc = 0u8)
+                cid = format_args!("{:#06x}", d.cccid), sct = 0u8, sc = 0u8)
             .entered();
             cmd.complete(Cqe {
-                cid: dh.cccid,
+                cid: d.cccid,
                 sqid: self.qid,
                 ..Default::default()
             });
         }
-        Ok(())
+        Ok(Step::Progress)
     }
 }
 
+/// Where a C2HData PDU's data goes.
 enum Dest {
+    /// The request's segments, from this byte of them.
     Segs(Arc<crate::fabric::cmd::IoParent>, usize),
-    Admin(Arc<AdminWait>, usize),
+    Admin(Arc<AdminWait>),
     Discard,
 }
 
 impl Dest {
-    /// Read `n` bytes into the destination; returns their CRC32C (for the data digest) when
-    /// `digest` (the CRC of request data is not computed for nothing: it showed in the
-    /// profile without digests), and how many of them the kernel read straight into the
-    /// request's memory. `chunk`: scratch space for data read past the reader's buffer.
-    fn read<R: Read + AsRawFd>(
-        &self,
-        rd: &mut RxBuf<R>,
-        n: usize,
-        digest: bool,
-        chunk: &mut [u8],
-    ) -> std::io::Result<(u32, usize)> {
-        let mut crc = 0u32;
-        let mut direct = 0;
+    /// Copy `src`, the command's data from offset `at`, to where it goes. Returns whether it
+    /// went to a request's segments (what `rx_copied` counts).
+    fn put(&self, at: usize, src: &[u8]) -> bool {
         match self {
-            Dest::Segs(parent, off) => {
-                let mut skip = *off;
-                let mut left = n;
-                for s in parent.segments() {
-                    if left == 0 {
-                        break;
-                    }
-                    if skip >= s.len() {
-                        skip -= s.len();
-                        continue;
-                    }
-                    let k = (s.len() - skip).min(left);
-                    // Through the reader's buffer or a private chunk, not a slice over the
-                    // segment: the segment may be guest memory the guest can write at any
-                    // time, which no Rust reference may cover. What the reader has buffered
-                    // is copied from its buffer; without a data digest the rest is read by
-                    // the kernel straight into the segment (a raw address, as preadv gets in
-                    // the file backend), and with one into the chunk, whose bytes the CRC
-                    // needs.
-                    let mut done = 0;
-                    while done < k {
-                        if !digest && rd.buffer().is_empty() {
-                            // SAFETY: the command is outstanding, so the segment is valid and
-                            // exclusively ours until it completes, which only this thread
-                            // does; skip + done + (k - done) <= s.len(). The kernel writes
-                            // at most k - done bytes there.
-                            let got = unsafe {
-                                libc::read(
-                                    rd.get_ref().as_raw_fd(),
-                                    s.as_ptr().add(skip + done).cast(),
-                                    k - done,
-                                )
-                            };
-                            match got {
-                                0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                                n if n > 0 => {
-                                    done += n as usize;
-                                    direct += n as usize;
-                                }
-                                _ => {
-                                    let e = std::io::Error::last_os_error();
-                                    if e.kind() != std::io::ErrorKind::Interrupted {
-                                        return Err(e);
-                                    }
-                                }
-                            }
-                            continue;
-                        }
-                        let buffered = rd.buffer();
-                        let (src, from_buffer) = if buffered.is_empty() {
-                            let m = (k - done).min(chunk.len());
-                            let got = match rd.get_mut().read(&mut chunk[..m]) {
-                                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                                Ok(got) => got,
-                                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                                Err(e) => return Err(e),
-                            };
-                            (&chunk[..got], false)
-                        } else {
-                            (&buffered[..(k - done).min(buffered.len())], true)
-                        };
-                        let m = src.len();
-                        if digest {
-                            crc = crc32c::crc32c_append(crc, src);
-                        }
-                        // SAFETY: the command is outstanding, so the request's segments are
-                        // valid and exclusively ours until it completes, which only this
-                        // thread does; skip + done + m <= s.len().
-                        unsafe { copy_to_segments(std::slice::from_ref(s), skip + done, src) };
-                        if from_buffer {
-                            rd.consume(m);
-                        }
-                        done += m;
-                    }
-                    left -= k;
-                    skip = 0;
-                }
-                if left > 0 {
-                    // Segments shorter than the command (cannot happen for checked requests).
-                    let mut sink = vec![0u8; left];
-                    rd.read_exact(&mut sink)?;
-                    crc = crc32c::crc32c_append(crc, &sink);
-                }
+            Dest::Segs(parent, base) => {
+                // Copied from the receive buffer, never through a slice over the segment: the
+                // segment may be guest memory the guest can write at any time, which no Rust
+                // reference may cover. Bytes past the segments (cannot happen for checked
+                // requests) are dropped.
+                // SAFETY: the command is outstanding, so the request's segments are valid
+                // and exclusively ours until it completes, which only the reactor does.
+                unsafe { copy_to_segments(parent.segments(), base + at, src) };
+                true
             }
-            Dest::Admin(w, off) => {
+            Dest::Admin(w) => {
                 let mut b = w.buf.lock().unwrap_or_else(|p| p.into_inner());
-                if b.len() < off + n {
-                    b.resize(off + n, 0);
+                if b.len() < at + src.len() {
+                    b.resize(at + src.len(), 0);
                 }
-                rd.read_exact(&mut b[*off..off + n])?;
-                crc = crc32c::crc32c(&b[*off..off + n]);
+                b[at..at + src.len()].copy_from_slice(src);
+                false
             }
-            Dest::Discard => {
-                let mut sink = vec![0u8; n];
-                rd.read_exact(&mut sink)?;
-                crc = crc32c::crc32c(&sink);
+            Dest::Discard => false,
+        }
+    }
+
+    /// Read up to `left` bytes of the command's data from offset `at` straight into the
+    /// request's segments (one segment's worth at most). `None`: this destination is not
+    /// read into directly; `Some(0)`: the socket has nothing now.
+    fn read_direct(&self, fd: RawFd, at: usize, left: usize) -> std::io::Result<Option<usize>> {
+        let Dest::Segs(parent, base) = self else {
+            return Ok(None);
+        };
+        let mut skip = base + at;
+        for s in parent.segments() {
+            if skip >= s.len() {
+                skip -= s.len();
+                continue;
+            }
+            let k = (s.len() - skip).min(left);
+            loop {
+                // SAFETY: the command is outstanding, so the segment is valid and exclusively
+                // ours until it completes, which only the reactor does; skip + k <= s.len().
+                // The kernel writes at most k bytes there (a raw address, as preadv gets in
+                // the file backend: no Rust reference covers guest memory).
+                let got = unsafe { libc::read(fd, s.as_ptr().add(skip).cast(), k) };
+                if got > 0 {
+                    return Ok(Some(got as usize));
+                }
+                if got == 0 {
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
+                }
+                let e = std::io::Error::last_os_error();
+                match e.kind() {
+                    std::io::ErrorKind::Interrupted => continue,
+                    std::io::ErrorKind::WouldBlock => return Ok(Some(0)),
+                    _ => return Err(e),
+                }
             }
         }
-        Ok((crc, direct))
+        // Past the segments: through the buffer, and dropped there.
+        Ok(None)
     }
 }

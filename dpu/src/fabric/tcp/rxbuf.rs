@@ -1,18 +1,16 @@
-//! The receive buffer of an NVMe/TCP queue's reader thread.
+//! The receive buffer of an NVMe/TCP queue, filled by its reactor from a non-blocking socket.
 //!
 //! One large read brings many short PDUs at once (CapsuleResps, 4 KiB C2HData), which is
-//! what keeps the reader's system calls few. But a large read also pulls most of a long
+//! what keeps the reactor's system calls few. But a large read also pulls most of a long
 //! C2HData PDU's data into this buffer, and that data then has to be copied into the
-//! request's memory: at 128 KiB sequential reads, that copy was 40% of the reader thread
+//! request's memory: at 128 KiB sequential reads, that copy was 40% of the receiving thread
 //! (issue 9). So the amount one refill asks for follows the traffic: after a long C2HData
 //! PDU the next refill reads only [`AHEAD`] bytes (enough for the next headers and a CQE
-//! run), and the reader reads the rest of the next long PDU's data straight into the
-//! request's memory (`rx::Dest::read`); after a short one, refills go back to [`BATCH`].
-//!
-//! Like `std::io::BufReader`, but with that refill size, which `BufReader` does not let a
-//! caller choose.
+//! run), and the rest of the next long PDU's data is read straight into the request's
+//! memory (`rx::Dest::read_direct`); after a short one, refills go back to [`BATCH`].
 
-use std::io::{self, BufRead, Read};
+use std::io;
+use std::os::fd::RawFd;
 
 /// What a refill asks for while the controller sends short PDUs: many of them per read.
 pub(super) const BATCH: usize = 128 << 10;
@@ -20,11 +18,10 @@ pub(super) const BATCH: usize = 128 << 10;
 pub(super) const AHEAD: usize = 4 << 10;
 /// C2HData at least this long, without a data digest, makes the next refill [`AHEAD`]: above
 /// it, a system call for the data costs less than copying it out of this buffer. (With a
-/// data digest the data passes through memory the reader owns anyway, for the CRC.)
+/// data digest the data passes through memory the reactor owns anyway, for the CRC.)
 pub(super) const DIRECT_MIN: usize = 32 << 10;
 
-pub(super) struct RxBuf<R> {
-    inner: R,
+pub(super) struct RxBuf {
     buf: Box<[u8]>,
     /// `buf[pos..end]` is read but not yet consumed.
     pos: usize,
@@ -33,10 +30,18 @@ pub(super) struct RxBuf<R> {
     refill: usize,
 }
 
-impl<R: Read> RxBuf<R> {
-    pub(super) fn new(inner: R) -> Self {
+/// What a refill got.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Fill {
+    /// This many bytes, fewer than asked for when the socket had no more.
+    Got { n: usize, short: bool },
+    /// Nothing: the socket has nothing to read now.
+    Blocked,
+}
+
+impl RxBuf {
+    pub(super) fn new() -> Self {
         RxBuf {
-            inner,
             buf: vec![0u8; BATCH].into_boxed_slice(),
             pos: 0,
             end: 0,
@@ -49,70 +54,63 @@ impl<R: Read> RxBuf<R> {
         &self.buf[self.pos..self.end]
     }
 
-    pub(super) fn get_ref(&self) -> &R {
-        &self.inner
-    }
-
-    pub(super) fn get_mut(&mut self) -> &mut R {
-        &mut self.inner
+    pub(super) fn consume(&mut self, n: usize) {
+        self.pos = (self.pos + n).min(self.end);
     }
 
     /// Make the next refills ask for at most `n` bytes (1 ..= [`BATCH`]).
     pub(super) fn set_refill(&mut self, n: usize) {
         self.refill = n.clamp(1, self.buf.len());
     }
-}
 
-impl<R: Read> Read for RxBuf<R> {
-    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
-        // Nothing buffered and a destination at least as large as a full refill: read into
-        // it directly (as BufReader does).
-        if self.pos == self.end && out.len() >= self.refill {
-            return self.inner.read(out);
-        }
-        let avail = self.fill_buf()?;
-        let n = avail.len().min(out.len());
-        out[..n].copy_from_slice(&avail[..n]);
-        self.consume(n);
-        Ok(n)
-    }
-}
-
-impl<R: Read> BufRead for RxBuf<R> {
-    fn fill_buf(&mut self) -> io::Result<&[u8]> {
+    /// Read from `fd` (non-blocking) behind what is buffered, at most the refill size. What
+    /// is left unconsumed is only ever the start of a PDU header or digest (the parser
+    /// consumes data as it arrives), so moving it to the front costs little.
+    pub(super) fn fill(&mut self, fd: RawFd) -> io::Result<Fill> {
         if self.pos == self.end {
-            let n = self.inner.read(&mut self.buf[..self.refill])?;
             self.pos = 0;
-            self.end = n;
+            self.end = 0;
+        } else if self.pos > 0 {
+            self.buf.copy_within(self.pos..self.end, 0);
+            self.end -= self.pos;
+            self.pos = 0;
         }
-        Ok(&self.buf[self.pos..self.end])
-    }
-
-    fn consume(&mut self, n: usize) {
-        self.pos = (self.pos + n).min(self.end);
+        let want = self.refill.min(self.buf.len() - self.end);
+        if want == 0 {
+            // A full buffer that the parser could not use: cannot happen (headers are
+            // far shorter), but must not spin.
+            return Err(io::Error::other("receive buffer full"));
+        }
+        loop {
+            // SAFETY: the destination is `buf[end..end + want]`, owned by this buffer and
+            // within its length; the kernel writes at most `want` bytes there.
+            let n = unsafe { libc::read(fd, self.buf[self.end..].as_mut_ptr().cast(), want) };
+            match n {
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                n if n > 0 => {
+                    let n = n as usize;
+                    self.end += n;
+                    return Ok(Fill::Got { n, short: n < want });
+                }
+                _ => {
+                    let e = io::Error::last_os_error();
+                    match e.kind() {
+                        io::ErrorKind::Interrupted => continue,
+                        io::ErrorKind::WouldBlock => return Ok(Fill::Blocked),
+                        _ => return Err(e),
+                    }
+                }
+            }
+        }
     }
 }
 
 #[cfg(test)]
 mod test {
     use super::*;
-
-    /// A stream that records how much each read asked for.
-    struct Recorder {
-        data: Vec<u8>,
-        at: usize,
-        asked: Vec<usize>,
-    }
-
-    impl Read for Recorder {
-        fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
-            self.asked.push(out.len());
-            let n = out.len().min(self.data.len() - self.at);
-            out[..n].copy_from_slice(&self.data[self.at..self.at + n]);
-            self.at += n;
-            Ok(n)
-        }
-    }
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixStream;
 
     fn stream(len: usize) -> Vec<u8> {
         (0..len).map(|i| (i * 31 % 251) as u8).collect()
@@ -120,47 +118,46 @@ mod test {
 
     #[test]
     fn refills_ask_for_the_size_set_and_bytes_arrive_in_order() {
-        let data = stream(300_000);
-        let mut rd = RxBuf::new(Recorder {
-            data: data.clone(),
-            at: 0,
-            asked: Vec::new(),
-        });
-        let mut got = vec![0u8; 24];
-        rd.read_exact(&mut got).unwrap();
-        assert_eq!(rd.get_ref().asked, [BATCH], "a batch refill by default");
-        assert_eq!(rd.buffer().len(), BATCH - 24);
-        rd.consume(rd.buffer().len());
+        let (mut w, r) = UnixStream::pair().unwrap();
+        r.set_nonblocking(true).unwrap();
+        let mut rd = RxBuf::new();
+        assert_eq!(rd.fill(r.as_raw_fd()).unwrap(), Fill::Blocked);
 
+        let data = stream(20_000);
+        w.write_all(&data).unwrap();
         rd.set_refill(AHEAD);
-        let mut hdr = [0u8; 8];
-        rd.read_exact(&mut hdr).unwrap();
         assert_eq!(
-            rd.get_ref().asked[1],
-            AHEAD,
+            rd.fill(r.as_raw_fd()).unwrap(),
+            Fill::Got {
+                n: AHEAD,
+                short: false
+            },
             "after a long C2HData: a short refill"
         );
-        assert_eq!(hdr[..], data[BATCH..BATCH + 8]);
-        assert_eq!(rd.buffer(), &data[BATCH + 8..BATCH + AHEAD]);
-        rd.consume(rd.buffer().len());
-
-        // Nothing buffered, a destination larger than the refill: read into it directly.
-        let mut big = vec![0u8; 64 << 10];
-        let n = rd.read(&mut big).unwrap();
-        assert_eq!(rd.get_ref().asked[2], 64 << 10);
-        assert_eq!(big[..n], data[BATCH + AHEAD..BATCH + AHEAD + n]);
-        assert!(rd.buffer().is_empty());
-
+        assert_eq!(rd.buffer(), &data[..AHEAD]);
+        // Part of a header left: it moves to the front, the next bytes behind it.
+        rd.consume(AHEAD - 10);
         rd.set_refill(BATCH);
-        let at = BATCH + AHEAD + n;
-        let mut rest = Vec::new();
-        rd.read_to_end(&mut rest).unwrap();
-        assert_eq!(rest, data[at..], "every byte, in order");
+        assert_eq!(
+            rd.fill(r.as_raw_fd()).unwrap(),
+            Fill::Got {
+                n: 20_000 - AHEAD,
+                short: true
+            }
+        );
+        assert_eq!(rd.buffer(), &data[AHEAD - 10..]);
+        rd.consume(usize::MAX);
+        assert!(rd.buffer().is_empty());
+        drop(w);
+        assert_eq!(
+            rd.fill(r.as_raw_fd()).unwrap_err().kind(),
+            io::ErrorKind::UnexpectedEof
+        );
     }
 
     #[test]
     fn the_refill_size_stays_within_the_buffer() {
-        let mut rd = RxBuf::new(&[][..]);
+        let mut rd = RxBuf::new();
         rd.set_refill(0);
         assert_eq!(rd.refill, 1);
         rd.set_refill(usize::MAX);

@@ -4,8 +4,9 @@ use std::cell::RefCell;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::sync::mpsc;
-use std::sync::Weak;
+use std::sync::{Mutex, Weak};
 use std::time::Duration;
+use std::time::Instant;
 
 use nacre_shared::nvme::fabrics::{ConnectData, CNTLID_DYNAMIC};
 use nacre_shared::nvme::{Command, Completion as Cqe, Status};
@@ -68,7 +69,7 @@ impl QueueOwner for Owner {
 }
 
 #[test]
-fn a_command_stored_after_the_reader_emptied_the_table_comes_back_to_its_submitter() {
+fn a_command_stored_after_the_reactor_emptied_the_table_comes_back_to_its_submitter() {
     let params = QueueParams {
         qid: 0,
         depth: 4,
@@ -111,12 +112,12 @@ fn a_command_stored_after_the_reader_emptied_the_table_comes_back_to_its_submitt
         })
     };
     at_rx.recv().unwrap();
-    // Meanwhile the connection dies and its reader empties the table and exits.
+    // Meanwhile the connection dies and its reactor empties the table and forgets it.
     q.shutdown();
     q.join(Duration::from_secs(10));
     assert!(
         q.closed.load(Ordering::SeqCst),
-        "the reader closed the table"
+        "the reactor closed the table"
     );
     go_tx.send(()).unwrap();
     let (r, wait) = submitter.join().unwrap();
@@ -127,4 +128,280 @@ fn a_command_stored_after_the_reader_emptied_the_table_comes_back_to_its_submitt
     );
     assert!(!wait.is_done(), "and nobody else completed or failed it");
     assert!(q.slots.iter().all(|s| s.lock().unwrap().cmd.is_none()));
+}
+
+/// Byte `i` of what the fragmenting controller returns for a command with `opcode`.
+fn byte(opcode: u8, i: usize) -> u8 {
+    (i.wrapping_mul(7) as u8).wrapping_add(opcode) ^ (i >> 8) as u8
+}
+
+/// Data length of the reads the fragmenting controller answers: Identify, NVM Read.
+fn read_len(opcode: u8) -> usize {
+    if opcode == admin_opcode::IDENTIFY {
+        4096
+    } else {
+        64 << 10
+    }
+}
+
+/// Read one command capsule: its opcode and CID.
+fn read_sqe(s: &mut std::net::TcpStream) -> (u8, u16) {
+    let mut ch = [0u8; CH_LEN];
+    s.read_exact(&mut ch).unwrap();
+    let mut rest = vec![0u8; CommonHeader::decode(&ch).plen as usize - CH_LEN];
+    s.read_exact(&mut rest).unwrap();
+    (rest[0], u16::from_le_bytes([rest[2], rest[3]]))
+}
+
+/// A controller that accepts `conns` connections, completes initialisation and Connect on
+/// each, reads `cmds` read commands, and answers them all in one byte stream written in
+/// fragments of 1 to 4101 bytes with a pause after each, so that headers, data and digests
+/// arrive split across many of the host's wake-ups: Identify with two C2HData PDUs and a
+/// CapsuleResp, NVM Read with one 64 KiB C2HData carrying SUCCESS.
+fn fragmenting_controller(conns: usize, cmds: usize) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for _ in 0..conns {
+            let (mut s, _) = l.accept().unwrap();
+            std::thread::spawn(move || {
+                let mut ic = [0u8; IC_LEN];
+                s.read_exact(&mut ic).unwrap();
+                let dg = IcReq::decode(&ic).digests;
+                let mut v = Vec::new();
+                IcResp {
+                    pfv: 0,
+                    cpda: 0,
+                    digests: dg,
+                    maxh2cdata: 8192,
+                }
+                .encode(&mut v);
+                s.write_all(&v).unwrap();
+                let (_, cid) = read_sqe(&mut s);
+                let mut r = Vec::new();
+                pdu::encode_capsule_resp(&mut r, &Cqe::new(cid, Status::SUCCESS), dg);
+                s.write_all(&r).unwrap();
+                let mut out = Vec::new();
+                for _ in 0..cmds {
+                    let (opcode, cid) = read_sqe(&mut s);
+                    let data: Vec<u8> = (0..read_len(opcode)).map(|i| byte(opcode, i)).collect();
+                    if opcode == admin_opcode::IDENTIFY {
+                        pdu::encode_c2h_data(&mut out, cid, 0, &data[..1000], false, false, dg, 0);
+                        pdu::encode_c2h_data(
+                            &mut out,
+                            cid,
+                            1000,
+                            &data[1000..],
+                            true,
+                            false,
+                            dg,
+                            0,
+                        );
+                        pdu::encode_capsule_resp(&mut out, &Cqe::new(cid, Status::SUCCESS), dg);
+                    } else {
+                        pdu::encode_c2h_data(&mut out, cid, 0, &data, true, true, dg, 0);
+                    }
+                }
+                let sizes = [1, 3, 7, 50, 333, 4101, 2, 24];
+                let mut at = 0;
+                for n in sizes.iter().cycle() {
+                    if at == out.len() {
+                        break;
+                    }
+                    let end = (at + n).min(out.len());
+                    s.write_all(&out[at..end]).unwrap();
+                    at = end;
+                    std::thread::sleep(Duration::from_micros(300));
+                }
+                let mut sink = [0u8; 4096];
+                while matches!(s.read(&mut sink), Ok(n) if n > 0) {}
+            });
+        }
+    });
+    addr
+}
+
+fn params(qid: u16, digests: Digests) -> QueueParams {
+    QueueParams {
+        qid,
+        depth: 4,
+        digests,
+        kato_ms: 0,
+        icd_max: 0,
+        timeout: Duration::from_secs(10),
+    }
+}
+
+fn connect_data(cntlid: u16) -> ConnectData {
+    ConnectData {
+        hostid: [0x42; 16],
+        cntlid,
+        subnqn: "nqn.2024-01.io.nacre:fragments".into(),
+        hostnqn: "nqn.2024-01.io.nacre:host".into(),
+    }
+}
+
+fn identify(q: &QueueConn) -> Arc<AdminWait> {
+    let wait = AdminWait::with_buf(vec![0u8; 4096]);
+    let mut sqe = Command::decode(&[0u8; 64]);
+    sqe.opcode = admin_opcode::IDENTIFY;
+    q.submit(Cmd {
+        sqe,
+        dir: Dir::C2H,
+        len: 4096,
+        target: Target::Admin(wait.clone()),
+        release: true,
+    })
+    .map_err(|_| "queue closed")
+    .unwrap();
+    wait
+}
+
+#[derive(Default)]
+struct Done(Mutex<Vec<Result<(), IoError>>>);
+impl crate::volume::IoCompletion for Done {
+    fn complete(&self, _: u64, r: crate::volume::IoResult) {
+        self.0.lock().unwrap().push(r);
+    }
+}
+
+/// The reactor parses PDUs whose headers, data and digests arrive a few bytes at a time:
+/// admin data through the receive buffer, I/O data into the request's segments (straight
+/// from the socket when there is no data digest), with and without digests.
+#[test]
+fn pdus_arriving_in_fragments_are_parsed_across_wake_ups() {
+    for dg in [
+        Digests::NONE,
+        Digests {
+            header: true,
+            data: true,
+        },
+    ] {
+        let addr = fragmenting_controller(1, 2);
+        let (q, _) = QueueConn::open(
+            addr,
+            params(1, dg),
+            &connect_data(1),
+            1,
+            Weak::<Owner>::new(),
+        )
+        .unwrap();
+        let admin = identify(&q);
+        // 64 KiB into three segments of odd lengths, with guard bytes around them.
+        let len = 64 << 10;
+        let mut mem = vec![0xEEu8; len + 64];
+        let base = mem.as_mut_ptr();
+        // SAFETY: the three segments lie inside `mem` (bytes 16 .. 16 + len), which outlives
+        // the command: the test waits for its completion before reading or dropping `mem`.
+        let segs: crate::volume::Segments = unsafe {
+            [(16, 1000), (1016, 30_000), (31_016, len - 31_000)]
+                .into_iter()
+                .map(|(o, n)| crate::volume::Segment::new(base.add(o), n))
+                .collect()
+        };
+        let done = Arc::new(Done::default());
+        let mut sqe = Command::decode(&[0u8; 64]);
+        sqe.opcode = 0x02;
+        sqe.nsid = 1;
+        let io = Cmd {
+            sqe,
+            dir: Dir::C2H,
+            len,
+            target: Target::Io {
+                parent: crate::fabric::cmd::IoParent::new(segs, 9, done.clone(), 1),
+                data: crate::fabric::cmd::IoData::Segs { off: 0 },
+            },
+            release: true,
+        };
+        q.submit(io).map_err(|_| "queue closed").unwrap();
+
+        let cqe = admin
+            .wait_until(Instant::now() + Duration::from_secs(20))
+            .expect("Identify answered")
+            .expect("Identify succeeded");
+        assert!(cqe.status().is_success());
+        let want: Vec<u8> = (0..4096).map(|i| byte(admin_opcode::IDENTIFY, i)).collect();
+        assert!(*admin.buf.lock().unwrap() == want, "Identify data ({dg:?})");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while done.0.lock().unwrap().is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(
+            *done.0.lock().unwrap(),
+            [Ok(())],
+            "the read completed once ({dg:?})"
+        );
+        let want: Vec<u8> = (0..len).map(|i| byte(0x02, i)).collect();
+        assert!(mem[16..16 + len] == want[..], "read data ({dg:?})");
+        assert!(mem[..16].iter().chain(&mem[16 + len..]).all(|&b| b == 0xEE));
+        let (direct, copied) = (
+            q.rx_direct.load(Ordering::Relaxed),
+            q.rx_copied.load(Ordering::Relaxed),
+        );
+        assert_eq!(direct + copied, len as u64, "{dg:?}");
+        if dg.data {
+            assert_eq!(direct, 0, "data under a digest passes through the buffer");
+        } else {
+            assert!(direct > 0, "nothing was read straight into the segments");
+        }
+        q.shutdown();
+        q.join(Duration::from_secs(10));
+        assert!(q.finished.load(Ordering::Acquire));
+    }
+}
+
+fn fabric_threads() -> (usize, usize) {
+    let mut reactors = 0;
+    let mut per_queue = 0;
+    for t in std::fs::read_dir("/proc/self/task").unwrap() {
+        let comm = std::fs::read_to_string(t.unwrap().path().join("comm")).unwrap_or_default();
+        if comm.starts_with("fabric-tcp-") {
+            reactors += 1;
+        } else if comm.starts_with("nvmf-q") {
+            per_queue += 1;
+        }
+    }
+    (reactors, per_queue)
+}
+
+/// Twelve queues are served by the few reactor threads, not by threads of their own, and
+/// each gets its own answer.
+#[test]
+fn many_queues_share_a_few_reactor_threads() {
+    let n = 12;
+    let addr = fragmenting_controller(n, 1);
+    let queues: Vec<_> = (0..n)
+        .map(|_| {
+            QueueConn::open(
+                addr,
+                params(0, Digests::NONE),
+                &connect_data(CNTLID_DYNAMIC),
+                1,
+                Weak::<Owner>::new(),
+            )
+            .unwrap()
+            .0
+        })
+        .collect();
+    let (reactors, per_queue) = fabric_threads();
+    assert_eq!(per_queue, 0, "a queue has a thread of its own");
+    assert!(
+        (1..=MAX_DEFAULT_REACTORS).contains(&reactors),
+        "{reactors} reactor threads for {n} queues"
+    );
+    let waits: Vec<_> = queues.iter().map(|q| identify(q)).collect();
+    let want: Vec<u8> = (0..4096).map(|i| byte(admin_opcode::IDENTIFY, i)).collect();
+    for w in &waits {
+        w.wait_until(Instant::now() + Duration::from_secs(30))
+            .expect("answered")
+            .expect("succeeded");
+        assert!(*w.buf.lock().unwrap() == want);
+    }
+    for q in &queues {
+        q.shutdown();
+    }
+    for q in &queues {
+        q.join(Duration::from_secs(10));
+        assert!(q.finished.load(Ordering::Acquire), "a queue was not closed");
+    }
 }
