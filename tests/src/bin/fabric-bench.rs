@@ -19,7 +19,7 @@
 //! that in a deployment is another machine.
 //!
 //!   fabric-bench [--seconds S] [--qd N] [--bs BYTES] [--seq] [--write] [--io-queues N] [--digests]
-//!                [--nvmf-poll adaptive|always|off] [--only VOLUME,...]
+//!                [--nvmf-poll adaptive|always|off] [--fabric-reactors N] [--only VOLUME,...]
 //!
 //! `--bs 131072 --seq --qd 8` is the large sequential read of GPU training's data loaders.
 
@@ -91,6 +91,12 @@ fn parse() -> Result<Opts> {
             "--io-queues" => o.io_queues = a.next().context("--io-queues N")?.parse()?,
             "--digests" => o.digests = true,
             "--threads" => o.threads = true,
+            "--fabric-reactors" => nacre_dpu::fabric::tcp::set_reactors(
+                a.next()
+                    .context("--fabric-reactors N")?
+                    .parse()
+                    .context("--fabric-reactors N")?,
+            ),
             "--nvmf-poll" => {
                 let v = a.next().context("--nvmf-poll adaptive|always|off")?;
                 let p = PollPolicy::ALL
@@ -110,11 +116,12 @@ fn parse() -> Result<Opts> {
                 o.only = Some(names);
             }
             "-h" | "--help" => {
-                println!("fabric-bench [--seconds S] [--qd N] [--bs BYTES] [--seq] [--write] [--io-queues N] [--digests] [--nvmf-poll P] [--only VOLUME,...] [--threads]");
+                println!("fabric-bench [--seconds S] [--qd N] [--bs BYTES] [--seq] [--write] [--io-queues N] [--digests] [--nvmf-poll P] [--fabric-reactors N] [--only VOLUME,...] [--threads]");
                 println!(
                     "  volumes: {} (--only runs a subset, e.g. to profile one path)",
                     VOLUMES.join(", ")
                 );
+                println!("  --fabric-reactors N: the initiator's reactor threads (as nacred's; 0: one per core, at most 4)");
                 println!("  --threads: each thread's cores busy too (host = the libblkio client, shelf = the target's threads, dpu = the rest)");
                 std::process::exit(0);
             }

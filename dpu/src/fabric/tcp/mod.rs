@@ -68,6 +68,7 @@ mod rx;
 mod rxbuf;
 
 pub use reactor::{set_reactors, MAX_DEFAULT_REACTORS};
+
 #[cfg(test)]
 mod tests;
 
@@ -464,12 +465,15 @@ impl QueueConn {
             drop(tx);
             self.send_pending(false);
         }
-        let r = {
+        let (r, answered) = {
             let mut rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
-            self.on_readable(&mut rx, self.fd())
+            let r = self.on_readable(&mut rx, self.fd());
+            (r, std::mem::take(&mut rx.answered_r2t))
         };
         // H2CData answering R2Ts, appended while parsing, leave in one send.
-        self.send_pending(false);
+        if answered {
+            self.send_pending(false);
+        }
         if let Err(fatal) = r {
             self.close(fatal);
         }

@@ -33,6 +33,11 @@ const RX_BUDGET: usize = 1 << 20;
 pub(super) struct Rx {
     buf: RxBuf,
     data: Option<DataRx>,
+    /// H2CData answering R2Ts was appended to the send buffer: the reactor sends it when it
+    /// is done with the wake-up. (Only then does the reactor take the send lock, which the
+    /// submitting thread holds while it appends capsules: waiting for it on every wake-up
+    /// cost a context switch as often as not.)
+    pub(super) answered_r2t: bool,
 }
 
 impl Rx {
@@ -40,6 +45,7 @@ impl Rx {
         Rx {
             buf: RxBuf::new(),
             data: None,
+            answered_r2t: false,
         }
     }
 }
@@ -249,6 +255,7 @@ impl QueueConn {
                 }
                 rx.buf.consume(hlen + hd_len);
                 self.on_r2t(DataHeader::decode(hdr), hdr)?;
+                rx.answered_r2t = true;
                 Ok(Step::Progress)
             }
             pdu_type::C2H_DATA => self.on_c2h_header(rx, &ch, hdr, hd_len),
