@@ -65,10 +65,23 @@ fn remote_volume_served_over_vhost_user_blk() {
         "127.0.0.1:0",
         Arc::new(RamVolume::new(32 << 20, 512).unwrap()),
     );
-    let n = Nacred::start_args(&["--no-default"]);
+    let n = Nacred::start_args(&["--no-default", "--fabric-reactors", "1"]);
     let r = n.ok("remote_attach", attach_params("shelf", shelf.addr.port()));
     assert_eq!(r["state"], "live");
     assert_eq!(r["model"], "nacre shelf");
+    // Its admin and two I/O queues are served by the one reactor asked for, not by threads
+    // of their own.
+    let names: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", n.pid()))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|c| c.trim().to_string())
+        .collect();
+    let reactors = names
+        .iter()
+        .filter(|c| c.starts_with("fabric-tcp-"))
+        .count();
+    assert_eq!(reactors, 1, "{names:?}");
+    assert!(!names.iter().any(|c| c.starts_with("nvmf-q")), "{names:?}");
     assert_eq!(r["namespaces"][0]["nsid"], 1);
     assert_eq!(r["namespaces"][0]["size"], 32u64 << 20);
     assert_eq!(
