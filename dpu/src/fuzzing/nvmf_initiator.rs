@@ -267,6 +267,6 @@ pub fn nvmf_initiator(data: &[u8]) {
     }
     let _ = go_tx.send(true);
     peer.join().expect("peer");
-    // The reader fails what is still outstanding as it exits, on its own thread.
+    // The reactor fails what is still outstanding when it sees the connection closed.
     q.shutdown();
 }

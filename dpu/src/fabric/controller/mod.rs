@@ -229,7 +229,7 @@ pub struct ControllerStatus {
     pub inline_sends: u64,
     pub inline_partial_sends: u64,
     /// Of the live session: C2HData bytes the kernel read straight into the requests'
-    /// memory, and those the reader copied there from its own buffer (NVMe/TCP).
+    /// memory, and those copied there from the receive buffer (NVMe/TCP).
     pub rx_direct_bytes: u64,
     pub rx_copied_bytes: u64,
 }
@@ -611,7 +611,7 @@ impl Ctrl {
                             if st.phase == Phase::Live
                                 && st.session.as_ref().is_some_and(|x| x.id == s.id)
                             {
-                                // Still the same session: hold until the reader reports it.
+                                // Still the same session: hold until the queue's close reports it.
                                 drop(st);
                                 self.hold(cmd);
                                 return;
