@@ -138,8 +138,10 @@ pub struct QueueConn {
     home: reactor::Home,
     owner: Weak<dyn QueueOwner>,
     dead: AtomicBool,
-    /// The reactor has handed the outstanding commands back and forgotten the queue.
+    /// The reactor is closing the queue (nothing more is read from it).
     finished: AtomicBool,
+    /// The reactor has handed the outstanding commands back and forgotten the queue.
+    closed_done: AtomicBool,
     /// Commands completed on this connection (observability).
     pub completed: AtomicU64,
     /// This queue as a plug registers it (see [`plug::defer`]).
@@ -245,6 +247,7 @@ impl QueueConn {
             owner,
             dead: AtomicBool::new(false),
             finished: AtomicBool::new(false),
+            closed_done: AtomicBool::new(false),
             completed: AtomicU64::new(0),
             me: me.clone(),
             inline_sends: AtomicU64::new(0),
@@ -442,7 +445,7 @@ impl QueueConn {
     /// [`QueueConn::shutdown`].
     pub fn join(&self, timeout: Duration) {
         let deadline = Instant::now() + timeout;
-        while !self.finished.load(Ordering::Acquire) && Instant::now() < deadline {
+        while !self.closed_done.load(Ordering::Acquire) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(1));
         }
     }
@@ -493,9 +496,14 @@ impl QueueConn {
                 self.send_pending(false);
             }
         }
+        if self.finished.swap(true, Ordering::AcqRel) {
+            return;
+        }
         self.home.remove(self);
+        // The receive state may hold a command's parent (a C2HData half received): let it go.
+        self.rx.lock().unwrap_or_else(|p| p.into_inner()).release();
         self.fail_outstanding(fatal);
-        self.finished.store(true, Ordering::Release);
+        self.closed_done.store(true, Ordering::Release);
     }
 
     /// Send what is in the send buffer, from this thread, without blocking: what the socket

@@ -132,6 +132,12 @@ impl Home {
             .ctl(libc::EPOLL_CTL_MOD, q.fd(), self.token, out)
     }
 
+    /// Whether two queues are served by the same reactor.
+    #[cfg(test)]
+    pub(super) fn same_reactor(&self, other: &Home) -> bool {
+        Arc::ptr_eq(&self.poller, &other.poller)
+    }
+
     /// Stop serving `q` (its reactor, when the queue closes).
     pub(super) fn remove(&self, q: &QueueConn) {
         let _ = self
@@ -208,7 +214,24 @@ impl Poller {
                 }));
             }
             for (q, ev) in ready.drain(..) {
-                q.on_ready(ev);
+                // What a queue's completions run is other code (vhost-user-blk, XTS,
+                // multipath): a panic there costs that queue, whose commands go back to its
+                // controller, never the other queues this thread serves.
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| q.on_ready(ev)));
+                if r.is_err() {
+                    error!(
+                        qid = q.qid,
+                        "internal error serving an NVMe/TCP queue: closing it"
+                    );
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        q.close(super::Fatal::quiet("internal error in nacred"))
+                    }));
+                    if r.is_err() {
+                        // Its commands are lost to their owner, but the queue is gone
+                        // from this reactor (close removes it first).
+                        error!(qid = q.qid, "internal error closing an NVMe/TCP queue");
+                    }
+                }
             }
         }
     }

@@ -48,6 +48,18 @@ impl Rx {
             answered_r2t: false,
         }
     }
+
+    /// A C2HData PDU is half received.
+    #[cfg(test)]
+    pub(super) fn in_pdu_data(&self) -> bool {
+        self.data.is_some()
+    }
+
+    /// The queue is closed: drop the buffer and any half-received PDU's destination.
+    pub(super) fn release(&mut self) {
+        self.data = None;
+        self.buf = RxBuf::released();
+    }
 }
 
 /// A C2HData PDU whose header was handled and whose data is arriving.

@@ -49,6 +49,16 @@ impl RxBuf {
         }
     }
 
+    /// An empty buffer, for a closed queue (its reads fail).
+    pub(super) fn released() -> Self {
+        RxBuf {
+            buf: Box::new([]),
+            pos: 0,
+            end: 0,
+            refill: 1,
+        }
+    }
+
     /// What is read but not yet consumed.
     pub(super) fn buffer(&self) -> &[u8] {
         &self.buf[self.pos..self.end]

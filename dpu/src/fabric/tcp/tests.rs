@@ -157,8 +157,9 @@ fn read_sqe(s: &mut std::net::TcpStream) -> (u8, u16) {
 /// each, reads `cmds` read commands, and answers them all in one byte stream written in
 /// fragments of 1 to 4101 bytes with a pause after each, so that headers, data and digests
 /// arrive split across many of the host's wake-ups: Identify with two C2HData PDUs and a
-/// CapsuleResp, NVM Read with one 64 KiB C2HData carrying SUCCESS.
-fn fragmenting_controller(conns: usize, cmds: usize) -> SocketAddr {
+/// CapsuleResp, NVM Read with one 64 KiB C2HData carrying SUCCESS. `cut`: send only that
+/// many bytes of the answers, then wait for the host to close.
+fn fragmenting_controller(conns: usize, cmds: usize, cut: Option<usize>) -> SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     std::thread::spawn(move || {
@@ -202,6 +203,7 @@ fn fragmenting_controller(conns: usize, cmds: usize) -> SocketAddr {
                         pdu::encode_c2h_data(&mut out, cid, 0, &data, true, true, dg, 0);
                     }
                 }
+                out.truncate(cut.unwrap_or(out.len()));
                 let sizes = [1, 3, 7, 50, 333, 4101, 2, 24];
                 let mut at = 0;
                 for n in sizes.iter().cycle() {
@@ -209,7 +211,9 @@ fn fragmenting_controller(conns: usize, cmds: usize) -> SocketAddr {
                         break;
                     }
                     let end = (at + n).min(out.len());
-                    s.write_all(&out[at..end]).unwrap();
+                    if s.write_all(&out[at..end]).is_err() {
+                        return;
+                    }
                     at = end;
                     std::thread::sleep(Duration::from_micros(300));
                 }
@@ -257,6 +261,43 @@ fn identify(q: &QueueConn) -> Arc<AdminWait> {
     wait
 }
 
+/// Guard bytes before a test read's segments, and the bytes of the request before the
+/// command's part of it (a request split into several commands: this is a later one).
+const GUARD: usize = 16;
+const SKIP: usize = 1500;
+
+/// An NVM Read of `len` bytes into three segments of odd lengths, its data starting
+/// [`SKIP`] bytes into them; the memory (0xEE) has [`GUARD`] bytes before the segments and
+/// 48 after. The memory must outlive the command: callers wait for its completion (or its
+/// queue's close) before they read or drop it.
+fn read_cmd(len: usize, done: Arc<dyn crate::volume::IoCompletion>) -> (Cmd, Box<[u8]>) {
+    let total = SKIP + len;
+    let mut mem = vec![0xEEu8; GUARD + total + 48].into_boxed_slice();
+    let base = mem.as_mut_ptr();
+    // SAFETY: the three segments lie inside `mem` (GUARD .. GUARD + total), a heap buffer
+    // that does not move when the box does, and outlives the command (above).
+    let segs: crate::volume::Segments = unsafe {
+        [(0, 1000), (1000, 30_000), (31_000, total - 31_000)]
+            .into_iter()
+            .map(|(o, n)| crate::volume::Segment::new(base.add(GUARD + o), n))
+            .collect()
+    };
+    let mut sqe = Command::decode(&[0u8; 64]);
+    sqe.opcode = 0x02;
+    sqe.nsid = 1;
+    let cmd = Cmd {
+        sqe,
+        dir: Dir::C2H,
+        len,
+        target: Target::Io {
+            parent: crate::fabric::cmd::IoParent::new(segs, 9, done, 1),
+            data: crate::fabric::cmd::IoData::Segs { off: SKIP },
+        },
+        release: true,
+    };
+    (cmd, mem)
+}
+
 #[derive(Default)]
 struct Done(Mutex<Vec<Result<(), IoError>>>);
 impl crate::volume::IoCompletion for Done {
@@ -266,8 +307,8 @@ impl crate::volume::IoCompletion for Done {
 }
 
 /// The reactor parses PDUs whose headers, data and digests arrive a few bytes at a time:
-/// admin data through the receive buffer, I/O data into the request's segments (straight
-/// from the socket when there is no data digest), with and without digests.
+/// admin data through the receive buffer, I/O data into its part of the request's segments
+/// (straight from the socket when there is no data digest), with and without digests.
 #[test]
 fn pdus_arriving_in_fragments_are_parsed_across_wake_ups() {
     for dg in [
@@ -277,7 +318,7 @@ fn pdus_arriving_in_fragments_are_parsed_across_wake_ups() {
             data: true,
         },
     ] {
-        let addr = fragmenting_controller(1, 2);
+        let addr = fragmenting_controller(1, 2, None);
         let (q, _) = QueueConn::open(
             addr,
             params(1, dg),
@@ -287,32 +328,9 @@ fn pdus_arriving_in_fragments_are_parsed_across_wake_ups() {
         )
         .unwrap();
         let admin = identify(&q);
-        // 64 KiB into three segments of odd lengths, with guard bytes around them.
         let len = 64 << 10;
-        let mut mem = vec![0xEEu8; len + 64];
-        let base = mem.as_mut_ptr();
-        // SAFETY: the three segments lie inside `mem` (bytes 16 .. 16 + len), which outlives
-        // the command: the test waits for its completion before reading or dropping `mem`.
-        let segs: crate::volume::Segments = unsafe {
-            [(16, 1000), (1016, 30_000), (31_016, len - 31_000)]
-                .into_iter()
-                .map(|(o, n)| crate::volume::Segment::new(base.add(o), n))
-                .collect()
-        };
         let done = Arc::new(Done::default());
-        let mut sqe = Command::decode(&[0u8; 64]);
-        sqe.opcode = 0x02;
-        sqe.nsid = 1;
-        let io = Cmd {
-            sqe,
-            dir: Dir::C2H,
-            len,
-            target: Target::Io {
-                parent: crate::fabric::cmd::IoParent::new(segs, 9, done.clone(), 1),
-                data: crate::fabric::cmd::IoData::Segs { off: 0 },
-            },
-            release: true,
-        };
+        let (io, mem) = read_cmd(len, done.clone());
         q.submit(io).map_err(|_| "queue closed").unwrap();
 
         let cqe = admin
@@ -332,8 +350,12 @@ fn pdus_arriving_in_fragments_are_parsed_across_wake_ups() {
             "the read completed once ({dg:?})"
         );
         let want: Vec<u8> = (0..len).map(|i| byte(0x02, i)).collect();
-        assert!(mem[16..16 + len] == want[..], "read data ({dg:?})");
-        assert!(mem[..16].iter().chain(&mem[16 + len..]).all(|&b| b == 0xEE));
+        let at = GUARD + SKIP;
+        assert!(mem[at..at + len] == want[..], "read data ({dg:?})");
+        assert!(
+            mem[..at].iter().chain(&mem[at + len..]).all(|&b| b == 0xEE),
+            "bytes outside the command's part of the request changed ({dg:?})"
+        );
         let (direct, copied) = (
             q.rx_direct.load(Ordering::Relaxed),
             q.rx_copied.load(Ordering::Relaxed),
@@ -346,7 +368,7 @@ fn pdus_arriving_in_fragments_are_parsed_across_wake_ups() {
         }
         q.shutdown();
         q.join(Duration::from_secs(10));
-        assert!(q.finished.load(Ordering::Acquire));
+        assert!(q.closed_done.load(Ordering::Acquire));
     }
 }
 
@@ -369,7 +391,7 @@ fn fabric_threads() -> (usize, usize) {
 #[test]
 fn many_queues_share_a_few_reactor_threads() {
     let n = 12;
-    let addr = fragmenting_controller(n, 1);
+    let addr = fragmenting_controller(n, 1, None);
     let queues: Vec<_> = (0..n)
         .map(|_| {
             QueueConn::open(
@@ -402,6 +424,111 @@ fn many_queues_share_a_few_reactor_threads() {
     }
     for q in &queues {
         q.join(Duration::from_secs(10));
-        assert!(q.finished.load(Ordering::Acquire), "a queue was not closed");
+        assert!(
+            q.closed_done.load(Ordering::Acquire),
+            "a queue was not closed"
+        );
+    }
+}
+
+/// A queue closed while a C2HData PDU is half received fails its command once, and what
+/// had arrived stays within the command's part of the request.
+#[test]
+fn a_queue_closed_mid_pdu_fails_its_command_once() {
+    // The header and 10,000 of 65,536 data bytes.
+    let addr = fragmenting_controller(1, 1, Some(pdu::DATA_HLEN + 10_000));
+    let (q, _) = QueueConn::open(
+        addr,
+        params(1, Digests::NONE),
+        &connect_data(1),
+        1,
+        Weak::<Owner>::new(),
+    )
+    .unwrap();
+    let len = 64 << 10;
+    let done = Arc::new(Done::default());
+    let (io, mem) = read_cmd(len, done.clone());
+    q.submit(io).map_err(|_| "queue closed").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while q.rx_direct.load(Ordering::Relaxed) + q.rx_copied.load(Ordering::Relaxed) < 10_000
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(
+        q.rx_direct.load(Ordering::Relaxed) + q.rx_copied.load(Ordering::Relaxed),
+        10_000
+    );
+    assert!(
+        done.0.lock().unwrap().is_empty(),
+        "completed on half its data"
+    );
+    q.shutdown();
+    q.join(Duration::from_secs(10));
+    assert!(q.closed_done.load(Ordering::Acquire));
+    assert_eq!(*done.0.lock().unwrap(), [Err(IoError::PathLost)]);
+    assert!(
+        !q.rx.lock().unwrap().in_pdu_data(),
+        "the closed queue still holds the request"
+    );
+    let at = GUARD + SKIP;
+    let want: Vec<u8> = (0..10_000).map(|i| byte(0x02, i)).collect();
+    assert!(mem[at..at + 10_000] == want[..]);
+    assert!(mem[..at]
+        .iter()
+        .chain(&mem[at + 10_000..])
+        .all(|&b| b == 0xEE));
+}
+
+/// Completes by panicking, as a bug in code above the fabric would.
+struct Panics;
+impl crate::volume::IoCompletion for Panics {
+    fn complete(&self, _: u64, _: crate::volume::IoResult) {
+        panic!("a completion panicked (on purpose)");
+    }
+}
+
+/// A completion that panics costs its own queue, not the other queues its reactor serves.
+#[test]
+fn a_panicking_completion_costs_only_its_queue() {
+    // Two queues on the same reactor (there are at most MAX_DEFAULT_REACTORS).
+    let n = MAX_DEFAULT_REACTORS + 1;
+    let addr = fragmenting_controller(n, 1, None);
+    let queues: Vec<_> = (0..n)
+        .map(|_| {
+            QueueConn::open(
+                addr,
+                params(1, Digests::NONE),
+                &connect_data(1),
+                1,
+                Weak::<Owner>::new(),
+            )
+            .unwrap()
+            .0
+        })
+        .collect();
+    let (a, b) = (0..n)
+        .flat_map(|i| (i + 1..n).map(move |j| (i, j)))
+        .find(|&(i, j)| queues[i].home.same_reactor(&queues[j].home))
+        .expect("two queues share a reactor");
+    let (qa, qb) = (&queues[a], &queues[b]);
+    let (io, _mem) = read_cmd(64 << 10, Arc::new(Panics));
+    qa.submit(io).map_err(|_| "queue closed").unwrap();
+    qa.join(Duration::from_secs(20));
+    assert!(
+        qa.closed_done.load(Ordering::Acquire),
+        "the queue survived its panic"
+    );
+    // The reactor goes on serving the other queue.
+    let w = identify(qb);
+    w.wait_until(Instant::now() + Duration::from_secs(20))
+        .expect("the other queue was answered")
+        .expect("succeeded");
+    assert!(!qb.is_dead());
+    for (i, q) in queues.iter().enumerate() {
+        if i != a && i != b {
+            identify(q);
+        }
+        q.shutdown();
     }
 }
