@@ -508,7 +508,7 @@ impl QueueConn {
     fn rx_data(&self, rx: &mut Rx, fd: RawFd, budget: &mut usize) -> Result<Step, Fatal> {
         let d = rx.data.as_mut().expect("data in progress");
         if d.left > 0 && rx.buf.buffer().is_empty() && !d.digest && *budget > 0 {
-            if let Some(got) = d.dest.read_direct(fd, d.at, d.left).map_err(Fatal::io)? {
+            if let Some((got, asked)) = d.dest.read_direct(fd, d.at, d.left).map_err(Fatal::io)? {
                 if got == 0 {
                     return Ok(Step::Blocked);
                 }
@@ -516,7 +516,13 @@ impl QueueConn {
                 d.at += got;
                 d.left -= got;
                 *budget = budget.saturating_sub(got);
-                return Ok(Step::Progress);
+                // Less than asked for: the socket is empty, so wait for the rest rather than
+                // spend a read on EAGAIN (a long PDU arrives in pieces on loopback).
+                return Ok(if got < asked && d.left > 0 {
+                    Step::Blocked
+                } else {
+                    Step::Progress
+                });
             }
         }
         self.rx_data_buffered(rx)
@@ -616,9 +622,15 @@ impl Dest {
     }
 
     /// Read up to `left` bytes of the command's data from offset `at` straight into the
-    /// request's segments (one segment's worth at most). `None`: this destination is not
-    /// read into directly; `Some(0)`: the socket has nothing now.
-    fn read_direct(&self, fd: RawFd, at: usize, left: usize) -> std::io::Result<Option<usize>> {
+    /// request's segments (one segment's worth at most): how many came, of how many asked
+    /// for. `None`: this destination is not read into directly; 0 came: the socket has
+    /// nothing now.
+    fn read_direct(
+        &self,
+        fd: RawFd,
+        at: usize,
+        left: usize,
+    ) -> std::io::Result<Option<(usize, usize)>> {
         let Dest::Segs(parent, base) = self else {
             return Ok(None);
         };
@@ -636,7 +648,7 @@ impl Dest {
                 // the file backend: no Rust reference covers guest memory).
                 let got = unsafe { libc::read(fd, s.as_ptr().add(skip).cast(), k) };
                 if got > 0 {
-                    return Ok(Some(got as usize));
+                    return Ok(Some((got as usize, k)));
                 }
                 if got == 0 {
                     return Err(std::io::ErrorKind::UnexpectedEof.into());
@@ -644,7 +656,7 @@ impl Dest {
                 let e = std::io::Error::last_os_error();
                 match e.kind() {
                     std::io::ErrorKind::Interrupted => continue,
-                    std::io::ErrorKind::WouldBlock => return Ok(Some(0)),
+                    std::io::ErrorKind::WouldBlock => return Ok(Some((0, k))),
                     _ => return Err(e),
                 }
             }
