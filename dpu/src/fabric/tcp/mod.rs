@@ -485,6 +485,10 @@ impl QueueConn {
     /// The reactor's part when the connection failed: tell the controller why where that
     /// makes sense (§3.6.2.4), forget the queue and hand its commands back.
     fn close(&self, fatal: Fatal) {
+        // Once only (a second call comes only after a panic in the first).
+        if self.finished.swap(true, Ordering::AcqRel) {
+            return;
+        }
         if let Some((fes, fei, hdr)) = &fatal.term {
             if !self.is_dead() {
                 // Best effort: if the socket does not take it now it is not sent.
@@ -495,9 +499,6 @@ impl QueueConn {
                 drop(tx);
                 self.send_pending(false);
             }
-        }
-        if self.finished.swap(true, Ordering::AcqRel) {
-            return;
         }
         self.home.remove(self);
         // The receive state may hold a command's parent (a C2HData half received): let it go.
