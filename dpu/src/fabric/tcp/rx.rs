@@ -106,18 +106,11 @@ impl QueueConn {
             }
             match rx.buf.fill(fd).map_err(Fatal::io)? {
                 Fill::Blocked => return Ok(()),
-                Fill::Got { n, short } => {
-                    budget = budget.saturating_sub(n);
-                    // A short read emptied the socket: parse what came, then wait for the
-                    // next readiness rather than spend a read on EAGAIN.
-                    if short {
-                        while let Step::Progress = match rx.data.is_some() {
-                            false => self.rx_header(rx)?,
-                            true => self.rx_data_buffered(rx)?,
-                        } {}
-                        return Ok(());
-                    }
-                }
+                // A short read emptied the socket: parse what came (no budget: no more reads,
+                // not even straight into a request), then wait for the next readiness rather
+                // than spend a read on EAGAIN.
+                Fill::Got { short: true, .. } => budget = 0,
+                Fill::Got { n, .. } => budget = budget.saturating_sub(n),
             }
         }
     }

@@ -245,6 +245,21 @@ fn connect_data(cntlid: u16) -> ConnectData {
     }
 }
 
+/// Open queue `qid` to `addr` (an I/O queue names controller 1; the admin queue asks for a
+/// dynamic one), owned by nobody: closing fails its commands with PathLost.
+fn open(addr: SocketAddr, qid: u16, dg: Digests) -> Arc<QueueConn> {
+    let cntlid = if qid == 0 { CNTLID_DYNAMIC } else { 1 };
+    QueueConn::open(
+        addr,
+        params(qid, dg),
+        &connect_data(cntlid),
+        1,
+        Weak::<Owner>::new(),
+    )
+    .unwrap()
+    .0
+}
+
 fn identify(q: &QueueConn) -> Arc<AdminWait> {
     let wait = AdminWait::with_buf(vec![0u8; 4096]);
     let mut sqe = Command::decode(&[0u8; 64]);
@@ -319,14 +334,7 @@ fn pdus_arriving_in_fragments_are_parsed_across_wake_ups() {
         },
     ] {
         let addr = fragmenting_controller(1, 2, None);
-        let (q, _) = QueueConn::open(
-            addr,
-            params(1, dg),
-            &connect_data(1),
-            1,
-            Weak::<Owner>::new(),
-        )
-        .unwrap();
+        let q = open(addr, 1, dg);
         let admin = identify(&q);
         let len = 64 << 10;
         let done = Arc::new(Done::default());
@@ -392,19 +400,7 @@ fn fabric_threads() -> (usize, usize) {
 fn many_queues_share_a_few_reactor_threads() {
     let n = 12;
     let addr = fragmenting_controller(n, 1, None);
-    let queues: Vec<_> = (0..n)
-        .map(|_| {
-            QueueConn::open(
-                addr,
-                params(0, Digests::NONE),
-                &connect_data(CNTLID_DYNAMIC),
-                1,
-                Weak::<Owner>::new(),
-            )
-            .unwrap()
-            .0
-        })
-        .collect();
+    let queues: Vec<_> = (0..n).map(|_| open(addr, 0, Digests::NONE)).collect();
     let (reactors, per_queue) = fabric_threads();
     assert_eq!(per_queue, 0, "a queue has a thread of its own");
     assert!(
@@ -437,14 +433,7 @@ fn many_queues_share_a_few_reactor_threads() {
 fn a_queue_closed_mid_pdu_fails_its_command_once() {
     // The header and 10,000 of 65,536 data bytes.
     let addr = fragmenting_controller(1, 1, Some(pdu::DATA_HLEN + 10_000));
-    let (q, _) = QueueConn::open(
-        addr,
-        params(1, Digests::NONE),
-        &connect_data(1),
-        1,
-        Weak::<Owner>::new(),
-    )
-    .unwrap();
+    let q = open(addr, 1, Digests::NONE);
     let len = 64 << 10;
     let done = Arc::new(Done::default());
     let (io, mem) = read_cmd(len, done.clone());
@@ -494,19 +483,7 @@ fn a_panicking_completion_costs_only_its_queue() {
     // Two queues on the same reactor (there are at most MAX_DEFAULT_REACTORS).
     let n = MAX_DEFAULT_REACTORS + 1;
     let addr = fragmenting_controller(n, 1, None);
-    let queues: Vec<_> = (0..n)
-        .map(|_| {
-            QueueConn::open(
-                addr,
-                params(1, Digests::NONE),
-                &connect_data(1),
-                1,
-                Weak::<Owner>::new(),
-            )
-            .unwrap()
-            .0
-        })
-        .collect();
+    let queues: Vec<_> = (0..n).map(|_| open(addr, 1, Digests::NONE)).collect();
     let (a, b) = (0..n)
         .flat_map(|i| (i + 1..n).map(move |j| (i, j)))
         .find(|&(i, j)| queues[i].home.same_reactor(&queues[j].home))
