@@ -320,3 +320,72 @@ fn disk_check_reads_the_default_disk_through_both_frontends() {
         text(&out.stderr)
     );
 }
+
+/// The man pages and completions the Debian packages install (scripts/package) come from the
+/// hidden `generate-docs` of nacre (nacre's and nacred's) and nacre-host: a page per command
+/// and subcommand, nacred's in section 8, three shells; the subcommand stays out of help.
+#[test]
+fn generate_docs_writes_every_page_and_completion_and_stays_hidden() {
+    let dir = tempfile::tempdir().unwrap();
+    for program in ["nacre", "nacre-host"] {
+        let out = std::process::Command::new(bin(program))
+            .args(["generate-docs", "--out"])
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{program} generate-docs: {}",
+            text(&out.stderr)
+        );
+        let help = std::process::Command::new(bin(program))
+            .arg("--help")
+            .output()
+            .unwrap();
+        assert!(
+            !text(&help.stdout).contains("generate-docs"),
+            "{program} --help shows the packaging subcommand"
+        );
+    }
+    let man = dir.path().join("man");
+    for page in [
+        "nacre.1",
+        "nacre-volume.1",
+        "nacre-volume-create.1",
+        "nacre-vhost-blk-create.1",
+        "nacre-nvmf-add-listener.1",
+        "nacre-tenant-policy-set.1",
+        "nacred.8",
+        "nacre-host.1",
+        "nacre-host-image-build.1",
+    ] {
+        let p = man.join(page);
+        let body = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        assert!(
+            body.starts_with(".ie"),
+            "{page} is not a roff page: {body:.80}"
+        );
+    }
+    let nacred = std::fs::read_to_string(man.join("nacred.8")).unwrap();
+    assert!(nacred.contains("state\\-dir") && nacred.contains("/var/lib/nacre"));
+    let pages = std::fs::read_dir(&man).unwrap().count();
+    assert!(pages > 60, "only {pages} man pages");
+    for program in ["nacre", "nacred", "nacre-host"] {
+        for rel in [
+            format!("bash/{program}"),
+            format!("zsh/_{program}"),
+            format!("fish/{program}.fish"),
+        ] {
+            let p = dir.path().join("completions").join(rel);
+            let body =
+                std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            assert!(
+                body.contains(program),
+                "{} does not name {program}",
+                p.display()
+            );
+        }
+    }
+    let bash = std::fs::read_to_string(dir.path().join("completions/bash/nacre")).unwrap();
+    assert!(bash.contains("vhost-blk") && !bash.contains("generate-docs"));
+}

@@ -1,7 +1,7 @@
 //! The emulated BlueField: the product's topology, host ↔ DPU, in two QEMU guests.
 //!
-//! `images/dpu/build` builds the DPU image (Debian's arm64 kernel, a busybox initramfs with the
-//! aarch64 nacred, boot arguments) into a BFB; `scripts/testbed-arm64` boots that BFB's own
+//! `images/dpu/build` builds the DPU image (Debian's arm64 kernel, a busybox initramfs with
+//! nacred and nacre from nacre's arm64 Debian package, boot arguments) into a BFB; `scripts/testbed-arm64` boots that BFB's own
 //! images in qemu-system-aarch64 (-M virt -cpu cortex-a72, TCG), where /init starts nacred with
 //! the embedded default on 192.0.2.2:4420. The x86 test-bed guest — the diskless host — shares a
 //! QEMU socket network with it (127.0.0.1 only), runs `nvme connect`, sees nacre in `nvme list`,
@@ -172,6 +172,60 @@ fn diskless_host_reaches_nacred_on_the_emulated_bluefield() {
         assert!(
             line.ends_with(package),
             "{file} is not from {package}: {line}"
+        );
+    }
+
+    // One way in: the image's nacred and nacre are those of the arm64 Debian package, built
+    // beside the BFB by scripts/package, whose control data must name arm64 and the libraries
+    // the binaries load.
+    let deb = std::fs::read_dir(Path::new(&bfb).parent().unwrap())
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| {
+            let n = p.file_name().unwrap().to_string_lossy();
+            n.starts_with("nacre_") && n.ends_with("_arm64.deb")
+        })
+        .unwrap_or_else(|| panic!("images/dpu/build left no nacre_*_arm64.deb beside {bfb}"));
+    let info = Command::new("dpkg-deb")
+        .arg("-I")
+        .arg(&deb)
+        .output()
+        .expect("dpkg-deb");
+    assert!(
+        info.status.success(),
+        "dpkg-deb -I {}: {}",
+        deb.display(),
+        String::from_utf8_lossy(&info.stderr)
+    );
+    let info = String::from_utf8_lossy(&info.stdout);
+    let field = |name: &str| {
+        info.lines()
+            .find_map(|l| {
+                l.trim()
+                    .strip_prefix(&format!("{name}: "))
+                    .map(str::to_string)
+            })
+            .unwrap_or_else(|| panic!("{} has no {name} field:\n{info}", deb.display()))
+    };
+    assert_eq!(field("Architecture"), "arm64", "{}:\n{info}", deb.display());
+    let depends = field("Depends");
+    for lib in ["libc6 ", "libgcc-s1 ", "libibverbs1 ", "librdmacm1 "] {
+        assert!(
+            depends.split(", ").any(|d| d.starts_with(lib)),
+            "{}'s Depends lacks {}: {depends}",
+            deb.display(),
+            lib.trim()
+        );
+    }
+    let deb_name = deb.file_name().unwrap().to_string_lossy().into_owned();
+    for file in ["/usr/sbin/nacred", "/usr/bin/nacre"] {
+        let line = manifest
+            .lines()
+            .find(|l| l.split(' ').next() == Some(file))
+            .unwrap_or_else(|| panic!("the DPU image lacks {file}:\n{manifest}"));
+        assert!(
+            line.ends_with(&format!("deb:{deb_name}")),
+            "{file} is not from {deb_name}: {line}"
         );
     }
 

@@ -8,6 +8,7 @@ mod agent;
 mod channel;
 mod cuda;
 mod devices;
+mod generate_docs;
 mod gpus;
 mod image;
 mod pair;
@@ -89,6 +90,9 @@ pub enum Command {
     /// DPU images (BlueField boot streams): build, inspect, verify, extract, flash over rshim.
     #[command(subcommand)]
     Image(image::ImageCmd),
+    /// Write the man pages and shell completions (packaging; scripts/package).
+    #[command(name = "generate-docs", hide = true)]
+    GenerateDocs(generate_docs::Args),
 }
 
 fn main() -> ExitCode {
@@ -117,6 +121,7 @@ fn main() -> ExitCode {
         Command::Pair(a) => pair::run(&g, a),
         Command::Agent(a) => agent::run(&g, a),
         Command::Image(cmd) => return ExitCode::from(image::run(cmd, g.json) as u8),
+        Command::GenerateDocs(a) => generate_docs::run(a),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,11 +1,40 @@
 //! nacre: the operator CLI for nacred.
 
+#[path = "nacre/generate_docs.rs"]
+mod generate_docs;
+#[path = "nacred/args.rs"]
+#[allow(dead_code)] // only its clap definition is read here (nacred's man page, completions)
+mod nacred_args;
+
+use std::path::PathBuf;
+
 use clap::error::ErrorKind;
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
+
+/// What the command line asks for.
+enum Request {
+    Run(nacre_dpu::cli::Cli),
+    GenerateDocs(PathBuf),
+}
+
+fn parse() -> Result<Request, clap::Error> {
+    let m = nacre_dpu::cli::Cli::command()
+        .subcommand(generate_docs::command())
+        .try_get_matches()?;
+    match m.subcommand() {
+        Some((generate_docs::NAME, sub)) => Ok(Request::GenerateDocs(
+            sub.get_one::<PathBuf>("out")
+                .cloned()
+                .expect("clap requires --out"),
+        )),
+        _ => nacre_dpu::cli::Cli::from_arg_matches(&m).map(Request::Run),
+    }
+}
 
 fn main() {
-    let cli = match nacre_dpu::cli::Cli::try_parse() {
-        Ok(cli) => cli,
+    let result = match parse() {
+        Ok(Request::Run(cli)) => nacre_dpu::cli::run(cli),
+        Ok(Request::GenerateDocs(out)) => generate_docs::run(&out),
         Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {
             e.exit()
         }
@@ -15,7 +44,7 @@ fn main() {
             std::process::exit(2);
         }
     };
-    if let Err(e) = nacre_dpu::cli::run(cli) {
+    if let Err(e) = result {
         eprintln!("nacre: error: {}", one_line(&e));
         std::process::exit(1);
     }

@@ -1,15 +1,18 @@
 //! nacred: the nacre DPU daemon.
 
+#[path = "nacred/args.rs"]
+mod args;
+
 use std::io::IsTerminal;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 
 use anyhow::Context;
+use args::{Args, MetricsListen, DEFAULT_METRICS_LISTEN};
 use clap::Parser;
 use nacre_dpu::config;
 use nacre_dpu::control::host_channel::HostListener;
 use nacre_dpu::control::{server::RpcServer, Daemon, DaemonConfig};
-use nacre_dpu::frontend::nvmf_tcp::{self, ConnLimits, PollPolicy};
+use nacre_dpu::frontend::nvmf_tcp::{self, ConnLimits};
 use nacre_shared::api::vhost::VhostBlkCreate;
 use nacre_shared::api::volume::{BackendKind, VolumeCreate};
 use nacre_shared::size::format_size;
@@ -24,136 +27,6 @@ use tracing::{info, warn};
 /// (`fabric-bench`, README); the target alone, whose buffers are pooled, did not move.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-const EXAMPLES: &str = "\
-Examples:
-  # Start with the embedded default: a 1 GiB file volume \"default\" served over
-  # vhost-user-blk on /run/nacre/vhost-default.sock (state in /var/lib/nacre).
-  nacred
-
-  # Keep everything under one directory, as the tests do.
-  nacred --state-dir /tmp/nacre/state --run-dir /tmp/nacre/run
-
-  # Then drive it with the CLI:
-  nacre volume create scratch --size 4G --backend ram
-  nacre vhost-blk create scratch0 --volume scratch --queues 4
-
-nacred replays its state directory on start: volumes, devices and their sockets come back
-as they were, so a VM whose vhost-user-blk backend restarted reconnects and finds its data.
-Stop it with SIGTERM or SIGINT.";
-
-/// Where `/metrics` is served unless `--metrics-listen` says otherwise (loopback only).
-const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9444";
-
-/// `--metrics-listen`: an address, or `off` (None).
-#[derive(Debug, Clone, Copy)]
-struct MetricsListen(Option<SocketAddr>);
-
-/// A count that must be at least 1 (0 would refuse every host, silently).
-fn at_least_one(s: &str) -> Result<usize, String> {
-    match s.parse::<usize>() {
-        Ok(0) => Err("must be at least 1".into()),
-        Ok(n) => Ok(n),
-        Err(e) => Err(e.to_string()),
-    }
-}
-
-fn parse_metrics_listen(s: &str) -> Result<MetricsListen, String> {
-    if s == "off" {
-        return Ok(MetricsListen(None));
-    }
-    s.parse()
-        .map(|a| MetricsListen(Some(a)))
-        .map_err(|e| format!("{e}: expected ADDR:PORT (e.g. 127.0.0.1:9444) or off"))
-}
-
-/// nacre's DPU daemon: serves encrypted, per-tenant volumes to hosts as vhost-user-blk
-/// devices (and NVMe-oF), driven over a JSON-RPC socket by the `nacre` CLI.
-#[derive(Parser, Debug)]
-#[command(name = "nacred", version, after_help = EXAMPLES)]
-struct Args {
-    /// Persistent state: state.json, file volumes, wrapped keys (mode 0700).
-    #[arg(long, env = config::ENV_STATE_DIR, default_value = config::DEFAULT_STATE_DIR)]
-    state_dir: PathBuf,
-
-    /// Sockets: the RPC socket and vhost-user sockets.
-    #[arg(long, env = config::ENV_RUN_DIR, default_value = config::DEFAULT_RUN_DIR)]
-    run_dir: PathBuf,
-
-    /// RPC socket path [default: <run-dir>/nacred.sock].
-    #[arg(long, env = config::ENV_RPC)]
-    rpc: Option<PathBuf>,
-
-    /// Do not create the embedded default volume and device on a fresh state directory.
-    #[arg(long)]
-    no_default: bool,
-
-    /// Where the embedded default's NVMe/TCP subsystem listens (port 0: any free port).
-    #[arg(long, env = "NACRE_NVMF_LISTEN", default_value = "127.0.0.1:4420")]
-    nvmf_listen: SocketAddr,
-
-    /// Listen for host agents (nacre-host) on this TCP address, mutual TLS only (see
-    /// `nacre cert`); on a BlueField, the tmfifo or OOB address. Default: off.
-    #[arg(long, env = "NACRE_HOST_LISTEN")]
-    host_listen: Option<SocketAddr>,
-
-    /// The host channel's certificates (`nacre cert init`) [default: <state-dir>/tls].
-    #[arg(long, env = "NACRE_HOST_TLS_DIR")]
-    host_tls_dir: Option<PathBuf>,
-
-    /// NVMe/TCP: connections one listener serves at once; more are closed on accept.
-    #[arg(long, env = "NACRE_NVMF_MAX_CONNECTIONS", default_value_t = ConnLimits::DEFAULT.per_listener)]
-    nvmf_max_connections: usize,
-
-    /// NVMe/TCP: connections of one listener not yet past Fabrics Connect (at least 1); a new
-    /// one beyond this closes the oldest such connection.
-    #[arg(long, env = "NACRE_NVMF_MAX_SETUP_CONNECTIONS", default_value_t = ConnLimits::DEFAULT.setup_per_listener,
-          value_parser = at_least_one)]
-    nvmf_max_setup_connections: usize,
-
-    /// NVMe/TCP: queues (admin and I/O) one host NQN may hold; a Connect beyond it fails
-    /// with Connect Controller Busy.
-    #[arg(long, env = "NACRE_NVMF_MAX_CONNECTIONS_PER_HOST", default_value_t = ConnLimits::DEFAULT.per_host)]
-    nvmf_max_connections_per_host: usize,
-
-    /// NVMe/TCP: threads serving the target's connections, each many of them through epoll
-    /// (busy-polling briefly after work, then sleeping). 0: one per core, at most 4.
-    #[arg(long, env = "NACRE_NVMF_REACTORS", default_value_t = 0)]
-    nvmf_reactors: usize,
-
-    /// Remote storage over NVMe/TCP: threads serving the initiator's queues (every queue of
-    /// every remote controller), each many of them through epoll, sleeping when idle; the
-    /// thread that submits a command sends it. Reads of encrypted volumes are decrypted on
-    /// these threads: on a DPU with many cores and fast shelves, give more. 0: one per core,
-    /// at most 4.
-    #[arg(long, env = "NACRE_FABRIC_REACTORS", default_value_t = 0)]
-    fabric_reactors: usize,
-
-    /// NVMe/TCP: when a reactor busy-polls after work rather than sleeping in epoll_wait.
-    /// `adaptive`: poll (up to 50 µs) for hosts that wait on each reply (QD1, QD2), sleep at
-    /// once for hosts that keep 8 or more commands in flight, whose throughput a wake-up
-    /// does not cost; `always`: poll at any depth (lowest latency, a core kept busy while
-    /// hosts are); `off`: never poll. `nacre nvmf stats` shows what the reactors did.
-    #[arg(long, env = "NACRE_NVMF_POLL", value_enum, default_value_t = PollPolicy::Adaptive)]
-    nvmf_poll: PollPolicy,
-
-    /// Serve Prometheus metrics on http://ADDR/metrics (port 0: any free one; `nacre rpc
-    /// metrics_endpoint` tells which), or `off`. Keep it on loopback. When the default port is
-    /// taken (a second nacred on this machine) nacred warns and runs without the endpoint; an
-    /// address given explicitly must bind.
-    #[arg(long, env = "NACRE_METRICS_LISTEN", default_value = DEFAULT_METRICS_LISTEN,
-          value_parser = parse_metrics_listen)]
-    metrics_listen: MetricsListen,
-
-    /// Serve volumes without the QoS and statistics layer (limits are kept, not enforced):
-    /// the baseline of scripts/bench-qos.
-    #[arg(long)]
-    no_qos: bool,
-
-    /// Log filter (tracing's EnvFilter syntax), e.g. info, debug, nacre_dpu=trace.
-    #[arg(long, env = "NACRE_LOG", default_value = "info")]
-    log: String,
-}
 
 /// Every vhost-user connection holds a kick and a call eventfd per queue and a memory-table fd
 /// per region, and every NVMe-oF queue a socket: a DPU serving many VMs and hosts outgrows the
