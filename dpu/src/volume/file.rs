@@ -478,31 +478,37 @@ mod test {
         }
     }
 
-    /// O_DIRECT volumes (where the file system allows them) submit aligned reads and writes
-    /// through io_uring and complete them asynchronously from the reaper thread; more
-    /// requests than the ring holds fall back to the synchronous path; data is exact.
-    #[test]
-    fn direct_io_goes_through_io_uring_with_async_completion() {
-        // The temporary directory is often tmpfs, which stays buffered by design; the target
-        // directory (beside this crate) is on the disk the build runs on.
+    /// A file volume that really is O_DIRECT, on the first of the temporary directory,
+    /// /var/tmp and the build's target directory whose file system takes O_DIRECT (the
+    /// temporary directory is often tmpfs, which stays buffered by design). Fails, saying so,
+    /// where none does: the tests that use it would otherwise test the buffered path.
+    fn direct_volume(size: u64, block_size: u32) -> (tempfile::TempDir, FileVolume) {
         let candidates = [
             std::env::temp_dir(),
             std::path::PathBuf::from("/var/tmp"),
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"),
         ];
-        let (_dir, v) = candidates
+        candidates
             .iter()
             .filter_map(|c| tempfile::tempdir_in(c).ok())
             .find_map(|dir| {
-                let v = FileVolume::open(&dir.path().join("u.img"), 8 << 20, 4096, true).ok()?;
+                let v = FileVolume::open(&dir.path().join("v.img"), size, block_size, true).ok()?;
                 v.is_direct().then_some((dir, v))
             })
             .unwrap_or_else(|| {
                 panic!(
                     "no file system among {candidates:?} takes O_DIRECT file volumes: \
-                     the io_uring path cannot be tested here"
+                     the O_DIRECT paths cannot be tested here"
                 )
-            });
+            })
+    }
+
+    /// O_DIRECT volumes (where the file system allows them) submit aligned reads and writes
+    /// through io_uring and complete them asynchronously from the reaper thread; more
+    /// requests than the ring holds fall back to the synchronous path; data is exact.
+    #[test]
+    fn direct_io_goes_through_io_uring_with_async_completion() {
+        let (_dir, v) = direct_volume(8 << 20, 4096);
         assert!(v.uses_uring(), "O_DIRECT volume without io_uring");
         let n = super::super::uring::DEPTH as usize + 64;
         let mut mem = Aligned::new(n * 4096);
@@ -577,8 +583,7 @@ mod test {
     /// it should.
     #[test]
     fn long_unaligned_direct_requests_bounce_in_chunks() {
-        let dir = tempfile::tempdir().unwrap();
-        let v = FileVolume::open(&dir.path().join("v.img"), 8 << 20, 512, true).unwrap();
+        let (dir, v) = direct_volume(8 << 20, 512);
         let len = 3 * BOUNCE_CHUNK + BOUNCE_CHUNK / 2 + 512;
         let mut pat = vec![0u8; len + 1];
         for (i, b) in pat.iter_mut().enumerate() {
