@@ -10,17 +10,19 @@ use nacre_tests::daemon::bin;
 use nacre_tests::testbed::repo_root;
 use serde_json::Value;
 
-fn python() -> bool {
-    if Command::new("python3")
+/// python3 runs the independent reader; without it these tests fail, saying so
+/// (`scripts/setup --test` installs it).
+fn require_python() {
+    let ok = Command::new("python3")
         .arg("-c")
         .arg("import zlib, struct")
         .output()
-        .is_ok_and(|o| o.status.success())
-    {
-        return true;
-    }
-    eprintln!("SKIPPED: python3 is not installed; the independent BFB reader cannot run");
-    false
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        ok,
+        "python3 (with zlib and struct) is missing: the independent BFB reader \
+         scripts/bfb-reader.py cannot run (scripts/setup --test installs python3)"
+    );
 }
 
 fn reader(args: &[&str]) -> Output {
@@ -105,9 +107,7 @@ fn build(i: &Inputs, out: &Path, base: Option<&Path>) {
 
 #[test]
 fn our_bundle_reads_the_same_in_the_independent_reader() {
-    if !python() {
-        return;
-    }
+    require_python();
     let i = inputs();
     let out = i.dir.path().join("nacre.bfb");
     build(&i, &out, None);
@@ -174,9 +174,7 @@ fn our_bundle_reads_the_same_in_the_independent_reader() {
 
 #[test]
 fn corruptions_are_one_line_errors_in_both_readers() {
-    if !python() {
-        return;
-    }
+    require_python();
     let i = inputs();
     let out = i.dir.path().join("nacre.bfb");
     build(&i, &out, None);
@@ -250,9 +248,7 @@ fn corruptions_are_one_line_errors_in_both_readers() {
 
 #[test]
 fn a_vendor_bundle_keeps_its_firmware_byte_for_byte() {
-    if !python() {
-        return;
-    }
+    require_python();
     let i = inputs();
     let d = i.dir.path();
     for (f, n) in [

@@ -1,4 +1,4 @@
-//! Following one request through nacred (issue 14): with `--log info,nacre::io=trace`, a
+//! Following one request through nacred: with `--log info,nacre::io=trace`, a
 //! write and a read of an encrypted remote volume served over vhost-user-blk can each be
 //! followed from the frontend through the QoS layer and the crypto layer to the NVMe/TCP
 //! command on the wire, and back from the controller's completion through decryption to

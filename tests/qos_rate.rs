@@ -6,7 +6,7 @@
 //!
 //! These are checks of configured rates (the property QoS promises), not performance
 //! assertions: a token bucket admits exactly `rate` per second as long as the client keeps
-//! requests waiting, so each window is long (≥ 2 s) and the tolerance is the 5%.
+//! requests waiting, so each window is long (≥ 2 s) and the tolerance is the goal's 5%.
 
 use std::time::{Duration, Instant};
 

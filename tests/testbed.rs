@@ -240,7 +240,7 @@ fn nvme_rdma_initiator_against_the_kernel_nvmet_rdma_target() {
     assert_eq!(out.fact("small_writes"), "8x4KiB");
     // 8 from the kernel host's 4 KiB writes, 256 from vhost-verify's (zero copy below).
     assert_eq!(out.fact("in_capsule_writes"), "264");
-    // Zero copy (issue 11 item 2): vhost-user-blk requests from libblkio, plain (2 MiB in
+    // Zero copy: vhost-user-blk requests from libblkio, plain (2 MiB in
     // 128 KiB requests, 1 MiB in 4 KiB ones, in the capsule) and encrypted (1 MiB): no byte
     // is copied through the queues' slot buffers, and every byte (written and read back)
     // moves straight between the target and guest memory or the ciphertext buffers.
@@ -253,7 +253,7 @@ fn nvme_rdma_initiator_against_the_kernel_nvmet_rdma_target() {
     assert!(regions >= 3, "regions registered: {regions}");
     assert_eq!(out.fact("zc_registrations"), out.fact("zc_regions"));
     // Counted in remote_list: at least the 4 + 1 MiB written and the 4 MiB read back, since
-    // every transfer is copied through the queues' registered buffers (issue 11: no zero copy).
+    // every transfer is copied through the queues' registered buffers (no zero copy there).
     let bounced: u64 = out.fact("bounce_copy_bytes").parse().expect("bytes");
     assert!(bounced >= 9 * MIB, "bounce copies counted: {bounced}");
     // A stripe over both RDMA-attached namespaces: each 128 KiB unit on the RAM disk the

@@ -10,7 +10,7 @@
 //!
 //! Rounds alternate between the three so a noisy host disturbs all alike; the best round of
 //! each is kept. It prints ns per request and the throughput ratio of each against `bare`:
-//! issue 14's end-to-end goal (scripts/bench-qos) is ≥ 0.95, so the layer may cost at most
+//! the end-to-end goal (scripts/bench-qos, docs/benchmarks.md) is ≥ 0.95, so the layer may cost at most
 //! about 5% of a request's whole path through nacred.
 //!
 //! Run: `cargo bench -p nacre-dpu --bench qos_layer` (ROUNDS, REQUESTS to change the size).

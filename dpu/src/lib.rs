@@ -1,9 +1,9 @@
 //! nacred's library: the data path and the control plane of the nacre DPU daemon.
 //!
 //! ```text
-//!  frontend ──▶ volume ──▶ crypto ──▶ (local backend | fabric initiator)
-//!  (vhost-user-blk,        (AES-XTS     (ram, file, null | NVMe-oF)
-//!   NVMe-oF target)         per tenant)
+//!  frontend ──▶ QoS, statistics ──▶ crypto ──▶ (local backend | stripe | fabric initiator)
+//!  (vhost-user-blk,  (volume::qos)    (AES-XTS     (ram, file, null | NVMe-oF over TCP
+//!   NVMe-oF target)                    per tenant)   or RDMA, multipath)
 //!                 control plane (JSON-RPC) creates, persists and wires them
 //! ```
 //!

@@ -6,5 +6,6 @@ pub mod fabric_support;
 pub mod fuzz;
 pub mod load;
 pub mod nvmf_host;
+pub mod skip;
 pub mod testbed;
 pub mod xts_oracle;

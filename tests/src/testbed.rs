@@ -36,13 +36,14 @@ pub fn script() -> PathBuf {
     repo_root().join("scripts/testbed")
 }
 
-/// Set to skip test-bed tests on a machine that cannot run QEMU (they print why and pass).
+/// Set to skip test-bed tests on a machine that cannot run QEMU (the README documents it;
+/// each skip is counted in the suite's summary, see [`crate::skip`]).
 pub const SKIP_ENV: &str = "NACRE_SKIP_TESTBED";
 
-/// True (and says so on stderr) when the caller asked to skip the test bed.
+/// True (and recorded as a skip) when the caller asked to skip the test bed.
 pub fn skipped(test: &str) -> bool {
-    if std::env::var_os(SKIP_ENV).is_some_and(|v| !v.is_empty() && v != "0") {
-        eprintln!("{test}: SKIPPED because {SKIP_ENV} is set");
+    if crate::skip::switch_on(SKIP_ENV) {
+        crate::skip::skip(test, &format!("{SKIP_ENV} is set"));
         return true;
     }
     false

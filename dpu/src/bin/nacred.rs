@@ -24,7 +24,7 @@ use tracing::{info, warn};
 /// it (an initiator's reactor); glibc returns such frees to the allocating thread's
 /// arena under that arena's lock, mimalloc through a lock-free per-page list. End to end
 /// through XTS and NVMe/TCP it measured 4-25% more IOPS per core in six alternations
-/// (`fabric-bench`, README); the target alone, whose buffers are pooled, did not move.
+/// (`fabric-bench`, docs/benchmarks.md); the target alone, whose buffers are pooled, did not move.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -116,7 +116,7 @@ impl Drop for Bounce {
 /// Idle bounce buffers for reuse. A buffer is taken where a request is submitted (the
 /// frontend's worker) and given back where it completes (the fabric's receive thread), so
 /// every take and give crosses threads: one lock-free queue per size class, where a mutex
-/// over one list was contended on every request (issue 9's end-to-end profile).
+/// over one list was contended on every request (the end-to-end profile in docs/benchmarks.md).
 struct BouncePool {
     classes: [ArrayQueue<Bounce>; POOL_CLASSES],
 }

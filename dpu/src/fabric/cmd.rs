@@ -165,7 +165,7 @@ impl Cmd {
 
     /// Where the command's data lies when it is one contiguous range of one of its request's
     /// segments: the memory a transport may hand its device directly instead of copying
-    /// (NVMe/RDMA, issue 11 item 2). `None` for data spread over several segments, data the
+    /// (NVMe/RDMA zero copy). `None` for data spread over several segments, data the
     /// initiator built, admin buffers, and commands without data.
     pub fn contiguous_data(&self) -> Option<*mut u8> {
         let Target::Io {

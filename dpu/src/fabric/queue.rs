@@ -3,9 +3,10 @@
 //! transport.
 //!
 //! A controller ([`super::Ctrl`]) only ever needs five things of a queue: put a command on
-//! it, ask how long its oldest command has waited (the I/O timeout), shut it down, wait for
-//! its threads, and — through [`QueueOwner`] — be told when it dies with the commands it
-//! had outstanding. Bring-up, keep-alive, reconnection, the `reconnect_delay`,
+//! it, ask how long its oldest command has waited (the I/O timeout), shut it down, wait
+//! until it has closed (an NVMe/TCP queue's reactor has let it go, an NVMe/RDMA queue's
+//! thread has ended), and — through [`QueueOwner`] — be told when it dies with the commands
+//! it had outstanding. Bring-up, keep-alive, reconnection, the `reconnect_delay`,
 //! `ctrl_loss_timeout` and `fast_io_fail_timeout` knobs, multipath and striping are all
 //! above this seam and so the same for NVMe/TCP ([`super::tcp`]) and NVMe/RDMA
 //! ([`super::rdma`]).
@@ -122,7 +123,8 @@ pub trait FabricQueue: Send + Sync + fmt::Debug {
     /// Close the connection at once (never waits on the peer); outstanding commands go to
     /// the owner.
     fn shutdown(&self);
-    /// Wait, bounded, for the queue's threads to end after [`FabricQueue::shutdown`].
+    /// Wait, bounded, until the queue has closed after [`FabricQueue::shutdown`] (no thread
+    /// touches it any more).
     fn join(&self, timeout: Duration);
     /// Bytes of command data copied between a request's memory and transport-owned
     /// registered memory (NVMe/RDMA's slot buffers); 0 for a transport that has none.

@@ -1,5 +1,5 @@
 //! Memory a device may reach directly: regions a frontend announces so that a transport
-//! below the volumes can move request data without a bounce copy (issue 11 item 2).
+//! below the volumes can move request data without a bounce copy (zero copy over NVMe/RDMA).
 //!
 //! The vhost-user-blk frontend maps its driver's memory table and announces each region
 //! here ([`register`]) for as long as the mapping is in use. A transport that needs memory

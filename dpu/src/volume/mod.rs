@@ -4,10 +4,11 @@
 //! [`BlockDevice`]; every layer below (crypto, stripe, remote fabric, local backends)
 //! implements it. Submission is asynchronous: `submit` hands the request over together with
 //! an [`IoCompletion`] and returns; the device calls [`IoCompletion::complete`] exactly once,
-//! either before `submit` returns (local backends: RAM, file, null complete inline, so a frontend
-//! pays no thread hop) or later from another thread (remote backends). No lock is held across
-//! I/O: local backends take none on the data path, and frontends must not hold their queue
-//! lock while calling `submit` if they want asynchronous devices to make progress.
+//! either before `submit` returns (RAM, null and buffered file I/O complete inline, so a
+//! frontend pays no thread hop) or later from another thread (O_DIRECT file I/O from the
+//! volume's io_uring reaper, remote backends from the initiator's threads). No lock is held
+//! across I/O: local backends take none on the data path, and frontends must not hold their
+//! queue lock while calling `submit` if they want asynchronous devices to make progress.
 //!
 //! Memory is described by [`Segment`]s: raw pointer/length pairs, because the bytes live in
 //! guest memory mapped from a vhost-user client or in a frontend's receive buffer, neither of

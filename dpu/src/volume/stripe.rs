@@ -10,7 +10,9 @@
 //! A request is split at stripe-unit boundaries into child requests, each over a slice of
 //! the parent's segments; the parent completes once, after every child completed, with the
 //! first error any child reported. Flush goes to every extent. Children complete in any
-//! order and on any thread (inline for local extents, from reader threads for remote ones).
+//! order and on any thread (inline for RAM, null and buffered file extents, from the io_uring
+//! reaper for O_DIRECT ones, from the initiator's reactor or completion threads for remote
+//! ones).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

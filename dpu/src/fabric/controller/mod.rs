@@ -219,7 +219,7 @@ pub struct ControllerStatus {
     pub held: usize,
     pub fail_fast: bool,
     /// Bytes of I/O data copied through transport buffers (NVMe/RDMA's registered slot
-    /// buffers), over every session: what zero copy would save (issue 11).
+    /// buffers), over every session: what zero copy would save.
     pub bounce_copy_bytes: u64,
     /// Bytes of I/O data the device moved straight from or into the requests' memory, over
     /// every session (the zero-copy path).
@@ -295,8 +295,8 @@ impl Session {
     /// a thread (its submitter number modulo the queue count). One frontend queue is served
     /// by one thread, so its commands stay on one fabric queue: they gather in one send
     /// buffer and leave in fewer writes, and frontend threads on different cores do not
-    /// contend for one connection's locks. (Issue 9: commands were spread round-robin, so
-    /// every frontend queue touched every connection.) The price: one frontend queue gets
+    /// contend for one connection's locks. (Spreading commands round-robin, as before, had
+    /// every frontend queue touch every connection.) The price: one frontend queue gets
     /// at most one fabric queue's depth in flight; more waits in that queue's overflow list.
     fn pick(&self) -> &Queue {
         &self.io[submitter_index() % self.io.len()]
@@ -360,7 +360,7 @@ pub struct Ctrl {
     /// The live session, published for the I/O submit path: `Some(s)` exactly while
     /// `st.phase == Live` and `st.session == Some(s)` (both are only changed together, under
     /// `st`'s lock, by [`Ctrl::publish`]). A submitter reads it without taking `st`'s mutex,
-    /// which every I/O used to take (issue 9: a controller-wide lock per command). Reading a
+    /// which every I/O used to take (a controller-wide lock per command). Reading a
     /// session here is what reading it under the lock and then dropping the lock was: the
     /// session may be lost right after, and then its queue either refuses the command or
     /// hands it back through `queue_closed`, exactly as before.

@@ -166,7 +166,7 @@ pub struct RdmaQueue {
     disconnected: AtomicBool,
     /// Commands completed (observability).
     pub completed: AtomicU64,
-    /// Bytes copied between requests and slot buffers (issue 11's bounce-copy count).
+    /// Bytes copied between requests and slot buffers (`remote_list`'s `bounce_copy_bytes`).
     pub bounced_bytes: AtomicU64,
     /// Writes sent inside their command capsule.
     pub in_capsule: AtomicU64,

@@ -26,7 +26,7 @@
 //!    list and overflow another (`SlotAlloc`), held only to pick a slot: the submitting
 //!    thread and the reactor meet on a slot only when they handle the same command, which the
 //!    protocol already orders (a response follows its capsule), not on every I/O as they
-//!    did behind one lock over the whole table (issue 9's end-to-end profile).
+//!    did behind one lock over the whole table (the end-to-end profile in docs/benchmarks.md).
 //! 4. Any transport or protocol error (a malformed PDU, a digest mismatch, an unknown CID, a
 //!    C2HTermReq, EOF, a shutdown) is fatal to the connection (§3.6.2.4): the host sends
 //!    H2CTermReq where it makes sense and closes. The reactor then forgets the queue, marks

@@ -1,5 +1,5 @@
 //! The initiator's reactors: a few threads, each owning many NVMe/TCP queues through one
-//! epoll set, in place of a reader and a writer thread per queue (issue 9: with a remote
+//! epoll set, in place of a reader and a writer thread per queue (with a remote
 //! controller of 1 + 4 queues, and a volume striped over several, those were tens of threads
 //! on a DPU slice of a few cores, each wake-up a context switch).
 //!
@@ -11,7 +11,7 @@
 //! itself with a non-blocking `send`, the reactor its H2CData answers to R2Ts.
 //!
 //! The reactors sleep in `epoll_wait` (no busy-poll): on a DPU the cores are shared with the
-//! vhost-user-blk workers and crypto, and the fifth session's measurements showed spinning on
+//! vhost-user-blk workers and crypto, and measurements (docs/benchmarks.md) showed spinning on
 //! the initiator's side costs more than the wake-ups it saves.
 
 use std::collections::HashMap;

@@ -4,7 +4,7 @@
 //! what keeps the reactor's system calls few. But a large read also pulls most of a long
 //! C2HData PDU's data into this buffer, and that data then has to be copied into the
 //! request's memory: at 128 KiB sequential reads, that copy was 40% of the receiving thread
-//! (issue 9). So the amount one refill asks for follows the traffic: after a long C2HData
+//! (docs/benchmarks.md). So the amount one refill asks for follows the traffic: after a long C2HData
 //! PDU the next refill reads only [`AHEAD`] bytes (enough for the next headers and a CQE
 //! run), and the rest of the next long PDU's data is read straight into the request's
 //! memory (`rx::Dest::read_direct`); after a short one, refills go back to [`BATCH`].

@@ -3,7 +3,7 @@
 //! A [`VhostBlkServer`] owns one Unix socket and serves one client (a VM's vhost-user-blk
 //! device, libblkio, ...) at a time. When the client goes away the server accepts the next
 //! one on the same socket, so a VM can reconnect, and a restarted nacred serves again on the
-//! socket path it had (the client side reconnects; see ANCHORS "backend restart").
+//! socket path it had (the client reconnects, e.g. QEMU's chardev with `reconnect-ms`).
 //!
 //! Performance shape (see `scripts/bench-vhost`): one worker thread per queue; guest memory
 //! reached through a flat region table ([`guest::GuestMap`]) rather than vm-memory's generic
