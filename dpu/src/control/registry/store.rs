@@ -41,6 +41,18 @@ pub(super) struct Live {
     pub listeners_failed: BTreeMap<(String, SocketAddr), String>,
     /// Tenants' unlocked KEKs (zeroized when dropped); see [`super::keys`].
     pub keks: HashMap<String, Arc<crate::crypto::tenant::UnlockedKek>>,
+    /// KMS and passphrase tenants: last successful key-manager answer, and why the tenant
+    /// is locked (see [`super::keys`]).
+    pub tenant_status: HashMap<String, TenantStatus>,
+}
+
+/// What nacred knows about a tenant's KEK beyond the record: when the key manager last
+/// answered for it, and why it is locked, if it is.
+#[derive(Debug, Clone, Default)]
+pub struct TenantStatus {
+    /// Seconds since the Unix epoch.
+    pub last_contact: Option<u64>,
+    pub locked_reason: Option<String>,
 }
 
 /// The persisted state and the live objects built from it, under the control lock.
