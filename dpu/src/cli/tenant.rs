@@ -70,8 +70,9 @@ pub enum TenantCmd {
         #[command(flatten)]
         kek: KekArgs,
     },
-    /// Forget a KMS or passphrase tenant's KEK and close its encrypted volumes: they fail
-    /// ("tenant locked") until `tenant unlock`. Refused while one of them is exported.
+    /// Forget a KMS or passphrase tenant's KEK and withdraw its volumes' data keys: the
+    /// volumes (and the devices exporting them) fail every I/O ("tenant locked") until
+    /// `tenant unlock`.
     #[command(
         after_help = "Examples:\n  nacre tenant lock initech\n  nacre tenant unlock initech"
     )]
@@ -370,8 +371,8 @@ pub fn run(ctx: &mut Ctx, cmd: TenantCmd) -> Result<()> {
             let v = ctx.call("tenant_lock", json!({ "name": name }))?;
             ctx.print(&v, |v| {
                 println!(
-                    "locked tenant {name}; closed {} volume(s)",
-                    v["closed"].as_array().map_or(0, Vec::len)
+                    "locked tenant {name}; {} volume(s) now fail I/O until unlocked",
+                    v["locked"].as_array().map_or(0, Vec::len)
                 )
             });
         }

@@ -43,7 +43,7 @@ pub const METHODS: &[Method] = &[
     Method {
         name: "tenant_lock",
         handler: tenant_lock,
-        help: "Forget a KMS or passphrase tenant's KEK and close its encrypted volumes (failed until tenant_unlock): name.",
+        help: "Forget a KMS or passphrase tenant's KEK and withdraw its volumes' data keys (they fail I/O until tenant_unlock): name.",
     },
     Method {
         name: "kms_add",
@@ -117,8 +117,8 @@ fn tenant_unlock(d: &Daemon, params: Value) -> Result<Value, RpcError> {
 
 fn tenant_lock(d: &Daemon, params: Value) -> Result<Value, RpcError> {
     let p: TenantName = parse_params(params)?;
-    let closed = d.registry.lock_tenant(&p.name)?;
-    to_value(json!({"ok": true, "closed": closed}))
+    let locked = d.registry.lock_tenant(&p.name)?;
+    to_value(json!({"ok": true, "locked": locked}))
 }
 
 fn kms_add(d: &Daemon, params: Value) -> Result<Value, RpcError> {

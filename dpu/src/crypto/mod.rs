@@ -30,6 +30,7 @@
 //! no IV generator for.
 
 pub mod engine_awslc;
+pub mod gate;
 pub mod kek;
 pub mod keys;
 pub mod kmip;

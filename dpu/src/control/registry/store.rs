@@ -44,6 +44,9 @@ pub(super) struct Live {
     /// KMS and passphrase tenants: last successful key-manager answer, and why the tenant
     /// is locked (see [`super::keys`]).
     pub tenant_status: HashMap<String, TenantStatus>,
+    /// Encrypted volumes' key gates (weak: a gate lives as long as its volume), through
+    /// which `tenant_lock`/`tenant_unlock` withdraw and restore their keys.
+    pub gates: HashMap<String, std::sync::Weak<crate::crypto::gate::KeyGate>>,
 }
 
 /// What nacred knows about a tenant's KEK beyond the record: when the key manager last

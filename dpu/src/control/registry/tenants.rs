@@ -3,7 +3,7 @@
 //! is taken ([`Registry::kms_source_new`], [`Registry::kms_unlock`]).
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use nacre_shared::api::tenant::{
     KekParams, PolicyInfo, PolicyParams, TenantInfo, TenantVolumeInfo,
@@ -11,8 +11,7 @@ use nacre_shared::api::tenant::{
 use nacre_shared::api::validate_name;
 use tracing::{info, warn};
 
-use super::compose::{open_existing, with_qos};
-use super::exporters::exporter_names;
+use super::compose::{open_existing, with_qos, FailedVolume};
 use super::exporters::refuse_if_exported;
 use super::keys::{new_source, now_secs, recorded_source, rpc_err, tenant_of, unlocked};
 use super::store::{Inner, Registry};
@@ -170,7 +169,8 @@ impl Registry {
                 .filter(|v| {
                     v.encrypted
                         && v.tenant.as_deref() == Some(name)
-                        && !inner.live.volumes.contains_key(&v.name)
+                        && (!inner.live.volumes.contains_key(&v.name)
+                            || inner.live.failed.contains_key(&v.name))
                 })
                 .cloned()
                 .collect();
@@ -178,8 +178,12 @@ impl Registry {
             for rec in closed {
                 match open_existing(self, inner, &rec) {
                     Ok(dev) => {
-                        let dev = with_qos(self, &rec, dev);
-                        inner.live.volumes.insert(rec.name.clone(), dev);
+                        // A volume served failed through its key gate has it opened
+                        // inside (open_existing); one not served at all gets served now.
+                        if !inner.live.volumes.contains_key(&rec.name) {
+                            let dev = with_qos(self, &rec, dev);
+                            inner.live.volumes.insert(rec.name.clone(), dev);
+                        }
                         inner.live.failed.remove(&rec.name);
                         opened.push(rec.name.clone());
                     }
@@ -191,10 +195,11 @@ impl Registry {
         }
     }
 
-    /// `tenant_lock`: forget a KMS or passphrase tenant's KEK and close its encrypted
-    /// volumes (their data keys are zeroed as they drop); they stay in the state, failed
-    /// ("tenant locked"), until `tenant_unlock`. Refused while one of them is exported: an
-    /// export would keep serving with its key. Returns the volumes closed.
+    /// `tenant_lock`: forget a KMS or passphrase tenant's KEK and withdraw its encrypted
+    /// volumes' data keys: each volume's key gate is switched to a volume that fails every
+    /// request ("tenant locked"), so devices exporting it stay up and their hosts see I/O
+    /// errors, and the data key is zeroed as the encrypted volume drops. `tenant_unlock`
+    /// swaps them back. Returns the volumes locked.
     pub fn lock_tenant(&self, name: &str) -> Result<Vec<String>, RpcError> {
         self.with(|inner| {
             let t = tenant_of(&inner.state, name)?.clone();
@@ -204,23 +209,13 @@ impl Registry {
                      needed: only KMS and passphrase tenants can be locked"
                 )));
             }
-            let owned: Vec<String> = inner
+            let owned: Vec<VolumeRecord> = inner
                 .state
                 .volumes
                 .values()
                 .filter(|v| v.encrypted && v.tenant.as_deref() == Some(name))
-                .map(|v| v.name.clone())
+                .cloned()
                 .collect();
-            for v in &owned {
-                let users = exporter_names(&inner.state, v);
-                if !users.is_empty() {
-                    return Err(RpcError::busy(format!(
-                        "volume {v:?} of tenant {name:?} is exported by {}; delete those \
-                         exports before locking (they would keep serving with its key)",
-                        users.join(", ")
-                    )));
-                }
-            }
             let why = "locked by `nacre tenant lock`".to_string();
             inner.live.keks.remove(name);
             inner
@@ -229,18 +224,17 @@ impl Registry {
                 .entry(name.to_string())
                 .or_default()
                 .locked_reason = Some(why.clone());
-            let mut closed = Vec::new();
-            for v in owned {
-                if inner.live.volumes.remove(&v).is_some() {
-                    closed.push(v.clone());
+            let mut locked = Vec::new();
+            for rec in owned {
+                let reason = format!("tenant locked: {why}; run `nacre tenant unlock {name}`");
+                if let Some(g) = inner.live.gates.get(&rec.name).and_then(Weak::upgrade) {
+                    g.set(Arc::new(FailedVolume::new(&rec, reason.clone())));
+                    locked.push(rec.name.clone());
                 }
-                inner.live.failed.insert(
-                    v,
-                    format!("tenant locked: {why}; run `nacre tenant unlock {name}`"),
-                );
+                inner.live.failed.insert(rec.name.clone(), reason);
             }
-            warn!(tenant = %name, closed = closed.len(), "tenant locked");
-            Ok(closed)
+            warn!(tenant = %name, volumes = locked.len(), "tenant locked");
+            Ok(locked)
         })
     }
 
