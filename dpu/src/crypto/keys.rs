@@ -160,6 +160,23 @@ pub(crate) fn ct_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// Bytes of stack [`scrub_stack`] overwrites.
+pub const SCRUB_BYTES: usize = 128 * 1024;
+
+/// Overwrite the stack below the caller's frame with zeros.
+///
+/// A key in a zeroize-on-drop box is still copied onto the stack by the code that uses it:
+/// AES key schedules (whose first round keys are the key itself) are built and moved there,
+/// and the frames that held them are dead but not cleared once the call returns. Code that
+/// handles KEKs calls this when it is done (every control-plane operation, and each KMS
+/// exchange), so a tenant's KEK does not outlive `tenant_lock` in a stack nobody uses.
+#[inline(never)]
+pub fn scrub_stack() {
+    let mut dead = [0u8; SCRUB_BYTES];
+    zeroize::Zeroize::zeroize(&mut dead[..]);
+    std::hint::black_box(&dead);
+}
+
 #[cfg(test)]
 mod test {
     use super::*;

@@ -114,6 +114,15 @@ pub(super) fn locked_error(t: &TenantRecord, status: Option<&TenantStatus>) -> R
     ))
 }
 
+/// A key manager's failure as the operator sees it: the key manager's own line ("KMS NAME
+/// at ADDRESS unreachable: …", "KMS NAME refused Decrypt with key ID: …").
+fn kms_err(e: CryptoError) -> RpcError {
+    match e {
+        CryptoError::KekSource(m) => RpcError::failed(m),
+        e => RpcError::failed(e.to_string()),
+    }
+}
+
 /// Seconds since the Unix epoch, for last-contact times.
 pub(super) fn now_secs() -> u64 {
     std::time::SystemTime::now()
@@ -152,9 +161,11 @@ impl Registry {
             RpcError::invalid_params("kms_key_id needs kms: the configured key manager holding it")
         })?;
         let ep = self.kms_endpoint(kms)?;
-        KmsKek::generate(ep, key_id)
+        let r = KmsKek::generate(ep, key_id)
             .map(|k| Box::new(k) as Box<dyn KekSource>)
-            .map_err(|e| RpcError::failed(e.to_string()))
+            .map_err(kms_err);
+        crate::crypto::keys::scrub_stack();
+        r
     }
 
     /// Ask the key manager for a KMS tenant's envelope key, without the control lock: the
@@ -163,6 +174,12 @@ impl Registry {
     /// answers with another key yields `WrongKek`, never a key in use). The outcome is
     /// recorded in the tenant's status.
     pub(super) fn kms_unlock(&self, t: &TenantRecord) -> Result<Kek, RpcError> {
+        let r = self.kms_unlock_inner(t);
+        crate::crypto::keys::scrub_stack();
+        r
+    }
+
+    fn kms_unlock_inner(&self, t: &TenantRecord) -> Result<Kek, RpcError> {
         let mut first_err = None;
         for rec in std::iter::once(&t.kek).chain(t.pending_kek.as_ref()) {
             let KekSpec::Kms {
@@ -177,7 +194,7 @@ impl Registry {
             let r = self.kms_endpoint(kms).and_then(|ep| {
                 KmsKek::recorded(ep, key_id.clone(), iv.clone(), blob.clone())
                     .load()
-                    .map_err(|e| RpcError::failed(e.to_string()))
+                    .map_err(kms_err)
             });
             match r {
                 Ok(k) => {

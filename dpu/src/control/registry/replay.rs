@@ -27,6 +27,7 @@ impl Registry {
         for rec in state.volumes.values() {
             compose::reopen(self, &mut inner, rec);
         }
+        crate::crypto::keys::scrub_stack();
         vhost::replay(&mut inner);
         nvmf::replay(&mut inner);
         info!(
@@ -61,6 +62,7 @@ impl Registry {
                         }
                         Err(e) => warn!(tenant = %t.name, error = %e.message, "tenant locked"),
                     }
+                    crate::crypto::keys::scrub_stack();
                 });
             }
         });

@@ -114,7 +114,10 @@ impl Registry {
         &self,
         f: impl FnOnce(&mut Inner) -> Result<T, RpcError>,
     ) -> Result<T, RpcError> {
-        f(&mut self.lock())
+        let r = f(&mut self.lock());
+        // Operations use KEKs; their key schedules stay in dead stack frames otherwise.
+        crate::crypto::keys::scrub_stack();
+        r
     }
 
     /// Persist `next` atomically. Call before committing it to `Inner::state`.

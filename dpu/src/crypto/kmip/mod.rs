@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::unbuffered::{ConnectionState, UnbufferedStatus};
 use serde::{Deserialize, Serialize};
 use zeroize::Zeroizing;
 
@@ -49,6 +50,8 @@ pub const KMIP_PORT: u16 = 5696;
 pub const DEFAULT_TIMEOUT_MS: u64 = 5000;
 /// Largest answer accepted (an Encrypt/Decrypt answer is a few hundred bytes).
 const MAX_MESSAGE: usize = 64 * 1024;
+/// Room for TLS records in and out (a record is at most 16 KiB of plaintext plus 2 KiB).
+const TLS_BUFFER: usize = 20 * 1024;
 /// AES block (and CBC IV) length.
 const IV_LEN: usize = 16;
 
@@ -207,6 +210,27 @@ impl Write for Bounded {
     }
 }
 
+enum Recv {
+    Io(std::io::Error),
+    Eof,
+    Full,
+}
+
+/// Read more TLS bytes into `buf[*used..]`.
+fn recv(tcp: &mut Bounded, buf: &mut [u8], used: &mut usize) -> Result<(), Recv> {
+    if *used == buf.len() {
+        return Err(Recv::Full);
+    }
+    match tcp.read(&mut buf[*used..]) {
+        Ok(0) => Err(Recv::Eof),
+        Ok(n) => {
+            *used += n;
+            Ok(())
+        }
+        Err(e) => Err(Recv::Io(e)),
+    }
+}
+
 fn is_timeout(e: &std::io::Error) -> bool {
     matches!(
         e.kind(),
@@ -330,64 +354,118 @@ impl KmipClient {
         }
         let tcp = tcp.ok_or_else(|| unreachable(last))?;
         let _ = tcp.set_nodelay(true);
-        let conn =
-            rustls::ClientConnection::new(config, server_name).map_err(|e| KmsError::Tls {
-                kms: ep.name.clone(),
-                address: ep.address.clone(),
-                msg: e.to_string(),
-            })?;
-        let mut tls = rustls::StreamOwned::new(conn, Bounded { tcp, deadline });
+        let mut tcp = Bounded { tcp, deadline };
+        let tls_err = |msg: String| KmsError::Tls {
+            kms: ep.name.clone(),
+            address: ep.address.clone(),
+            msg,
+        };
         let io_err = |e: std::io::Error| {
             if is_timeout(&e) {
-                return timeout();
-            }
-            // rustls reports handshake failures (bad certificate, alerts) as InvalidData.
-            if e.kind() == std::io::ErrorKind::InvalidData
-                || e.get_ref().is_some_and(|i| i.is::<rustls::Error>())
-            {
-                KmsError::Tls {
-                    kms: ep.name.clone(),
-                    address: ep.address.clone(),
-                    msg: e.to_string(),
-                }
+                timeout()
             } else {
                 unreachable(e.to_string())
             }
         };
-        let mut out = Zeroizing::new(Vec::with_capacity(512));
-        request.encode(&mut out);
-        tls.write_all(&out).map_err(io_err)?;
-        tls.flush().map_err(io_err)?;
-        // The answer: an 8-byte header announcing the length, then that many bytes.
-        let mut buf = Zeroizing::new(vec![0u8; 8]);
-        tls.read_exact(&mut buf).map_err(|e| {
-            if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                KmsError::Tls {
-                    kms: ep.name.clone(),
-                    address: ep.address.clone(),
-                    msg: "the server closed the connection without answering (client certificate refused?)".into(),
+        let mut request_bytes = Zeroizing::new(Vec::with_capacity(512));
+        request.encode(&mut request_bytes);
+        // rustls's unbuffered API: every TLS record, and every decrypted byte of the answer
+        // (a plaintext key for Decrypt), lives in these buffers, which are zeroed when
+        // dropped. The buffered API would leave decrypted records in freed memory of its own.
+        let mut conn = rustls::client::UnbufferedClientConnection::new(config, server_name)
+            .map_err(|e| tls_err(e.to_string()))?;
+        let mut incoming = Zeroizing::new(vec![0u8; TLS_BUFFER]);
+        let mut in_used = 0usize;
+        let mut outgoing = Zeroizing::new(vec![0u8; TLS_BUFFER]);
+        let mut out_used = 0usize;
+        // Reserved once so that growing it never leaves a copy behind in freed memory.
+        let mut answer: Zeroizing<Vec<u8>> = Zeroizing::new(Vec::with_capacity(MAX_MESSAGE + 8));
+        let complete =
+            |a: &[u8]| ttlv::announced_len(a).is_some_and(|len| a.len() >= len.saturating_add(8));
+        let mut sent = false;
+        loop {
+            let UnbufferedStatus { mut discard, state } =
+                conn.process_tls_records(&mut incoming[..in_used]);
+            match state.map_err(|e| tls_err(e.to_string()))? {
+                ConnectionState::ReadTraffic(mut st) => {
+                    while let Some(rec) = st.next_record() {
+                        let rec = rec.map_err(|e| tls_err(e.to_string()))?;
+                        discard += rec.discard;
+                        if answer.len() + rec.payload.len() > MAX_MESSAGE + 8 {
+                            return Err(KmsError::Protocol {
+                                kms: ep.name.clone(),
+                                msg: format!("answer over the {MAX_MESSAGE}-byte limit"),
+                            });
+                        }
+                        answer.extend_from_slice(rec.payload);
+                    }
                 }
-            } else {
-                io_err(e)
+                ConnectionState::EncodeTlsData(mut st) => {
+                    out_used += st
+                        .encode(&mut outgoing[out_used..])
+                        .map_err(|e| tls_err(e.to_string()))?;
+                }
+                ConnectionState::TransmitTlsData(st) => {
+                    tcp.write_all(&outgoing[..out_used]).map_err(io_err)?;
+                    out_used = 0;
+                    st.done();
+                }
+                ConnectionState::BlockedHandshake => {
+                    recv(&mut tcp, &mut incoming, &mut in_used).map_err(|e| match e {
+                        Recv::Io(e) => io_err(e),
+                        Recv::Eof => tls_err(
+                            "the server closed the connection during the handshake \
+                             (it does not accept nacred's client certificate?)"
+                                .into(),
+                        ),
+                        Recv::Full => tls_err("handshake record too large".into()),
+                    })?;
+                }
+                ConnectionState::WriteTraffic(mut st) => {
+                    if !sent {
+                        let n = st
+                            .encrypt(&request_bytes, &mut outgoing[out_used..])
+                            .map_err(|e| tls_err(e.to_string()))?;
+                        tcp.write_all(&outgoing[..out_used + n]).map_err(io_err)?;
+                        out_used = 0;
+                        sent = true;
+                    } else if complete(&answer) {
+                        if let Ok(n) = st.queue_close_notify(&mut outgoing[..]) {
+                            let _ = tcp.write_all(&outgoing[..n]);
+                        }
+                        break;
+                    } else {
+                        recv(&mut tcp, &mut incoming, &mut in_used).map_err(|e| match e {
+                            Recv::Io(e) => io_err(e),
+                            Recv::Eof => tls_err(
+                                "the server closed the connection without answering (it \
+                                 does not accept nacred's client certificate?)"
+                                    .into(),
+                            ),
+                            Recv::Full => tls_err("record too large".into()),
+                        })?;
+                    }
+                }
+                ConnectionState::PeerClosed | ConnectionState::Closed => break,
+                _ => return Err(tls_err("unexpected TLS state".into())),
             }
-        })?;
-        let len = ttlv::announced_len(&buf).unwrap_or(usize::MAX);
-        if len > MAX_MESSAGE {
-            return Err(KmsError::Protocol {
-                kms: ep.name.clone(),
-                msg: format!("answer of {len} bytes is over the {MAX_MESSAGE}-byte limit"),
-            });
+            if discard > 0 {
+                incoming.copy_within(discard..in_used, 0);
+                in_used -= discard;
+            }
         }
-        let mut full = Zeroizing::new(vec![0u8; 8 + len]);
-        full[..8].copy_from_slice(&buf);
-        tls.read_exact(&mut full[8..]).map_err(io_err)?;
-        tls.conn.send_close_notify();
-        let _ = tls.flush();
+        if !complete(&answer) {
+            return Err(tls_err(
+                "the server closed the connection before a whole answer".into(),
+            ));
+        }
+        let len = ttlv::announced_len(&answer).unwrap_or(0) + 8;
+        let full = &answer[..len];
         let proto = |msg: String| KmsError::Protocol {
             kms: ep.name.clone(),
             msg,
         };
-        let msg = Item::decode(&full).map_err(|e| proto(e.to_string()))?;
+        let msg = Item::decode(full).map_err(|e| proto(e.to_string()))?;
         if msg.tag() != tag::RESPONSE_MESSAGE {
             return Err(proto("the answer is not a Response Message".into()));
         }
