@@ -12,7 +12,8 @@
 //! output; and the failure paths: key manager down at start (a later unlock brings the
 //! volume back without restarting nacred) and during rotation (nothing changes), a client
 //! certificate the server does not trust, a server certificate from another CA, and a key
-//! manager that does not answer in time while the control plane keeps answering.
+//! manager that does not answer in time while the control plane keeps answering; and a
+//! tampered envelope blob, which the KEK check refuses.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -731,7 +732,26 @@ fn kms_failure_paths_against_pykmip() {
     fails(&out, &["KMS slow", "did not answer within 3000 ms"]);
     assert!(n.ok("tenant_list", json!({})).as_array().unwrap().len() == 1);
 
+    // Integrity of what the key manager returns: a blob altered in its first block still
+    // decrypts under CBC (the padding is intact) to 32 wrong bytes. The KEK check refuses
+    // them: the tenant stays locked and nothing is opened.
+    assert!(n.stop());
+    let blob = recorded_blob(&n, "acme").2;
+    let mut bad = hex(&blob);
+    bad[3] ^= 0x40;
+    n.edit_state(|s| s["tenants"]["acme"]["kek"]["spec"]["blob"] = json!(to_hex(&bad)));
+    n.spawn_again();
+    let (state, reason) = volume_state(&n, "v1");
+    assert_eq!(state, "failed");
+    assert!(
+        reason.contains("not tenant acme's KEK"),
+        "{reason}"
+    );
+    read_fails(&n, "d");
+
     // Nothing was lost along the way.
-    n.restart();
+    assert!(n.stop());
+    n.edit_state(|s| s["tenants"]["acme"]["kek"]["spec"]["blob"] = json!(blob));
+    n.spawn_again();
     io(&n, "d", &writes, false);
 }

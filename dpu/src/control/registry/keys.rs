@@ -123,6 +123,34 @@ fn kms_err(e: CryptoError) -> RpcError {
     }
 }
 
+/// Check an envelope key from the key manager against the tenant's KEK check. A key that
+/// fails it (the recorded blob, IV or key id altered, or a key manager answering with other
+/// bytes) is refused and recorded as why the tenant is locked.
+pub(super) fn recognise_kms(
+    inner: &mut Inner,
+    t: &TenantRecord,
+    k: Kek,
+) -> Result<UnlockedKek, RpcError> {
+    t.recognise(k).map_err(|e| {
+        let e = match e {
+            CryptoError::WrongKek { .. } => RpcError::refused(format!(
+                "the key manager's answer is not tenant {}'s KEK (its KEK check fails: the \
+                 recorded blob or key id was altered, or the key manager answered with another \
+                 key); nothing was opened",
+                t.name
+            )),
+            e => rpc_err(e),
+        };
+        inner
+            .live
+            .tenant_status
+            .entry(t.name.clone())
+            .or_default()
+            .locked_reason = Some(e.message.clone());
+        e
+    })
+}
+
 /// Seconds since the Unix epoch, for last-contact times.
 pub(super) fn now_secs() -> u64 {
     std::time::SystemTime::now()

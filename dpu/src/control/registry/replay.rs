@@ -5,7 +5,7 @@ use std::sync::Arc;
 use tracing::{info, warn};
 
 use super::compose;
-use super::keys::rpc_err;
+use super::keys::recognise_kms;
 use super::store::Registry;
 use super::{nvmf, remotes, vhost};
 use crate::crypto::kek::KekSpec;
@@ -49,17 +49,13 @@ impl Registry {
             for t in kms_tenants {
                 s.spawn(move || {
                     let r = self.kms_unlock(t).and_then(|k| {
-                        t.recognise(k).map_err(|e| {
-                            let e = rpc_err(e);
-                            self.kms_status(&t.name, |s| s.locked_reason = Some(e.message.clone()));
-                            e
-                        })
+                        let mut inner = self.lock();
+                        let k = recognise_kms(&mut inner, t, k)?;
+                        inner.live.keks.insert(t.name.clone(), Arc::new(k));
+                        Ok(())
                     });
                     match r {
-                        Ok(k) => {
-                            self.lock().live.keks.insert(t.name.clone(), Arc::new(k));
-                            info!(tenant = %t.name, "tenant unlocked by its KMS");
-                        }
+                        Ok(()) => info!(tenant = %t.name, "tenant unlocked by its KMS"),
                         Err(e) => warn!(tenant = %t.name, error = %e.message, "tenant locked"),
                     }
                     crate::crypto::keys::scrub_stack();

@@ -13,7 +13,9 @@ use tracing::{info, warn};
 
 use super::compose::{open_existing, with_qos, FailedVolume};
 use super::exporters::refuse_if_exported;
-use super::keys::{new_source, now_secs, recorded_source, rpc_err, tenant_of, unlocked};
+use super::keys::{
+    new_source, now_secs, recognise_kms, recorded_source, rpc_err, tenant_of, unlocked,
+};
 use super::store::{Inner, Registry};
 use crate::control::error::RpcError;
 use crate::control::state::VolumeRecord;
@@ -128,16 +130,7 @@ impl Registry {
             let t = tenant_of(&inner.state, name)?.clone();
             if let Some(k) = from_kms {
                 // Checked against the record as it is now (a rotation may have run meanwhile).
-                let unlocked = t.recognise(k).map_err(|e| {
-                    let e = rpc_err(e);
-                    inner
-                        .live
-                        .tenant_status
-                        .entry(name.to_string())
-                        .or_default()
-                        .locked_reason = Some(e.message.clone());
-                    e
-                })?;
+                let unlocked = recognise_kms(inner, &t, k)?;
                 return Ok(self.open_unlocked(inner, name, unlocked));
             }
             let src = recorded_source(&t, &t.kek.spec, Some(kek))?;
