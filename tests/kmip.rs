@@ -743,10 +743,7 @@ fn kms_failure_paths_against_pykmip() {
     n.spawn_again();
     let (state, reason) = volume_state(&n, "v1");
     assert_eq!(state, "failed");
-    assert!(
-        reason.contains("not tenant acme's KEK"),
-        "{reason}"
-    );
+    assert!(reason.contains("not tenant acme's KEK"), "{reason}");
     read_fails(&n, "d");
 
     // Nothing was lost along the way.

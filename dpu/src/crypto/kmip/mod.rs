@@ -690,3 +690,135 @@ impl KekSource for KmsKek {
         Kek::from_bytes(&pt)
     }
 }
+
+#[cfg(test)]
+mod test {
+    use std::net::TcpListener;
+
+    use super::*;
+
+    fn endpoint(address: String, timeout_ms: u64) -> (tempfile::TempDir, KmsEndpoint) {
+        // Certificate files that parse: a throwaway CA and leaf made here.
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        let ca = nacre_shared::channel::make_ca("kmip unit test").unwrap();
+        let leaf = nacre_shared::channel::make_server_cert(&ca, &[]).unwrap();
+        let write = |name: &str, text: &str| {
+            let p = dir.join(name);
+            std::fs::write(&p, text).unwrap();
+            p
+        };
+        let ep = KmsEndpoint {
+            name: "unit".into(),
+            address,
+            ca: write("ca.pem", &ca.cert),
+            cert: write("client.pem", &leaf.cert),
+            key: write("client.key", &leaf.key),
+            timeout_ms,
+        };
+        (tmp, ep)
+    }
+
+    /// An Encrypt request is the KMIP 1.2 message the specification describes, and carries
+    /// the IV nacred chose.
+    #[test]
+    fn encrypt_request_layout() {
+        let req = KmipClient::request(
+            enums::OP_ENCRYPT,
+            vec![
+                Item::Text(tag::UNIQUE_IDENTIFIER, "7".into()),
+                KmipClient::cbc_params(),
+            ],
+        );
+        let mut buf = Zeroizing::new(Vec::new());
+        req.encode(&mut buf);
+        let back = Item::decode(&buf).unwrap();
+        assert_eq!(back, req);
+        let version = back
+            .child(tag::REQUEST_HEADER)
+            .and_then(|h| h.child(tag::PROTOCOL_VERSION))
+            .unwrap();
+        assert_eq!(
+            version.child(tag::PROTOCOL_VERSION_MAJOR),
+            Some(&Item::Integer(tag::PROTOCOL_VERSION_MAJOR, 1))
+        );
+        let item = back.child(tag::BATCH_ITEM).unwrap();
+        assert_eq!(
+            item.child(tag::OPERATION),
+            Some(&Item::Enumeration(tag::OPERATION, 0x1F))
+        );
+        let params = item
+            .child(tag::REQUEST_PAYLOAD)
+            .and_then(|p| p.child(tag::CRYPTOGRAPHIC_PARAMETERS))
+            .unwrap();
+        assert_eq!(
+            params.child(tag::BLOCK_CIPHER_MODE),
+            Some(&Item::Enumeration(tag::BLOCK_CIPHER_MODE, 1))
+        );
+        assert_eq!(
+            params.child(tag::PADDING_METHOD),
+            Some(&Item::Enumeration(tag::PADDING_METHOD, 3))
+        );
+    }
+
+    /// A refusal names the operation, the key, the KMIP reason and the server's message.
+    #[test]
+    fn refusal_is_one_clear_line() {
+        let (_tmp, ep) = endpoint("127.0.0.1:1".into(), 100);
+        let c = KmipClient::new(ep);
+        let item = Item::Structure(
+            tag::BATCH_ITEM,
+            vec![
+                Item::Enumeration(tag::OPERATION, enums::OP_DECRYPT),
+                Item::Enumeration(tag::RESULT_STATUS, 1),
+                Item::Enumeration(tag::RESULT_REASON, 0x0C),
+                Item::Text(tag::RESULT_MESSAGE, "The key must be Active".into()),
+            ],
+        );
+        let e = c.payload("Decrypt", "42", item).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "KMS unit refused Decrypt with key 42: permission denied: The key must be Active"
+        );
+        let ok = Item::Structure(
+            tag::BATCH_ITEM,
+            vec![
+                Item::Enumeration(tag::RESULT_STATUS, 0),
+                Item::Structure(tag::RESPONSE_PAYLOAD, vec![]),
+            ],
+        );
+        assert_eq!(
+            c.payload("Decrypt", "42", ok).unwrap().tag(),
+            tag::RESPONSE_PAYLOAD
+        );
+    }
+
+    /// Nothing listening: unreachable. A listener that accepts and never answers: the
+    /// operation ends at its bound, and the error says so. (Loopback only.)
+    #[test]
+    fn unreachable_and_silent_servers_are_bounded() {
+        let closed = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = closed.local_addr().unwrap();
+        drop(closed);
+        let (_tmp, ep) = endpoint(addr.to_string(), 2000);
+        let e = KmipClient::new(ep)
+            .decrypt("1", &[0; 16], &[0; 48])
+            .unwrap_err();
+        assert!(matches!(e, KmsError::Unreachable { .. }), "{e}");
+
+        let silent = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = silent.local_addr().unwrap();
+        let (_tmp2, ep) = endpoint(addr.to_string(), 300);
+        let e = KmipClient::new(ep)
+            .decrypt("1", &[0; 16], &[0; 48])
+            .unwrap_err();
+        assert!(matches!(e, KmsError::Timeout { .. }), "{e}");
+        assert!(
+            e.to_string().contains("did not answer within 300 ms"),
+            "{e}"
+        );
+        drop(silent);
+        let s = stats();
+        assert!(s.get(&("unit".to_string(), "decrypt")).unwrap().errors >= 2);
+    }
+}
