@@ -467,12 +467,26 @@ fn kms_tenant_lifecycle_against_pykmip() {
         !in_memory(n.pid(), &envelope),
         "the envelope key is still in nacred's memory after `tenant lock`"
     );
+    assert!(
+        !in_memory(n.pid(), &data_key),
+        "the data key is still in nacred's memory after `tenant lock`"
+    );
     let (state, reason) = volume_state(&n, "v1");
     assert_eq!(state, "failed");
     assert!(reason.starts_with("tenant locked: "), "{reason}");
     read_fails(&n, "d");
     assert_eq!(volume_state(&n, "w1").0, "online");
-    // Unlock: the key manager again; the same device serves the data again.
+    // Unlock: the key manager again; the same device serves the data again. A second
+    // lock, after an unlock through the RPC path, leaves no copy either.
+    ok(&n.cli(&["tenant", "unlock", "acme"]), "tenant unlock");
+    io(&n, "d", &writes, false);
+    ok(&n.cli(&["tenant", "lock", "acme"]), "tenant lock");
+    for (what, key) in [("envelope", &envelope), ("data", &data_key)] {
+        assert!(
+            !in_memory(n.pid(), key),
+            "the {what} key is in nacred's memory after unlock and lock"
+        );
+    }
     ok(&n.cli(&["tenant", "unlock", "acme"]), "tenant unlock");
     io(&n, "d", &writes, false);
 
@@ -499,9 +513,9 @@ fn kms_tenant_lifecycle_against_pykmip() {
     let (_, iv2, blob2) = recorded_blob(&n, "acme");
     let envelope2 = hex(&k.cmd(&format!("decrypt {key2} {iv2} {blob2}")).unwrap());
 
-    // Only a revoked key left: the tenant stays locked at start with one clear reason,
+    // Only a deactivated key left: the tenant stays locked at start with one clear reason,
     // its volume serves errors, the other tenant is untouched, unlock says why.
-    k.cmd(&format!("revoke {key2}")).unwrap();
+    k.cmd(&format!("deactivate {key2}")).unwrap();
     n.restart();
     let (state, reason) = volume_state(&n, "v1");
     assert_eq!(state, "failed");

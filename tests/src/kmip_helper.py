@@ -4,7 +4,8 @@ PyKMIP server. Usage:
   kmip_helper.py certs DIR            CA + server (127.0.0.1) + client certificates, and a
                                       second CA with its own server and client certificates
   kmip_helper.py create DIR PORT      create and activate an AES-256 key; prints its id
-  kmip_helper.py revoke DIR PORT ID   revoke (key compromise) the key
+  kmip_helper.py revoke DIR PORT ID   revoke (key compromise) the key: Compromised
+  kmip_helper.py deactivate DIR PORT ID   revoke (cessation of operation): Deactivated
   kmip_helper.py destroy DIR PORT ID  destroy the key
   kmip_helper.py decrypt DIR PORT ID IV_HEX BLOB_HEX   KMIP Decrypt (AES-CBC/PKCS5); hex out
   kmip_helper.py repl DIR PORT        the commands above, one per stdin line (without DIR
@@ -98,6 +99,10 @@ def one(d, port, argv):
             c.revoke(enums.RevocationReasonCode.KEY_COMPROMISE, argv[1],
                      compromise_occurrence_date=1)
             print("revoked")
+        elif cmd == "deactivate":
+            # Revoked for a reason other than compromise: the key becomes Deactivated.
+            c.revoke(enums.RevocationReasonCode.CESSATION_OF_OPERATION, argv[1])
+            print("deactivated")
         elif cmd == "destroy":
             c.destroy(argv[1])
             print("destroyed")

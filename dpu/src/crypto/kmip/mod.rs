@@ -303,6 +303,8 @@ impl KmipClient {
 
     /// Send one request message and return the batch item of the answer.
     fn exchange(&self, op: &'static str, request: &Item) -> Result<Item, KmsError> {
+        // rustls copies each decrypted record into a buffer of its own: freed zeroed.
+        let _scrub = super::keys::ScrubFrees::begin();
         let start = Instant::now();
         let r = self.exchange_inner(start, request);
         record(&self.ep.name, op, r.is_ok(), start.elapsed());
@@ -369,9 +371,9 @@ impl KmipClient {
         };
         let mut request_bytes = Zeroizing::new(Vec::with_capacity(512));
         request.encode(&mut request_bytes);
-        // rustls's unbuffered API: every TLS record, and every decrypted byte of the answer
-        // (a plaintext key for Decrypt), lives in these buffers, which are zeroed when
-        // dropped. The buffered API would leave decrypted records in freed memory of its own.
+        // rustls's unbuffered API: the TLS records, and the answer (a plaintext key for
+        // Decrypt), live in these buffers, which are zeroed when dropped; the copy of each
+        // decrypted record rustls keeps is zeroed as it is freed (`ScrubFrees`, above).
         let mut conn = rustls::client::UnbufferedClientConnection::new(config, server_name)
             .map_err(|e| tls_err(e.to_string()))?;
         let mut incoming = Zeroizing::new(vec![0u8; TLS_BUFFER]);
