@@ -4,6 +4,11 @@
 //! of the bytes behind on the stack, and both are overwritten with zeros when dropped. Neither
 //! type implements `Clone`, `Display` or `Serialize`, and `Debug` prints only the length: a
 //! plaintext key cannot reach a log line, an error message or the state directory by accident.
+//!
+//! Copies made by code that uses a key are cleared too: [`scrub_stack`] overwrites the dead
+//! stack frames where AES key schedules were built, and inside a [`ScrubFrees`] scope the
+//! [`ScrubbingAllocator`] (nacred's global allocator) zeroes what a library frees (rustls's
+//! decrypted records in a KMIP exchange).
 
 use std::fmt;
 
