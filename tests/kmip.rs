@@ -1,6 +1,6 @@
 //! KMS tenants against a real KMIP server: PyKMIP's `pykmip-server`, started here on
 //! loopback with its own CA, server and client certificates (made by
-//! `tests/src/kmip_helper.py` with pyca/cryptography) and a SQLite database in a temporary
+//! `tests/src/kmip_tool.py` with pyca/cryptography) and a SQLite database in a temporary
 //! directory. Keys are created, revoked and destroyed with PyKMIP's own client.
 //!
 //! What is checked: data written through vhost-user-blk survives restarts (the tenant is
@@ -26,7 +26,7 @@ use nacre_tests::daemon::{bin, Nacred};
 use nacre_tests::xts_oracle::{hex, python_cryptography_available, python_decrypt_file, to_hex};
 use serde_json::{json, Value};
 
-const HELPER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src/kmip_helper.py");
+const KMIP_TOOL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src/kmip_tool.py");
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -99,7 +99,7 @@ impl Kmip {
             .tempdir()
             .unwrap();
         let st = Command::new("python3")
-            .args([HELPER, "certs"])
+            .args([KMIP_TOOL, "certs"])
             .arg(dir.path())
             .status()
             .unwrap();
@@ -118,7 +118,7 @@ impl Kmip {
         )
         .unwrap();
         let mut repl = Command::new("python3")
-            .args([HELPER, "repl"])
+            .args([KMIP_TOOL, "repl"])
             .arg(dir.path())
             .arg(port.to_string())
             .stdin(Stdio::piped())

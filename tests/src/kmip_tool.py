@@ -1,14 +1,14 @@
-"""Test helper for tests/kmip.rs: certificates, and PyKMIP's client against the test's
+"""For tests/kmip.rs: certificates, and PyKMIP's client against the test's
 PyKMIP server. Usage:
 
-  kmip_helper.py certs DIR            CA + server (127.0.0.1) + client certificates, and a
+  kmip_tool.py certs DIR            CA + server (127.0.0.1) + client certificates, and a
                                       second CA with its own server and client certificates
-  kmip_helper.py create DIR PORT      create and activate an AES-256 key; prints its id
-  kmip_helper.py revoke DIR PORT ID   revoke (key compromise) the key: Compromised
-  kmip_helper.py deactivate DIR PORT ID   revoke (cessation of operation): Deactivated
-  kmip_helper.py destroy DIR PORT ID  destroy the key
-  kmip_helper.py decrypt DIR PORT ID IV_HEX BLOB_HEX   KMIP Decrypt (AES-CBC/PKCS5); hex out
-  kmip_helper.py repl DIR PORT        the commands above, one per stdin line (without DIR
+  kmip_tool.py create DIR PORT      create and activate an AES-256 key; prints its id
+  kmip_tool.py revoke DIR PORT ID   revoke (key compromise) the key: Compromised
+  kmip_tool.py deactivate DIR PORT ID   revoke (cessation of operation): Deactivated
+  kmip_tool.py destroy DIR PORT ID  destroy the key
+  kmip_tool.py decrypt DIR PORT ID IV_HEX BLOB_HEX   KMIP Decrypt (AES-CBC/PKCS5); hex out
+  kmip_tool.py repl DIR PORT        the commands above, one per stdin line (without DIR
                                       PORT), each answered by one line "ok ..." or "err ..."
 """
 import datetime
