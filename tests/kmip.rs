@@ -677,7 +677,7 @@ fn kms_failure_paths_against_pykmip() {
             "--kms-key-id",
             &key2,
         ]),
-        &["KMS wrong-client at 127.0.0.1", "TLS"],
+        &["KMS wrong-client at 127.0.0.1", "TLS", "UnknownCA"],
     );
     // A server certificate from another CA than the one pinned.
     add_kms(&n, &k, "wrong-ca", "other", "good", &[]);
