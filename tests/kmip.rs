@@ -665,6 +665,22 @@ fn kms_failure_paths_against_pykmip() {
     assert_eq!(volume_state(&n, "v1").0, "online");
     io(&n, "d", &writes, false);
 
+    // A key id the key manager does not know.
+    fails(
+        &n.cli(&[
+            "tenant",
+            "create",
+            "t1",
+            "--kms",
+            "pykmip",
+            "--kms-key-id",
+            "999999",
+        ]),
+        &[
+            "KMS pykmip refused Encrypt with key 999999",
+            "item not found",
+        ],
+    );
     // A client certificate from a CA the server does not trust.
     add_kms(&n, &k, "wrong-client", "good", "other", &[]);
     fails(
