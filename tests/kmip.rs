@@ -155,8 +155,12 @@ impl Kmip {
             .append(true)
             .open(self.dir.path().join("server.out"))
             .unwrap();
+        use std::os::unix::process::CommandExt;
         self.server = Some(
             Command::new("pykmip-server")
+                // Its own process group: PyKMIP forks a policy-directory monitor, which
+                // must go down with it.
+                .process_group(0)
                 .arg("-f")
                 .arg(self.dir.path().join("server.conf"))
                 .arg("-l")
@@ -179,7 +183,8 @@ impl Kmip {
 
     fn down(&mut self) {
         if let Some(mut s) = self.server.take() {
-            let _ = s.kill();
+            // SAFETY: kill(2) on the process group this test made for the server.
+            unsafe { libc::kill(-(s.id() as i32), libc::SIGKILL) };
             let _ = s.wait();
         }
     }
