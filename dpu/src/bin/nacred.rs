@@ -25,8 +25,13 @@ use tracing::{info, warn};
 /// arena under that arena's lock, mimalloc through a lock-free per-page list. End to end
 /// through XTS and NVMe/TCP it measured 4-25% more IOPS per core in six alternations
 /// (`fabric-bench`, docs/benchmarks.md); the target alone, whose buffers are pooled, did not move.
+///
+/// Wrapped so that a KMIP exchange (whose TLS library keeps decrypted records, a tenant's
+/// key among them, in buffers of its own) leaves no key bytes in freed memory: see
+/// `nacre_dpu::crypto::keys::ScrubFrees`.
 #[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static GLOBAL: nacre_dpu::crypto::keys::ScrubbingAllocator<mimalloc::MiMalloc> =
+    nacre_dpu::crypto::keys::ScrubbingAllocator(mimalloc::MiMalloc);
 
 /// Every vhost-user connection holds a kick and a call eventfd per queue and a memory-table fd
 /// per region, and every NVMe-oF queue a socket: a DPU serving many VMs and hosts outgrows the

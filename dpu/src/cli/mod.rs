@@ -5,6 +5,7 @@
 //! from clap).
 
 pub mod cert;
+pub mod kms;
 pub mod nvmf;
 pub mod peer;
 pub mod qos;
@@ -79,6 +80,12 @@ pub enum Command {
         after_help = "Examples:\n  nacre tenant create acme --key-file /etc/nacre/acme.kek\n  nacre volume create secret --size 10G --tenant acme --encrypt\n  nacre tenant list"
     )]
     Tenant(tenant::TenantCmd),
+    /// KMIP key managers that hold KMS tenants' KEKs (mutual TLS, pinned CA).
+    #[command(
+        subcommand,
+        after_help = "Examples:\n  nacre kms add vault --address kms.example.com:5696 --ca ca.pem --cert client.pem --key client.key\n  nacre tenant create acme --kms vault --kms-key-id 3f1c9a\n  nacre kms list"
+    )]
+    Kms(kms::KmsCmd),
     /// Remote NVMe-oF controllers (storage shelves) and volumes on their namespaces.
     #[command(
         subcommand,
@@ -160,6 +167,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::VhostBlk(c) => vhost::run(&mut ctx, c),
         Command::Nvmf(c) => nvmf::run(&mut ctx, c),
         Command::Tenant(c) => tenant::run(&mut ctx, c),
+        Command::Kms(c) => kms::run(&mut ctx, c),
         Command::Remote(c) => remote::run(&mut ctx, c),
         Command::Qos(c) => qos::run(&mut ctx, c),
         Command::Stats(a) => stats::run(&mut ctx, a),

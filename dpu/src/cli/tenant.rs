@@ -2,7 +2,9 @@
 //!
 //! Secrets never go on the command line (where `ps` and shell history would see them): a
 //! KEK comes from `--key-file PATH` (32 random bytes), `--passphrase-file PATH` or
-//! `--passphrase-stdin`. Relative paths are made absolute, because nacred resolves them.
+//! `--passphrase-stdin`, or is an envelope key a KMIP key manager encrypts (`--kms NAME
+//! --kms-key-id ID`; `nacre kms add` configures the key manager). Relative paths are made
+//! absolute, because nacred resolves them.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -21,9 +23,12 @@ Examples:
   head -c 32 /dev/urandom > /etc/nacre/acme.kek && chmod 600 /etc/nacre/acme.kek
   nacre tenant create acme --key-file /etc/nacre/acme.kek --require-encryption
   nacre tenant create globex --passphrase-file /root/globex.pass --tweak be64 --data-unit 512
+  nacre tenant create initech --kms vault --kms-key-id 3f1c9a   # see `nacre kms add --help`
   nacre volume create acme-db --size 100G --tenant acme --encrypt
   nacre tenant rotate-kek acme --new-key-file /etc/nacre/acme-2.kek
-  nacre tenant unlock globex --passphrase-stdin < /root/globex.pass   # after a restart";
+  nacre tenant unlock globex --passphrase-stdin < /root/globex.pass   # after a restart
+  nacre tenant unlock initech          # asks its key manager again
+  nacre tenant lock initech            # forget the KEK; its volumes fail until unlock";
 
 #[derive(Subcommand, Debug)]
 #[command(after_help = TENANT_EXAMPLES)]
@@ -54,15 +59,26 @@ pub enum TenantCmd {
         #[arg(long)]
         force: bool,
     },
-    /// Give nacred a passphrase tenant's KEK after a restart and open its volumes.
+    /// Give nacred a tenant's KEK and open its volumes: a passphrase tenant's after a
+    /// restart, or a KMS tenant's (nacred asks its key manager; no option needed).
     #[command(
-        after_help = "Examples:\n  nacre tenant unlock beta --passphrase-file /etc/nacre/beta.pass\n  nacre tenant unlock beta --passphrase-stdin < /run/secrets/beta"
+        after_help = "Examples:\n  nacre tenant unlock beta --passphrase-file /etc/nacre/beta.pass\n  nacre tenant unlock beta --passphrase-stdin < /run/secrets/beta\n  nacre tenant unlock initech        # a KMS tenant"
     )]
     Unlock {
         /// The tenant.
         name: String,
         #[command(flatten)]
         kek: KekArgs,
+    },
+    /// Forget a KMS or passphrase tenant's KEK and withdraw its volumes' data keys: the
+    /// volumes (and the devices exporting them) fail every I/O ("tenant locked") until
+    /// `tenant unlock`.
+    #[command(
+        after_help = "Examples:\n  nacre tenant lock initech\n  nacre tenant unlock initech"
+    )]
+    Lock {
+        /// The tenant.
+        name: String,
     },
     /// Show or change a tenant's encryption policy.
     #[command(
@@ -73,11 +89,14 @@ pub enum TenantCmd {
     /// Re-wrap every data key of the tenant under a new KEK (no data is rewritten).
     #[command(
         name = "rotate-kek",
-        after_help = "Examples:\n  nacre tenant rotate-kek acme --new-key-file /etc/nacre/acme-2.kek"
+        after_help = "Examples:\n  nacre tenant rotate-kek acme --new-key-file /etc/nacre/acme-2.kek\n  nacre tenant rotate-kek initech --kms-key-id 77ab10          # another key, same KMS\n  nacre tenant rotate-kek initech --kms thales --kms-key-id 5  # another KMS"
     )]
     RotateKek {
         /// The tenant.
         name: String,
+        /// With --kms-key-id: a key manager other than the tenant's current one.
+        #[arg(long, requires = "kms_key_id")]
+        kms: Option<String>,
         #[command(flatten)]
         new_kek: NewKekArgs,
     },
@@ -103,9 +122,9 @@ pub enum PolicyCmd {
     },
 }
 
-/// Where a KEK comes from; exactly one.
+/// Where a KEK comes from; exactly one (none for `unlock` of a KMS tenant).
 #[derive(Args, Debug)]
-#[group(required = true, multiple = false)]
+#[group(required = false, multiple = false)]
 pub struct KekArgs {
     /// File holding exactly 32 random bytes.
     #[arg(long)]
@@ -116,6 +135,10 @@ pub struct KekArgs {
     /// Read the passphrase from standard input.
     #[arg(long)]
     pub passphrase_stdin: bool,
+    /// (create) The unique identifier of an active AES-256 key in the key manager `--kms`:
+    /// the tenant's KEK is a random envelope key that only this key can decrypt.
+    #[arg(long)]
+    pub kms_key_id: Option<String>,
 }
 
 /// The new KEK of a rotation; exactly one.
@@ -131,6 +154,9 @@ pub struct NewKekArgs {
     /// Read the new passphrase from standard input.
     #[arg(long)]
     pub new_passphrase_stdin: bool,
+    /// A key in the key manager (the tenant's current one unless --kms says another).
+    #[arg(long)]
+    pub kms_key_id: Option<String>,
 }
 
 #[derive(Args, Debug, Default)]
@@ -155,6 +181,9 @@ pub struct CreateArgs {
     pub name: String,
     #[command(flatten)]
     pub kek: KekArgs,
+    /// The key manager (`nacre kms add`) holding --kms-key-id.
+    #[arg(long, requires = "kms_key_id")]
+    pub kms: Option<String>,
     /// aes-xts-256 (default) or aes-xts-128.
     #[arg(long)]
     pub cipher: Option<String>,
@@ -262,11 +291,20 @@ fn policy_params(p: &PolicyArgs) -> Value {
 pub fn run(ctx: &mut Ctx, cmd: TenantCmd) -> Result<()> {
     match cmd {
         TenantCmd::Create(a) => {
-            let mut kek = kek_params(
-                a.kek.key_file.as_deref(),
-                a.kek.passphrase_file.as_deref(),
-                a.kek.passphrase_stdin,
-            )?;
+            let mut kek = match &a.kek.kms_key_id {
+                Some(id) => json!({"kms": a.kms, "kms_key_id": id}),
+                None if a.kek.key_file.is_none()
+                    && a.kek.passphrase_file.is_none()
+                    && !a.kek.passphrase_stdin =>
+                {
+                    bail!("give the KEK: --key-file, --passphrase-file, --passphrase-stdin or --kms with --kms-key-id")
+                }
+                None => kek_params(
+                    a.kek.key_file.as_deref(),
+                    a.kek.passphrase_file.as_deref(),
+                    a.kek.passphrase_stdin,
+                )?,
+            };
             if let Some(m) = a.argon2_memory_kib {
                 kek["argon2_m_cost_kib"] = json!(m);
             }
@@ -306,16 +344,35 @@ pub fn run(ctx: &mut Ctx, cmd: TenantCmd) -> Result<()> {
             ctx.print(&v, |_| println!("deleted tenant {name}"));
         }
         TenantCmd::Unlock { name, kek } => {
-            let kek = kek_params(
-                kek.key_file.as_deref(),
-                kek.passphrase_file.as_deref(),
-                kek.passphrase_stdin,
-            )?;
+            if kek.kms_key_id.is_some() {
+                bail!("a KMS tenant unlocks with no option: nacred asks the key manager recorded for it");
+            }
+            // No option: a KMS tenant (nacred asks its key manager).
+            let kek =
+                if kek.key_file.is_none() && kek.passphrase_file.is_none() && !kek.passphrase_stdin
+                {
+                    json!({})
+                } else {
+                    kek_params(
+                        kek.key_file.as_deref(),
+                        kek.passphrase_file.as_deref(),
+                        kek.passphrase_stdin,
+                    )?
+                };
             let v = ctx.call("tenant_unlock", json!({"name": name, "kek": kek}))?;
             ctx.print(&v, |v| {
                 println!(
                     "unlocked tenant {name}; opened {} volume(s)",
                     v["opened"].as_array().map_or(0, Vec::len)
+                )
+            });
+        }
+        TenantCmd::Lock { name } => {
+            let v = ctx.call("tenant_lock", json!({ "name": name }))?;
+            ctx.print(&v, |v| {
+                println!(
+                    "locked tenant {name}; {} volume(s) now fail I/O until unlocked",
+                    v["locked"].as_array().map_or(0, Vec::len)
                 )
             });
         }
@@ -329,12 +386,21 @@ pub fn run(ctx: &mut Ctx, cmd: TenantCmd) -> Result<()> {
             let v = ctx.call("tenant_policy_show", json!({ "name": name }))?;
             ctx.print(&v, |v| println!("{}", policy_line(v)));
         }
-        TenantCmd::RotateKek { name, new_kek } => {
-            let kek = kek_params(
-                new_kek.new_key_file.as_deref(),
-                new_kek.new_passphrase_file.as_deref(),
-                new_kek.new_passphrase_stdin,
-            )?;
+        TenantCmd::RotateKek { name, kms, new_kek } => {
+            let kek = match &new_kek.kms_key_id {
+                Some(id) => {
+                    let mut k = json!({ "kms_key_id": id });
+                    if let Some(kms) = kms {
+                        k["kms"] = json!(kms);
+                    }
+                    k
+                }
+                None => kek_params(
+                    new_kek.new_key_file.as_deref(),
+                    new_kek.new_passphrase_file.as_deref(),
+                    new_kek.new_passphrase_stdin,
+                )?,
+            };
             let v = ctx.call("tenant_rotate_kek", json!({"name": name, "new_kek": kek}))?;
             ctx.print(&v, |v| {
                 println!(
@@ -381,6 +447,12 @@ pub fn export_key(ctx: &mut Ctx, a: ExportKeyArgs) -> Result<()> {
         )
     });
     Ok(())
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 fn policy_line(p: &Value) -> String {
@@ -433,6 +505,20 @@ fn print_tenant(x: &Value) {
             ""
         }
     );
+    if let Some(kms) = x["kms"].as_str() {
+        println!("kms         {kms}");
+        println!("kms key id  {}", x["kms_key_id"].as_str().unwrap_or(""));
+        println!(
+            "last contact {}",
+            x["kms_last_contact"]
+                .as_u64()
+                .map(|t| format!("{t} (Unix time, {}s ago)", now_secs().saturating_sub(t)))
+                .unwrap_or_else(|| "none since nacred started".into())
+        );
+    }
+    if let Some(why) = x["locked_reason"].as_str() {
+        println!("locked      {why}");
+    }
     println!("policy      {}", policy_line(&x["policy"]));
     let mut t = Table::new(&["VOLUME", "CIPHER", "UNIT", "TWEAK", "KEY VERSION", "STATE"]);
     for v in x["volumes"].as_array().into_iter().flatten() {

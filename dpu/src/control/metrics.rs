@@ -2,7 +2,8 @@
 //! registry: devices (vhost-user-blk devices and NVMe-oF namespaces, each with the volume it
 //! serves, so per-device rates join the volume series `on (volume)`), remote controller path
 //! states, sessions lost (reconnects) and established, bytes copied through transport
-//! buffers and moved directly (zero copy), and the configured QoS limits.
+//! buffers and moved directly (zero copy), the configured QoS limits, and KMIP key-manager
+//! requests (answers, failures, seconds spent).
 
 use std::fmt::Write;
 use std::sync::Arc;
@@ -139,5 +140,43 @@ fn render_daemon_series(r: &Registry) -> String {
             label(name)
         );
     }
+    render_kms(&mut out);
     out
+}
+
+/// KMIP requests per key manager and operation (`encrypt` at tenant creation and KEK
+/// rotation, `decrypt` at start and unlock): a counter by result, and a summary of the
+/// seconds each took (connect to answer, failures included).
+fn render_kms(out: &mut String) {
+    let stats = crate::crypto::kmip::stats();
+    let _ = writeln!(
+        out,
+        "# HELP nacre_kms_requests_total KMIP requests to a key manager, by operation and result (ok, error: unreachable, TLS, timeout or refused).\n# TYPE nacre_kms_requests_total counter"
+    );
+    for ((kms, op), s) in &stats {
+        for (result, n) in [("ok", s.ok), ("error", s.errors)] {
+            let _ = writeln!(
+                out,
+                "nacre_kms_requests_total{{kms=\"{}\",operation=\"{op}\",result=\"{result}\"}} {n}",
+                label(kms)
+            );
+        }
+    }
+    let _ = writeln!(
+        out,
+        "# HELP nacre_kms_request_seconds Time a KMIP request took, connect to answer (failures included).\n# TYPE nacre_kms_request_seconds summary"
+    );
+    for ((kms, op), s) in &stats {
+        let l = format!("kms=\"{}\",operation=\"{op}\"", label(kms));
+        let _ = writeln!(
+            out,
+            "nacre_kms_request_seconds_sum{{{l}}} {}",
+            s.seconds_sum
+        );
+        let _ = writeln!(
+            out,
+            "nacre_kms_request_seconds_count{{{l}}} {}",
+            s.ok + s.errors
+        );
+    }
 }

@@ -40,6 +40,10 @@ pub struct State {
     /// Tenants: policy, KEK description and check, wrapped data keys (never plaintext keys).
     #[serde(default)]
     pub tenants: BTreeMap<String, crate::crypto::tenant::TenantRecord>,
+    /// Key managers (KMIP) that KMS tenants' envelope keys are encrypted by: address and
+    /// certificate paths, never a key.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub kms: BTreeMap<String, crate::crypto::kmip::KmsEndpoint>,
     #[serde(default)]
     pub remotes: BTreeMap<String, RemoteRecord>,
     /// QoS limits of volumes, tenants and the daemon.

@@ -1,10 +1,10 @@
-//! `tenant_*` methods, and the key operations on encrypted volumes (`volume_crypto_erase`,
-//! `volume_export_key`).
+//! `tenant_*` methods, the key managers KMS tenants use (`kms_*`), and the key operations
+//! on encrypted volumes (`volume_crypto_erase`, `volume_export_key`).
 
 use std::path::PathBuf;
 
 use nacre_shared::api::tenant::{
-    TenantCreate, TenantDelete, TenantList, TenantName, TenantPolicySet, TenantRotateKek,
+    KmsAdd, TenantCreate, TenantDelete, TenantList, TenantName, TenantPolicySet, TenantRotateKek,
     TenantUnlock, VolumeCryptoErase, VolumeExportKey,
 };
 use nacre_shared::api::Ack;
@@ -18,7 +18,7 @@ pub const METHODS: &[Method] = &[
     Method {
         name: "tenant_create",
         handler: tenant_create,
-        help: "Create a tenant: name, kek {key_file | passphrase}, policy {cipher, data_unit, tweak, require_encryption}.",
+        help: "Create a tenant: name, kek {key_file | passphrase | kms + kms_key_id}, policy {cipher, data_unit, tweak, require_encryption}.",
     },
     Method {
         name: "tenant_list",
@@ -38,7 +38,27 @@ pub const METHODS: &[Method] = &[
     Method {
         name: "tenant_unlock",
         handler: tenant_unlock,
-        help: "Give nacred a tenant's KEK (passphrase tenants after a restart) and open its encrypted volumes: name, kek.",
+        help: "Give nacred a tenant's KEK (passphrase tenants after a restart; KMS tenants ask their key manager) and open its encrypted volumes: name, kek.",
+    },
+    Method {
+        name: "tenant_lock",
+        handler: tenant_lock,
+        help: "Forget a KMS or passphrase tenant's KEK and withdraw its volumes' data keys (they fail I/O until tenant_unlock): name.",
+    },
+    Method {
+        name: "kms_add",
+        handler: kms_add,
+        help: "Configure a KMIP key manager: name, address (HOST:PORT), ca, cert, key (absolute PEM paths), timeout_ms.",
+    },
+    Method {
+        name: "kms_list",
+        handler: kms_list,
+        help: "List the configured key managers and the tenants each holds the KEK of.",
+    },
+    Method {
+        name: "kms_delete",
+        handler: kms_delete,
+        help: "Remove a key manager no tenant uses: name.",
     },
     Method {
         name: "tenant_policy_set",
@@ -93,6 +113,27 @@ fn tenant_unlock(d: &Daemon, params: Value) -> Result<Value, RpcError> {
     let p: TenantUnlock = parse_params(params)?;
     let opened = d.registry.unlock_tenant(&p.name, &p.kek)?;
     to_value(json!({"ok": true, "opened": opened}))
+}
+
+fn tenant_lock(d: &Daemon, params: Value) -> Result<Value, RpcError> {
+    let p: TenantName = parse_params(params)?;
+    let locked = d.registry.lock_tenant(&p.name)?;
+    to_value(json!({"ok": true, "locked": locked}))
+}
+
+fn kms_add(d: &Daemon, params: Value) -> Result<Value, RpcError> {
+    let p: KmsAdd = parse_params(params)?;
+    to_value(d.registry.add_kms(&p)?)
+}
+
+fn kms_list(d: &Daemon, _params: Value) -> Result<Value, RpcError> {
+    to_value(d.registry.kms_list())
+}
+
+fn kms_delete(d: &Daemon, params: Value) -> Result<Value, RpcError> {
+    let p: TenantName = parse_params(params)?;
+    d.registry.delete_kms(&p.name)?;
+    to_value(Ack { ok: true })
 }
 
 fn tenant_policy_set(d: &Daemon, params: Value) -> Result<Value, RpcError> {

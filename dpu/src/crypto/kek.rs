@@ -1,8 +1,9 @@
 //! Where a tenant's key-encryption key comes from.
 //!
 //! [`KekSource`] is the seam for key management: today a key file (32 random bytes) or a
-//! passphrase stretched with Argon2id (RFC 9106); a KMS (KMIP `Get` of a symmetric key) is
-//! one more implementation, and nothing in the data path or the key records changes.
+//! passphrase stretched with Argon2id (RFC 9106); or an envelope key encrypted by a key
+//! manager over KMIP ([`super::kmip::KmsKek`]). Nothing in the data path or the key records
+//! depends on which.
 //! What is persisted about a source is its [`KekSpec`]: never the key, never the passphrase.
 
 use std::path::{Path, PathBuf};
@@ -95,6 +96,16 @@ pub enum KekSpec {
         salt: Vec<u8>,
         params: Argon2Params,
     },
+    /// A random envelope key, encrypted by key `key_id` of the configured key manager `kms`
+    /// (KMIP Encrypt, AES-CBC/PKCS#5, IV `iv`); only the key manager can decrypt `blob`.
+    Kms {
+        kms: String,
+        key_id: String,
+        #[serde(with = "hex_bytes")]
+        iv: Vec<u8>,
+        #[serde(with = "hex_bytes")]
+        blob: Vec<u8>,
+    },
 }
 
 impl KekSpec {
@@ -102,6 +113,7 @@ impl KekSpec {
         match self {
             KekSpec::KeyFile { .. } => "key-file",
             KekSpec::Passphrase { .. } => "passphrase",
+            KekSpec::Kms { .. } => "kms",
         }
     }
 }

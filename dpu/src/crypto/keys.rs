@@ -4,6 +4,11 @@
 //! of the bytes behind on the stack, and both are overwritten with zeros when dropped. Neither
 //! type implements `Clone`, `Display` or `Serialize`, and `Debug` prints only the length: a
 //! plaintext key cannot reach a log line, an error message or the state directory by accident.
+//!
+//! Copies made by code that uses a key are cleared too: [`scrub_stack`] overwrites the dead
+//! stack frames where AES key schedules were built, and inside a [`ScrubFrees`] scope the
+//! [`ScrubbingAllocator`] (nacred's global allocator) zeroes what a library frees (rustls's
+//! decrypted records in a KMIP exchange).
 
 use std::fmt;
 
@@ -158,6 +163,116 @@ impl fmt::Debug for Kek {
 /// Compare without an early exit, so the time taken does not say where keys first differ.
 pub(crate) fn ct_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+thread_local! {
+    /// Set while this thread runs code whose library buffers may hold key bytes.
+    static SCRUB_FREES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+fn scrubbing() -> bool {
+    SCRUB_FREES.try_with(std::cell::Cell::get).unwrap_or(false)
+}
+
+/// While one is alive, memory this thread frees is zeroed before it goes back to the
+/// allocator (with [`ScrubbingAllocator`] as the global allocator, as in nacred).
+///
+/// For code that copies key bytes into buffers it does not own: rustls keeps each
+/// decrypted TLS record in a `Vec` of its own (even through its unbuffered API), and a KMIP
+/// Decrypt answer is a plaintext key.
+pub struct ScrubFrees {
+    prev: bool,
+}
+
+impl ScrubFrees {
+    pub fn begin() -> Self {
+        ScrubFrees {
+            prev: SCRUB_FREES.with(|c| c.replace(true)),
+        }
+    }
+}
+
+impl Drop for ScrubFrees {
+    fn drop(&mut self) {
+        SCRUB_FREES.with(|c| c.set(self.prev));
+    }
+}
+
+/// A global allocator that zeroes what a thread frees inside a [`ScrubFrees`] scope, and
+/// otherwise is `A` (one thread-local flag read per free).
+pub struct ScrubbingAllocator<A>(pub A);
+
+/// Overwrite `len` bytes at `p` with volatile writes.
+///
+/// # Safety
+/// `p` must be valid for writes of `len` bytes.
+unsafe fn zero(p: *mut u8, len: usize) {
+    // SAFETY: the caller guarantees `p` is valid for `len` bytes.
+    zeroize::Zeroize::zeroize(unsafe { std::slice::from_raw_parts_mut(p, len) });
+}
+
+// SAFETY: every method forwards to `A` with the same layouts; the frees inside a scope
+// first overwrite the block, which the caller still owns until `A::dealloc`.
+unsafe impl<A: std::alloc::GlobalAlloc> std::alloc::GlobalAlloc for ScrubbingAllocator<A> {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: forwarded with the caller's guarantees.
+        unsafe { self.0.alloc(layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: std::alloc::Layout) -> *mut u8 {
+        // SAFETY: forwarded with the caller's guarantees.
+        unsafe { self.0.alloc_zeroed(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        if scrubbing() {
+            // SAFETY: `ptr` is a live block of `layout.size()` bytes until it is freed below.
+            unsafe { zero(ptr, layout.size()) };
+        }
+        // SAFETY: forwarded with the caller's guarantees.
+        unsafe { self.0.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new_size: usize) -> *mut u8 {
+        if !scrubbing() {
+            // SAFETY: forwarded with the caller's guarantees.
+            return unsafe { self.0.realloc(ptr, layout, new_size) };
+        }
+        // Moved by hand, so the old block is zeroed before it is freed.
+        // SAFETY: the caller guarantees `new_size`, rounded up to `layout.align()`, does
+        // not overflow `isize` (GlobalAlloc::realloc's contract).
+        let new_layout =
+            unsafe { std::alloc::Layout::from_size_align_unchecked(new_size, layout.align()) };
+        // SAFETY: `new_layout` has a non-zero size (realloc's contract).
+        let new = unsafe { self.0.alloc(new_layout) };
+        if !new.is_null() {
+            // SAFETY: both blocks are live and distinct; the copy is within both sizes; the
+            // old block is then zeroed and freed with its own layout.
+            unsafe {
+                std::ptr::copy_nonoverlapping(ptr, new, layout.size().min(new_size));
+                zero(ptr, layout.size());
+                self.0.dealloc(ptr, layout);
+            }
+        }
+        new
+    }
+}
+
+/// Bytes of stack [`scrub_stack`] overwrites.
+pub const SCRUB_BYTES: usize = 128 * 1024;
+
+/// Overwrite the stack below the caller's frame with zeros.
+///
+/// A key in a zeroize-on-drop box is still copied onto the stack by the code that uses it:
+/// AES key schedules (whose first round keys are the key itself) are built and moved there,
+/// and the frames that held them are dead but not cleared once the call returns. Code that
+/// handles KEKs calls this when it is done (every control-plane operation, and each KMS
+/// exchange), so a tenant's KEK does not outlive `tenant_lock` in a stack nobody uses.
+#[inline(never)]
+pub fn scrub_stack() {
+    let mut dead = [0u8; SCRUB_BYTES];
+    zeroize::Zeroize::zeroize(&mut dead[..]);
+    std::hint::black_box(&dead);
 }
 
 #[cfg(test)]

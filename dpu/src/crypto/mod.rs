@@ -1,7 +1,7 @@
 //! Per-tenant AES-XTS encryption of volumes.
 //!
 //! ```text
-//!  tenant ── KEK (key file | Argon2id passphrase | later: KMIP)      kek.rs
+//!  tenant ── KEK (key file | Argon2id passphrase | KMIP envelope)   kek.rs, kmip/
 //!    │         wraps, AES-256-GCM, AAD = tenant ‖ volume ‖ version   wrap.rs
 //!    ├── policy: cipher, data unit, tweak mode, require-encryption  policy.rs
 //!    └── volume ── wrapped data key (64 bytes XTS, halves distinct)  tenant.rs, keys.rs
@@ -30,8 +30,10 @@
 //! no IV generator for.
 
 pub mod engine_awslc;
+pub mod gate;
 pub mod kek;
 pub mod keys;
+pub mod kmip;
 pub mod policy;
 pub mod tenant;
 pub mod volume;

@@ -6,11 +6,15 @@
 //! Argon2id (nacred keeps the derived KEK in memory only; after a restart the tenant's
 //! encrypted volumes stay closed until `tenant_unlock`). The passphrase travels only in
 //! the RPC request over nacred's private Unix socket; the CLI reads it from a file or stdin,
-//! never from its command line.
+//! never from its command line. Or it is a random envelope key encrypted by a key manager
+//! over KMIP (`kms`, `kms_key_id`): nacred asks the key manager to decrypt it at start and
+//! at `tenant_unlock`, and forgets it at `tenant_lock`.
 
 use serde::{Deserialize, Serialize};
 
-/// Where a tenant's KEK comes from: exactly one of `key_file` or `passphrase`.
+/// Where a tenant's KEK comes from: exactly one of `key_file`, `passphrase` or
+/// `kms_key_id` (with `kms`, the configured key manager; a rotation defaults to the
+/// tenant's current one).
 /// `Debug` never prints the passphrase.
 #[derive(Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
@@ -27,6 +31,12 @@ pub struct KekParams {
     /// Argon2id passes [default 3].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub argon2_t_cost: Option<u32>,
+    /// A key manager configured with `kms_add`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kms: Option<String>,
+    /// The unique identifier of an active AES key in that key manager.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kms_key_id: Option<String>,
 }
 
 /// The passphrase is overwritten when the params are dropped (copies the JSON layers made
@@ -47,6 +57,8 @@ impl std::fmt::Debug for KekParams {
             .field("passphrase", &self.passphrase.as_ref().map(|_| "redacted"))
             .field("argon2_m_cost_kib", &self.argon2_m_cost_kib)
             .field("argon2_t_cost", &self.argon2_t_cost)
+            .field("kms", &self.kms)
+            .field("kms_key_id", &self.kms_key_id)
             .finish()
     }
 }
@@ -191,6 +203,49 @@ pub struct TenantInfo {
     pub rotation_pending: bool,
     /// nacred holds the KEK now (always true for key-file tenants whose file is readable).
     pub unlocked: bool,
+    /// Why the tenant is locked (KMS tenants: the key manager's answer, or `tenant_lock`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub locked_reason: Option<String>,
+    /// KMS tenants: the key manager and the key id of the current KEK.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kms: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kms_key_id: Option<String>,
+    /// KMS tenants: when nacred last had a successful answer for this tenant from the key
+    /// manager (seconds since the Unix epoch; none since nacred started if absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kms_last_contact: Option<u64>,
     pub policy: PolicyInfo,
     pub volumes: Vec<TenantVolumeInfo>,
+}
+
+/// `kms_add`: a key manager speaking KMIP over mutual TLS.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct KmsAdd {
+    pub name: String,
+    /// `HOST:PORT` (KMIP's port is 5696); HOST must be a name or address in the server's
+    /// certificate.
+    pub address: String,
+    /// Absolute paths: the CA the server's certificate must chain to, nacred's client
+    /// certificate and its private key (PEM).
+    pub ca: String,
+    pub cert: String,
+    pub key: String,
+    /// Bound on one KMIP operation, connect to answer [default 5000].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+}
+
+/// A configured key manager as `kms_list` shows it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct KmsInfo {
+    pub name: String,
+    pub address: String,
+    pub ca: String,
+    pub cert: String,
+    pub key: String,
+    pub timeout_ms: u64,
+    /// Tenants whose KEK (or pending KEK) this key manager holds.
+    pub tenants: Vec<String>,
 }

@@ -16,6 +16,7 @@ use super::remote_volume;
 use super::store::{Inner, Registry};
 use crate::control::error::RpcError;
 use crate::control::state::VolumeRecord;
+use crate::crypto::gate::KeyGate;
 use crate::crypto::tenant::TenantRecord;
 use crate::crypto::volume::EncryptedVolume;
 use crate::volume::{
@@ -172,7 +173,31 @@ pub(super) fn open_existing(
     let (key, policy) = t.open_volume(&rec.name, &kek).map_err(rpc_err)?;
     let raw = open_backend(reg, rec)?;
     let dev = EncryptedVolume::new(raw, &key, policy).map_err(rpc_err)?;
-    Ok(Arc::new(dev))
+    Ok(gated(inner, &rec.name, Arc::new(dev)))
+}
+
+/// Serve `dev` through the volume's key gate: the existing one (a volume that was locked
+/// and is being unlocked: its devices see the change) or a new one.
+pub(super) fn gated(
+    inner: &mut Inner,
+    name: &str,
+    dev: Arc<dyn BlockDevice>,
+) -> Arc<dyn BlockDevice> {
+    if let Some(g) = inner
+        .live
+        .gates
+        .get(name)
+        .and_then(std::sync::Weak::upgrade)
+    {
+        g.set(dev);
+        return g;
+    }
+    let g = Arc::new(KeyGate::new(dev));
+    inner
+        .live
+        .gates
+        .insert(name.to_string(), Arc::downgrade(&g));
+    g
 }
 
 /// For `volume_create`: check the tenant and its policy, create the data key of an encrypted
@@ -216,7 +241,7 @@ pub(super) fn open_for_create(
     let raw = open_backend(reg, rec)?;
     let dev = EncryptedVolume::new(raw, &key, next.volumes[&rec.name].policy).map_err(rpc_err)?;
     info!(volume = %rec.name, tenant = %t.name, engine = dev.engine_name(), "encrypted volume created");
-    Ok((Arc::new(dev), Some(next)))
+    Ok((gated(inner, &rec.name, Arc::new(dev)), Some(next)))
 }
 
 /// The QoS and statistics layer over a freshly opened volume (unless nacred runs without it).
@@ -256,6 +281,19 @@ pub(super) fn reopen(reg: &Registry, inner: &mut Inner, rec: &VolumeRecord) {
         Ok(dev) => {
             let dev = with_qos(reg, rec, dev);
             inner.live.volumes.insert(rec.name.clone(), dev);
+        }
+        Err(e) if rec.encrypted => {
+            // Served all the same, failing every request, through its key gate: its
+            // devices come back, and `tenant_unlock` swaps the opened volume in.
+            warn!(volume = %rec.name, error = %e, "encrypted volume failed");
+            let failed = gated(
+                inner,
+                &rec.name,
+                Arc::new(FailedVolume::new(rec, e.message.clone())),
+            );
+            let dev = with_qos(reg, rec, failed);
+            inner.live.volumes.insert(rec.name.clone(), dev);
+            inner.live.failed.insert(rec.name.clone(), e.message);
         }
         Err(e) => {
             warn!(volume = %rec.name, error = %e, "volume not reopened");

@@ -17,7 +17,7 @@
 //!             │                                                  call, serialise
 //!   registry::replay
 //!             │
-//!   registry::{volumes, tenants, nvmf, remotes, vhost, qos, peers}   operations, one
+//!   registry::{volumes, tenants, kms, nvmf, remotes, vhost, qos, peers}   operations, one
 //!             │                                          family each; never each other
 //!   registry::{compose, remote_volume, keys, exporters, target, listener_retry}
 //!             │                        how live objects are built, found and indexed
@@ -42,6 +42,7 @@ mod compose;
 mod controllers;
 mod exporters;
 mod keys;
+mod kms;
 pub mod listener_retry;
 mod nvmf;
 mod peers;
@@ -78,6 +79,7 @@ mod test {
         ("listener_retry", 3, include_str!("listener_retry.rs")),
         ("volumes", 4, include_str!("volumes.rs")),
         ("tenants", 4, include_str!("tenants.rs")),
+        ("kms", 4, include_str!("kms.rs")),
         ("nvmf", 4, include_str!("nvmf.rs")),
         ("remotes", 4, include_str!("remotes.rs")),
         ("vhost", 4, include_str!("vhost.rs")),

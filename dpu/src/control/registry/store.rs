@@ -41,6 +41,21 @@ pub(super) struct Live {
     pub listeners_failed: BTreeMap<(String, SocketAddr), String>,
     /// Tenants' unlocked KEKs (zeroized when dropped); see [`super::keys`].
     pub keks: HashMap<String, Arc<crate::crypto::tenant::UnlockedKek>>,
+    /// KMS and passphrase tenants: last successful key-manager answer, and why the tenant
+    /// is locked (see [`super::keys`]).
+    pub tenant_status: HashMap<String, TenantStatus>,
+    /// Encrypted volumes' key gates (weak: a gate lives as long as its volume), through
+    /// which `tenant_lock`/`tenant_unlock` withdraw and restore their keys.
+    pub gates: HashMap<String, std::sync::Weak<crate::crypto::gate::KeyGate>>,
+}
+
+/// What nacred knows about a tenant's KEK beyond the record: when the key manager last
+/// answered for it, and why it is locked, if it is.
+#[derive(Debug, Clone, Default)]
+pub struct TenantStatus {
+    /// Seconds since the Unix epoch.
+    pub last_contact: Option<u64>,
+    pub locked_reason: Option<String>,
 }
 
 /// The persisted state and the live objects built from it, under the control lock.
@@ -99,7 +114,10 @@ impl Registry {
         &self,
         f: impl FnOnce(&mut Inner) -> Result<T, RpcError>,
     ) -> Result<T, RpcError> {
-        f(&mut self.lock())
+        let r = f(&mut self.lock());
+        // Operations use KEKs; their key schedules stay in dead stack frames otherwise.
+        crate::crypto::keys::scrub_stack();
+        r
     }
 
     /// Persist `next` atomically. Call before committing it to `Inner::state`.

@@ -1,8 +1,9 @@
 //! Tenants, their encryption policy and KEK, and the key operations on encrypted volumes
-//! (crypto-erase, key export).
+//! (crypto-erase, key export). KMS tenants' key-manager calls happen before the control lock
+//! is taken ([`Registry::kms_source_new`], [`Registry::kms_unlock`]).
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use nacre_shared::api::tenant::{
     KekParams, PolicyInfo, PolicyParams, TenantInfo, TenantVolumeInfo,
@@ -10,14 +11,16 @@ use nacre_shared::api::tenant::{
 use nacre_shared::api::validate_name;
 use tracing::{info, warn};
 
-use super::compose::{open_existing, with_qos};
+use super::compose::{open_existing, with_qos, FailedVolume};
 use super::exporters::refuse_if_exported;
-use super::keys::{new_source, recorded_source, rpc_err, tenant_of, unlocked};
+use super::keys::{
+    new_source, now_secs, recognise_kms, recorded_source, rpc_err, tenant_of, unlocked,
+};
 use super::store::{Inner, Registry};
 use crate::control::error::RpcError;
 use crate::control::state::VolumeRecord;
 use crate::crypto::kek::{KekSource, KekSpec};
-use crate::crypto::tenant::TenantRecord;
+use crate::crypto::tenant::{TenantRecord, UnlockedKek};
 use crate::crypto::{CipherKind, CryptoError, EncryptionPolicy, TweakMode};
 
 impl Registry {
@@ -30,7 +33,13 @@ impl Registry {
     ) -> Result<TenantInfo, RpcError> {
         validate_name("tenant", name).map_err(RpcError::invalid_params)?;
         let policy = apply_policy(EncryptionPolicy::default(), policy)?;
-        let source = new_source(kek)?;
+        if self.with(|inner| Ok(inner.state.tenants.contains_key(name)))? {
+            return Err(RpcError::exists("tenant", name));
+        }
+        let source = match kek.kms_key_id {
+            Some(_) => self.kms_source_new(kek, None)?,
+            None => new_source(kek)?,
+        };
         self.with(|inner| {
             if inner.state.tenants.contains_key(name) {
                 return Err(RpcError::exists("tenant", name));
@@ -40,6 +49,15 @@ impl Registry {
             next.tenants.insert(name.to_string(), rec.clone());
             self.commit(inner, next, || {})?;
             inner.live.keks.insert(name.to_string(), Arc::new(kek));
+            if matches!(rec.kek.spec, KekSpec::Kms { .. }) {
+                inner.live.tenant_status.insert(
+                    name.to_string(),
+                    super::store::TenantStatus {
+                        last_contact: Some(now_secs()),
+                        locked_reason: None,
+                    },
+                );
+            }
             info!(tenant = %name, kek = rec.kek.spec.kind(), "tenant created");
             Ok(tenant_info(inner, &rec))
         })
@@ -88,6 +106,7 @@ impl Registry {
             next.tenants.remove(name);
             self.commit(inner, next, || {})?;
             inner.live.keks.remove(name);
+            inner.live.tenant_status.remove(name);
             for v in &owned {
                 if inner.state.volumes.get(v).is_some_and(|r| r.encrypted) {
                     inner.live.volumes.remove(v);
@@ -101,8 +120,19 @@ impl Registry {
     /// `tenant_unlock`: take the tenant's KEK (mid-rotation, the pending one is tried too)
     /// and open its encrypted volumes that are not open. Returns the volumes opened.
     pub fn unlock_tenant(&self, name: &str, kek: &KekParams) -> Result<Vec<String>, RpcError> {
+        let t = self.with(|inner| Ok(tenant_of(&inner.state, name)?.clone()))?;
+        // A KMS tenant: the key manager answers before the control lock is taken.
+        let from_kms = match t.kek.spec {
+            KekSpec::Kms { .. } => Some(self.kms_unlock(&t)?),
+            _ => None,
+        };
         self.with(|inner| {
             let t = tenant_of(&inner.state, name)?.clone();
+            if let Some(k) = from_kms {
+                // Checked against the record as it is now (a rotation may have run meanwhile).
+                let unlocked = recognise_kms(inner, &t, k)?;
+                return Ok(self.open_unlocked(inner, name, unlocked));
+            }
             let src = recorded_source(&t, &t.kek.spec, Some(kek))?;
             let unlocked = match t.unlock(&*src) {
                 Ok(k) => k,
@@ -114,7 +144,17 @@ impl Registry {
                 }
                 Err(e) => return Err(rpc_err(e)),
             };
+            Ok(self.open_unlocked(inner, name, unlocked))
+        })
+    }
+
+    /// Hold a tenant's checked KEK and open its encrypted volumes that are not open.
+    fn open_unlocked(&self, inner: &mut Inner, name: &str, unlocked: UnlockedKek) -> Vec<String> {
+        {
             inner.live.keks.insert(name.to_string(), Arc::new(unlocked));
+            if let Some(st) = inner.live.tenant_status.get_mut(name) {
+                st.locked_reason = None;
+            }
             let closed: Vec<VolumeRecord> = inner
                 .state
                 .volumes
@@ -122,7 +162,8 @@ impl Registry {
                 .filter(|v| {
                     v.encrypted
                         && v.tenant.as_deref() == Some(name)
-                        && !inner.live.volumes.contains_key(&v.name)
+                        && (!inner.live.volumes.contains_key(&v.name)
+                            || inner.live.failed.contains_key(&v.name))
                 })
                 .cloned()
                 .collect();
@@ -130,8 +171,12 @@ impl Registry {
             for rec in closed {
                 match open_existing(self, inner, &rec) {
                     Ok(dev) => {
-                        let dev = with_qos(self, &rec, dev);
-                        inner.live.volumes.insert(rec.name.clone(), dev);
+                        // A volume served failed through its key gate has it opened
+                        // inside (open_existing); one not served at all gets served now.
+                        if !inner.live.volumes.contains_key(&rec.name) {
+                            let dev = with_qos(self, &rec, dev);
+                            inner.live.volumes.insert(rec.name.clone(), dev);
+                        }
                         inner.live.failed.remove(&rec.name);
                         opened.push(rec.name.clone());
                     }
@@ -139,7 +184,50 @@ impl Registry {
                 }
             }
             info!(tenant = %name, opened = opened.len(), "tenant unlocked");
-            Ok(opened)
+            opened
+        }
+    }
+
+    /// `tenant_lock`: forget a KMS or passphrase tenant's KEK and withdraw its encrypted
+    /// volumes' data keys: each volume's key gate is switched to a volume that fails every
+    /// request ("tenant locked"), so devices exporting it stay up and their hosts see I/O
+    /// errors, and the data key is zeroed as the encrypted volume drops. `tenant_unlock`
+    /// swaps them back. Returns the volumes locked.
+    pub fn lock_tenant(&self, name: &str) -> Result<Vec<String>, RpcError> {
+        self.with(|inner| {
+            let t = tenant_of(&inner.state, name)?.clone();
+            if matches!(t.kek.spec, KekSpec::KeyFile { .. }) {
+                return Err(RpcError::refused(format!(
+                    "tenant {name:?} takes its KEK from a key file, which unlocks it whenever \
+                     needed: only KMS and passphrase tenants can be locked"
+                )));
+            }
+            let owned: Vec<VolumeRecord> = inner
+                .state
+                .volumes
+                .values()
+                .filter(|v| v.encrypted && v.tenant.as_deref() == Some(name))
+                .cloned()
+                .collect();
+            let why = "locked by `nacre tenant lock`".to_string();
+            inner.live.keks.remove(name);
+            inner
+                .live
+                .tenant_status
+                .entry(name.to_string())
+                .or_default()
+                .locked_reason = Some(why.clone());
+            let mut locked = Vec::new();
+            for rec in owned {
+                let reason = format!("tenant locked: {why}; run `nacre tenant unlock {name}`");
+                if let Some(g) = inner.live.gates.get(&rec.name).and_then(Weak::upgrade) {
+                    g.set(Arc::new(FailedVolume::new(&rec, reason.clone())));
+                    locked.push(rec.name.clone());
+                }
+                inner.live.failed.insert(rec.name.clone(), reason);
+            }
+            warn!(tenant = %name, volumes = locked.len(), "tenant locked");
+            Ok(locked)
         })
     }
 
@@ -188,7 +276,19 @@ impl Registry {
         name: &str,
         new_kek: &KekParams,
     ) -> Result<TenantInfo, RpcError> {
-        let new_src = new_source(new_kek)?;
+        let new_src = match new_kek.kms_key_id {
+            Some(_) => {
+                let current = self.with(|inner| {
+                    Ok(match &tenant_of(&inner.state, name)?.kek.spec {
+                        KekSpec::Kms { kms, .. } => Some(kms.clone()),
+                        _ => None,
+                    })
+                })?;
+                // The key manager answers before the control lock is taken.
+                self.kms_source_new(new_kek, current.as_deref())?
+            }
+            None => new_source(new_kek)?,
+        };
         self.with(|inner| {
             let mut t = tenant_of(&inner.state, name)?.clone();
             let old = unlocked(inner, &t)?;
@@ -217,6 +317,11 @@ impl Registry {
                 })
                 .map_err(rpc_err)?;
             inner.live.keks.insert(name.to_string(), Arc::new(new));
+            if matches!(t.kek.spec, KekSpec::Kms { .. }) {
+                let st = inner.live.tenant_status.entry(name.to_string()).or_default();
+                st.last_contact = Some(now_secs());
+                st.locked_reason = None;
+            }
             info!(tenant = %name, generation = t.kek.generation, volumes = t.volumes.len(), "tenant KEK rotated");
             Ok(tenant_info(inner, &t))
         })
@@ -282,7 +387,24 @@ fn policy_info(p: &EncryptionPolicy) -> PolicyInfo {
 fn tenant_info(inner: &Inner, t: &TenantRecord) -> TenantInfo {
     let unlocked =
         inner.live.keks.contains_key(&t.name) || matches!(t.kek.spec, KekSpec::KeyFile { .. });
+    let status = inner.live.tenant_status.get(&t.name);
+    let (kms, kms_key_id) = match &t.kek.spec {
+        KekSpec::Kms { kms, key_id, .. } => (Some(kms.clone()), Some(key_id.clone())),
+        _ => (None, None),
+    };
     TenantInfo {
+        locked_reason: if unlocked {
+            None
+        } else {
+            Some(
+                status
+                    .and_then(|s| s.locked_reason.clone())
+                    .unwrap_or_else(|| "its KEK is not in memory".into()),
+            )
+        },
+        kms_last_contact: status.and_then(|s| s.last_contact),
+        kms,
+        kms_key_id,
         name: t.name.clone(),
         kek_source: t.kek.spec.kind().into(),
         kek_path: match &t.kek.spec {
