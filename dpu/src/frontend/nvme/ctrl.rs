@@ -39,21 +39,6 @@ pub(crate) trait CtrlQueue: Send + Sync {
     }
 }
 
-impl CtrlQueue for super::conn::Queue {
-    fn last_rx_ms(&self) -> u64 {
-        super::conn::Queue::last_rx_ms(self)
-    }
-    fn stats(&self) -> (u64, u64, u64, u64) {
-        super::conn::Queue::stats(self)
-    }
-    fn shutdown(&self) {
-        super::conn::Queue::shutdown(self)
-    }
-    fn complete_async(&self, cid: u16, status: Status, dw0: u32) {
-        super::conn::Queue::complete_async(self, cid, status, dw0)
-    }
-}
-
 /// What an admin command produced.
 pub(crate) enum AdminReply {
     /// Complete now with this status, Dword 0 and data for the host.
