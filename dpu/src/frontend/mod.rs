@@ -7,8 +7,11 @@
 //!   and its management API ([`nvmf_tcp::NvmfTarget`]).
 //! * [`nvmf_rdma`] — the same target's subsystems over RDMA (NVMe RDMA Transport
 //!   Specification 1.0, RoCEv2).
+//! * [`nvme_pcie`] — the same target's subsystems as PCIe NVMe controllers, emulated over
+//!   vfio-user.
 
 pub mod nvme;
+pub mod nvme_pcie;
 pub mod nvmf_rdma;
 pub mod nvmf_tcp;
 pub mod vhost_user_blk;
