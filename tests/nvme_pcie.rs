@@ -185,3 +185,381 @@ fn spdk_perf_runs_error_free_and_writes_land_whole() {
     }
     assert!(moved > 0, "perf wrote nothing");
 }
+
+/// Guest memory the raw client shares with the controller: a memfd mapped here too.
+struct GuestMem {
+    fd: std::os::fd::OwnedFd,
+    ptr: *mut u8,
+    len: usize,
+}
+
+/// Where the raw client's memory starts in the device's (IO virtual) address space.
+const IOVA: u64 = 0x10_0000;
+const MEM_LEN: usize = 1 << 20;
+const ASQ: u64 = IOVA;
+const ACQ: u64 = IOVA + 0x1000;
+const IOCQ: u64 = IOVA + 0x2000;
+const IOSQ: u64 = IOVA + 0x3000;
+const DATA: u64 = IOVA + 0x1_0000;
+
+impl GuestMem {
+    fn new() -> Self {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        // SAFETY: memfd_create with a NUL-terminated name; checked.
+        let raw = unsafe { libc::memfd_create(c"guest".as_ptr(), 0) };
+        assert!(raw >= 0);
+        // SAFETY: a new descriptor owned once.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+        // SAFETY: ftruncate and a shared mapping of our own memfd, both checked.
+        let ptr = unsafe {
+            assert_eq!(libc::ftruncate(fd.as_raw_fd(), MEM_LEN as i64), 0);
+            libc::mmap(
+                std::ptr::null_mut(),
+                MEM_LEN,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED);
+        GuestMem {
+            fd,
+            ptr: ptr as *mut u8,
+            len: MEM_LEN,
+        }
+    }
+
+    fn at(&mut self, iova: u64, len: usize) -> &mut [u8] {
+        let off = (iova - IOVA) as usize;
+        assert!(off + len <= self.len);
+        // SAFETY: inside the mapping; the controller writes it concurrently only where the
+        // test waits for it (completion entries, read data), and the test reads those with
+        // volatile loads (`phase`) before looking.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), len) }
+    }
+}
+
+impl Drop for GuestMem {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+    }
+}
+
+/// A host driver played step by step through rust-vmm's vfio-user client.
+struct RawHost {
+    c: vfio_user::Client,
+    mem: GuestMem,
+    sq_tail: [u16; 2],
+    cq_head: [u16; 2],
+    phase: [bool; 2],
+    cid: u16,
+}
+
+const BAR0: u32 = 0;
+const CONFIG: u32 = 7;
+const QSIZE: u16 = 16;
+
+impl RawHost {
+    fn connect(dir: &Path) -> Self {
+        use std::os::fd::AsRawFd;
+        let mut c = vfio_user::Client::new(&dir.join("cntrl")).unwrap();
+        let mem = GuestMem::new();
+        c.dma_map(0, IOVA, MEM_LEN as u64, mem.fd.as_raw_fd())
+            .unwrap();
+        // Bus master on.
+        c.region_write(CONFIG, 4, &6u16.to_le_bytes()).unwrap();
+        let aqa = (QSIZE as u32 - 1) << 16 | (QSIZE as u32 - 1);
+        c.region_write(BAR0, 0x24, &aqa.to_le_bytes()).unwrap();
+        c.region_write(BAR0, 0x28, &ASQ.to_le_bytes()).unwrap();
+        c.region_write(BAR0, 0x30, &ACQ.to_le_bytes()).unwrap();
+        let cc: u32 = 1 | 6 << 16 | 4 << 20;
+        c.region_write(BAR0, 0x14, &cc.to_le_bytes()).unwrap();
+        let mut h = RawHost {
+            c,
+            mem,
+            sq_tail: [0; 2],
+            cq_head: [0; 2],
+            phase: [true; 2],
+            cid: 0,
+        };
+        h.wait_csts(|v| v & 1 == 1, "CSTS.RDY");
+        h
+    }
+
+    fn csts(&mut self) -> u32 {
+        let mut b = [0u8; 4];
+        self.c.region_read(BAR0, 0x1C, &mut b).unwrap();
+        u32::from_le_bytes(b)
+    }
+
+    fn wait_csts(&mut self, ok: impl Fn(u32) -> bool, what: &str) -> u32 {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let v = self.csts();
+            if ok(v) {
+                return v;
+            }
+            assert!(Instant::now() < deadline, "{what} never came (CSTS {v:#x})");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Ring queue `q`'s submission doorbell with `value`.
+    fn ring(&mut self, q: usize, value: u32) {
+        self.c
+            .region_write(BAR0, 0x1000 + 8 * q as u64, &value.to_le_bytes())
+            .unwrap();
+    }
+
+    /// Submit `sqe` (64 bytes, CID filled in) on queue `q` and wait for its completion:
+    /// (status field without the phase, Dword 0).
+    fn submit(&mut self, q: usize, mut sqe: [u8; 64]) -> (u16, u32) {
+        self.cid += 1;
+        sqe[2..4].copy_from_slice(&self.cid.to_le_bytes());
+        let (sq, cq) = if q == 0 { (ASQ, ACQ) } else { (IOSQ, IOCQ) };
+        let slot = self.sq_tail[q] as u64;
+        self.mem.at(sq + slot * 64, 64).copy_from_slice(&sqe);
+        self.sq_tail[q] = (self.sq_tail[q] + 1) % QSIZE;
+        let tail = self.sq_tail[q] as u32;
+        self.ring(q, tail);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let at = cq + self.cq_head[q] as u64 * 16;
+        loop {
+            let p = self.mem.at(at, 16).as_ptr();
+            // SAFETY: 16 bytes inside the mapping (`at` checked), which the controller
+            // writes: read with volatile loads, the status (phase) last-written word first.
+            let st = unsafe { std::ptr::read_volatile(p.add(14) as *const u16) };
+            // SAFETY: as above.
+            let e: [u8; 16] = unsafe { std::ptr::read_volatile(p as *const [u8; 16]) };
+            if (st & 1 == 1) == self.phase[q] {
+                let cid = u16::from_le_bytes([e[12], e[13]]);
+                assert_eq!(cid, self.cid, "completion for another command");
+                let dw0 = u32::from_le_bytes(e[0..4].try_into().unwrap());
+                self.cq_head[q] = (self.cq_head[q] + 1) % QSIZE;
+                if self.cq_head[q] == 0 {
+                    self.phase[q] = !self.phase[q];
+                }
+                let head = self.cq_head[q] as u32;
+                self.c
+                    .region_write(BAR0, 0x1000 + 8 * q as u64 + 4, &head.to_le_bytes())
+                    .unwrap();
+                return (st >> 1, dw0);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no completion (CSTS {:#x})",
+                self.csts()
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    fn io_queues(&mut self) {
+        let ok = (0, 0);
+        let q = (QSIZE as u32 - 1) << 16 | 1;
+        assert_eq!(
+            self.submit(0, sqe(0x05, 0, IOCQ, 0, q, 1, 0)).0,
+            ok.0,
+            "create CQ"
+        );
+        assert_eq!(
+            self.submit(0, sqe(0x01, 0, IOSQ, 0, q, 1 << 16 | 1, 0)).0,
+            ok.0,
+            "create SQ"
+        );
+    }
+}
+
+/// A submission queue entry: opcode, NSID, PRP1, PRP2, Dwords 10-12.
+fn sqe(op: u8, nsid: u32, prp1: u64, prp2: u64, cdw10: u32, cdw11: u32, cdw12: u32) -> [u8; 64] {
+    let mut e = [0u8; 64];
+    e[0] = op;
+    e[4..8].copy_from_slice(&nsid.to_le_bytes());
+    e[24..32].copy_from_slice(&prp1.to_le_bytes());
+    e[32..40].copy_from_slice(&prp2.to_le_bytes());
+    e[40..44].copy_from_slice(&cdw10.to_le_bytes());
+    e[44..48].copy_from_slice(&cdw11.to_le_bytes());
+    e[48..52].copy_from_slice(&cdw12.to_le_bytes());
+    e
+}
+
+/// Status field values (status code type << 8 | status code).
+const SUCCESS: u16 = 0;
+const INVALID_FIELD: u16 = 0x02;
+const DATA_TRANSFER_ERROR: u16 = 0x04;
+const PRP_OFFSET_INVALID: u16 = 0x13;
+/// The status field without DNR.
+fn code(st: u16) -> u16 {
+    st & 0x7FF
+}
+
+#[test]
+fn a_raw_host_writes_and_reads_back_through_prp_lists() {
+    let s = serve();
+    let mut h = RawHost::connect(s.dir.path());
+    h.io_queues();
+    // 16 KiB: PRP1, then a PRP list at DATA + 0xF000 naming three more pages.
+    let pattern: Vec<u8> = (0..16384u32).map(|i| (i * 7 + i / 4096) as u8).collect();
+    h.mem.at(DATA, 16384).copy_from_slice(&pattern);
+    let list = DATA + 0xF000;
+    for (i, page) in [DATA + 0x1000, DATA + 0x2000, DATA + 0x3000]
+        .iter()
+        .enumerate()
+    {
+        h.mem
+            .at(list + 8 * i as u64, 8)
+            .copy_from_slice(&page.to_le_bytes());
+    }
+    // Write at LBA 64 (512-byte blocks, 32 of them), then read into other pages.
+    let (st, _) = h.submit(1, sqe(0x01, 1, DATA, list, 64, 0, 31));
+    assert_eq!(code(st), SUCCESS);
+    let mut on_vol = vec![0u8; 16384];
+    s.vol.read_at(64 * 512, &mut on_vol).unwrap();
+    assert_eq!(on_vol, pattern, "the volume holds what the host wrote");
+    let back = DATA + 0x8000;
+    for (i, page) in [back + 0x1000, back + 0x2000, back + 0x3000]
+        .iter()
+        .enumerate()
+    {
+        h.mem
+            .at(list + 8 * i as u64, 8)
+            .copy_from_slice(&page.to_le_bytes());
+    }
+    let (st, _) = h.submit(1, sqe(0x02, 1, back, list, 64, 0, 31));
+    assert_eq!(code(st), SUCCESS);
+    assert_eq!(h.mem.at(back, 16384), &pattern[..]);
+    // Flush, Write Zeroes, and Dataset Management (deallocate) complete.
+    assert_eq!(code(h.submit(1, sqe(0x00, 1, 0, 0, 0, 0, 0)).0), SUCCESS);
+    assert_eq!(code(h.submit(1, sqe(0x08, 1, 0, 0, 64, 0, 7)).0), SUCCESS);
+    s.vol.read_at(64 * 512, &mut on_vol).unwrap();
+    assert!(on_vol[..4096].iter().all(|&b| b == 0) && on_vol[4096..] == pattern[4096..]);
+    // Shutdown notification: SHST reports complete.
+    let cc: u32 = 1 | 6 << 16 | 4 << 20 | 1 << 14;
+    h.c.region_write(BAR0, 0x14, &cc.to_le_bytes()).unwrap();
+    h.wait_csts(|v| v >> 2 & 3 == 2, "CSTS.SHST complete");
+}
+
+#[test]
+fn a_hostile_host_gets_error_statuses_and_cannot_write_outside_its_memory() {
+    let s = serve();
+    let mut h = RawHost::connect(s.dir.path());
+    h.io_queues();
+    let before = {
+        let mut b = vec![0u8; 1 << 20];
+        s.vol.read_at(0, &mut b).unwrap();
+        b
+    };
+    // PRPs outside the mapped memory: the data pointer, the second page, the list, and an
+    // entry of the list.
+    let outside = 0x4000_0000u64;
+    assert_eq!(
+        code(h.submit(1, sqe(0x01, 1, outside, 0, 0, 0, 7)).0),
+        DATA_TRANSFER_ERROR
+    );
+    assert_eq!(
+        code(h.submit(1, sqe(0x02, 1, outside, 0, 0, 0, 7)).0),
+        DATA_TRANSFER_ERROR
+    );
+    assert_eq!(
+        code(h.submit(1, sqe(0x01, 1, DATA, outside, 0, 0, 15)).0),
+        DATA_TRANSFER_ERROR
+    );
+    assert_eq!(
+        code(h.submit(1, sqe(0x01, 1, DATA, outside, 0, 0, 31)).0),
+        DATA_TRANSFER_ERROR
+    );
+    let list = DATA + 0xF000;
+    h.mem.at(list, 8).copy_from_slice(&outside.to_le_bytes());
+    assert_eq!(
+        code(h.submit(1, sqe(0x01, 1, DATA, list, 0, 0, 31)).0),
+        DATA_TRANSFER_ERROR
+    );
+    // A PRP list that is not there (zero pointer), a misaligned one, and a transfer beyond
+    // MDTS (128 KiB): no data moves.
+    assert_eq!(
+        code(h.submit(1, sqe(0x01, 1, DATA, 0, 0, 0, 31)).0),
+        PRP_OFFSET_INVALID
+    );
+    assert_eq!(
+        code(h.submit(1, sqe(0x01, 1, DATA, list + 4, 0, 0, 31)).0),
+        PRP_OFFSET_INVALID
+    );
+    assert_eq!(
+        code(h.submit(1, sqe(0x01, 1, DATA, list, 0, 0, 511)).0),
+        INVALID_FIELD
+    );
+    let mut after = vec![0u8; 1 << 20];
+    s.vol.read_at(0, &mut after).unwrap();
+    assert!(after == before, "a refused write changed the volume");
+    // A Read whose data would land outside the memory changed nothing in it either.
+    assert!(h.mem.at(DATA, 4096).iter().all(|&b| b == 0));
+    // A doorbell beyond the queue's size: Controller Fatal Status, and nothing more is
+    // served until the host resets the controller.
+    h.ring(1, QSIZE as u32 + 5);
+    h.wait_csts(|v| v & 2 == 2, "CSTS.CFS");
+    h.c.region_write(BAR0, 0x14, &0u32.to_le_bytes()).unwrap();
+    h.wait_csts(|v| v & 3 == 0, "CSTS.RDY and CFS clear after reset");
+    drop(h);
+    // The controller serves the next host as new.
+    let mut h = RawHost::connect(s.dir.path());
+    let (st, _) = h.submit(0, sqe(0x06, 0, DATA, 0, 1, 0, 0));
+    assert_eq!(code(st), SUCCESS, "Identify after a hostile host");
+    assert_eq!(&h.mem.at(DATA + 24, 5)[..], b"nacre");
+}
+
+#[test]
+fn malformed_vfio_user_messages_close_the_connection_not_the_controller() {
+    use std::io::{Read, Write};
+    let s = serve();
+    let sock = s.dir.path().join("cntrl");
+    let header = |id: u16, cmd: u16, size: u32| {
+        let mut h = Vec::new();
+        h.extend_from_slice(&id.to_le_bytes());
+        h.extend_from_slice(&cmd.to_le_bytes());
+        h.extend_from_slice(&size.to_le_bytes());
+        h.extend_from_slice(&[0; 8]);
+        h
+    };
+    // A size smaller than the header, a size beyond any message, then a region read far
+    // out of range and an unknown command (error replies, connection kept).
+    for bad in [header(1, 1, 8), header(1, 9, 0xFFFF_FFF0)] {
+        let mut c = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        c.write_all(&bad).unwrap();
+        let mut b = [0u8; 16];
+        assert_eq!(
+            c.read(&mut b).unwrap(),
+            0,
+            "the server closes a connection it cannot parse"
+        );
+    }
+    let mut c = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut req = header(7, 9, 32);
+    req.extend_from_slice(&u64::MAX.to_le_bytes());
+    req.extend_from_slice(&0u32.to_le_bytes());
+    req.extend_from_slice(&4096u32.to_le_bytes());
+    c.write_all(&req).unwrap();
+    let mut reply = [0u8; 16];
+    c.read_exact(&mut reply).unwrap();
+    assert_eq!(u16::from_le_bytes([reply[0], reply[1]]), 7);
+    assert_ne!(
+        u32::from_le_bytes(reply[8..12].try_into().unwrap()) & 1 << 5,
+        0,
+        "error flag"
+    );
+    c.write_all(&header(8, 200, 16)).unwrap();
+    c.read_exact(&mut reply).unwrap();
+    assert_ne!(
+        u32::from_le_bytes(reply[8..12].try_into().unwrap()) & 1 << 5,
+        0,
+        "error flag"
+    );
+    drop(c);
+    // A well-formed host is served afterwards.
+    let mut h = RawHost::connect(s.dir.path());
+    h.io_queues();
+    assert_eq!(code(h.submit(1, sqe(0x00, 1, 0, 0, 0, 0, 0)).0), SUCCESS);
+}

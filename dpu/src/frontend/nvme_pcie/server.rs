@@ -231,18 +231,16 @@ impl Conn<'_> {
         out[4..8].copy_from_slice(&((HEADER + payload.len()) as u32).to_le_bytes());
         out[8..12].copy_from_slice(&flags.to_le_bytes());
         out[12..16].copy_from_slice(&err.to_le_bytes());
+        // One send per reply: clients read a reply's fixed part with a single recvmsg.
+        let mut msg = out.to_vec();
+        msg.extend_from_slice(&payload);
         match fd {
             Some(fd) => {
-                let mut msg = out.to_vec();
-                msg.extend_from_slice(&payload);
                 self.stream
                     .send_with_fd(&msg[..], fd)
                     .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))?;
             }
-            None => {
-                self.stream.write_all(&out)?;
-                self.stream.write_all(&payload)?;
-            }
+            None => self.stream.write_all(&msg)?,
         }
         Ok(())
     }
