@@ -563,3 +563,92 @@ fn malformed_vfio_user_messages_close_the_connection_not_the_controller() {
     h.io_queues();
     assert_eq!(code(h.submit(1, sqe(0x00, 1, 0, 0, 0, 0, 0)).0), SUCCESS);
 }
+
+/// The operator's way: `nacre nvmf add-listener --transport vfio-user --path DIR` on a
+/// running nacred, SPDK's driver sees the controller, the listener is persisted and
+/// replayed by a restart, and removing it removes the socket.
+#[test]
+fn nacred_serves_a_vfio_user_listener_added_by_the_cli_and_replays_it() {
+    use nacre_tests::daemon::Nacred;
+    use serde_json::json;
+    let mut n = Nacred::start();
+    n.ok(
+        "volume_create",
+        json!({"name": "pv", "size": 16 << 20, "block_size": 4096}),
+    );
+    n.ok(
+        "nvmf_subsystem_create",
+        json!({"nqn": NQN, "serial": SERIAL, "allow_any_host": true}),
+    );
+    n.ok("nvmf_subsystem_add_ns", json!({"nqn": NQN, "volume": "pv"}));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_str().unwrap();
+    // Without --path, and with a directory that does not exist: one-line errors.
+    let out = n.cli(&["nvmf", "add-listener", NQN, "--transport", "vfio-user"]);
+    assert!(!out.status.success());
+    let missing = dir.path().join("missing");
+    let out = n.cli(&[
+        "nvmf",
+        "add-listener",
+        NQN,
+        "--transport",
+        "vfio-user",
+        "--path",
+        missing.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no such directory"));
+    let out = n.cli(&[
+        "nvmf",
+        "add-listener",
+        NQN,
+        "--transport",
+        "vfio-user",
+        "--path",
+        path,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("PCIe NVMe controller"));
+    let identify = || {
+        run_spdk(
+            "spdk_nvme_identify",
+            &["--no-huge", "-s", "1024", "-r", &trid(dir.path())],
+        )
+    };
+    let out = identify();
+    assert!(
+        out.contains(&format!("Serial Number:                         {SERIAL}")),
+        "{out}"
+    );
+    let subs = n.ok("nvmf_get_subsystems", json!({}));
+    let listed = format!("vfio-user:{path}");
+    assert!(subs.to_string().contains(&listed), "{subs}");
+    // Persisted and replayed.
+    n.restart();
+    let out = identify();
+    assert!(
+        out.contains("Model Number:                          nacre"),
+        "{out}"
+    );
+    let out = n.cli(&[
+        "nvmf",
+        "remove-listener",
+        NQN,
+        "--transport",
+        "vfio-user",
+        "--path",
+        path,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!dir.path().join("cntrl").exists(), "the socket is removed");
+    let subs = n.ok("nvmf_get_subsystems", json!({}));
+    assert!(!subs.to_string().contains(&listed), "{subs}");
+}

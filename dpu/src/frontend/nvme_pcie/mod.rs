@@ -171,6 +171,22 @@ impl VfioUserPorts {
         Ok(())
     }
 
+    /// Stop every listener of subsystem `nqn` (it is being deleted).
+    pub fn forget_subsystem(&self, nqn: &str) {
+        let gone: Vec<Listener> = {
+            let mut ls = lock(&self.listeners);
+            let dirs: Vec<PathBuf> = ls
+                .iter()
+                .filter(|(_, l)| l.nqn == nqn)
+                .map(|(d, _)| d.clone())
+                .collect();
+            dirs.iter().filter_map(|d| ls.remove(d)).collect()
+        };
+        for l in gone {
+            stop(l);
+        }
+    }
+
     /// (subsystem NQN, listener directory) of every listener.
     pub fn listeners(&self) -> Vec<(String, PathBuf)> {
         lock(&self.listeners)
