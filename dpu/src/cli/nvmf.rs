@@ -72,8 +72,8 @@ pub enum NvmfCmd {
         /// picks a free one).
         #[arg(long, default_value_t = 4420)]
         port: u16,
-        /// Transport: tcp, rdma (RDMA needs an RDMA device with the address), or vfio-user (a
-        /// PCIe NVMe controller; give --path).
+        /// NVMe-oF transport: tcp or rdma (RDMA needs an RDMA device with the address); or
+        /// vfio-user, a PCIe NVMe controller (give --path).
         #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma", "vfio-user"])]
         transport: String,
     },
