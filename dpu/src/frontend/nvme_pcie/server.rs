@@ -127,7 +127,9 @@ const FLAG_REPLY: u32 = 1;
 const FLAG_NO_REPLY: u32 = 1 << 4;
 const FLAG_ERROR: u32 = 1 << 5;
 /// What the server offers in its Version reply.
-const CAPABILITIES: &str = r#"{"capabilities":{"max_msg_fds":64,"max_data_xfer_size":65536}}"#;
+/// QEMU's client caps max_msg_fds at 16 (it splits a larger MSI-X setup into several
+/// messages).
+const CAPABILITIES: &str = r#"{"capabilities":{"max_msg_fds":16,"max_data_xfer_size":65536}}"#;
 
 fn u16_at(b: &[u8], off: usize) -> u16 {
     u16::from_le_bytes([b[off], b[off + 1]])
@@ -261,9 +263,11 @@ impl Conn<'_> {
                 if u16_at(p, 0) != 0 {
                     return Err(libc::ENOTSUP);
                 }
+                // Minor 0: what QEMU's client accepts (it refuses a minor above its own, 0);
+                // SPDK's asks for 0.1 and takes 0.0.
                 let mut r = Vec::with_capacity(4 + CAPABILITIES.len() + 1);
                 r.extend_from_slice(&0u16.to_le_bytes());
-                r.extend_from_slice(&1u16.to_le_bytes());
+                r.extend_from_slice(&0u16.to_le_bytes());
                 r.extend_from_slice(CAPABILITIES.as_bytes());
                 r.push(0);
                 Ok((r, None))
@@ -271,7 +275,16 @@ impl Conn<'_> {
             cmd::DMA_MAP => {
                 need(32)?;
                 let (offset, address, size) = (u64_at(p, 8), u64_at(p, 16), u64_at(p, 24));
-                let fd = fds.into_iter().next().ok_or(libc::EINVAL)?;
+                let Some(fd) = fds.into_iter().next() else {
+                    // Memory not shared by descriptor (QEMU maps its ROMs and MMIO this way):
+                    // nacre offers no DMA Read/Write messages, so the device never reaches it;
+                    // a PRP that points there fails like any unmapped address.
+                    debug!(
+                        address,
+                        size, "nvme pcie: DMA map without a descriptor ignored"
+                    );
+                    return Ok((Vec::new(), None));
+                };
                 self.dma_map(fd, offset, address, size).map_err(|e| {
                     warn!("nvme pcie: DMA map refused: {e}");
                     libc::EINVAL
@@ -437,11 +450,11 @@ impl Conn<'_> {
             *mem = Arc::new(GuestMemoryMmap::new());
             return Ok(());
         }
-        let (next, _) = mem
-            .remove_region(GuestAddress(address), size)
-            .map_err(|_| libc::EINVAL)?;
-        // Requests in flight keep the old map (and so the mapping) until they complete.
-        *mem = Arc::new(next);
+        // An unmap of what was never mapped (a map without a descriptor) changes nothing.
+        if let Ok((next, _)) = mem.remove_region(GuestAddress(address), size) {
+            // Requests in flight keep the old map (and so the mapping) until they complete.
+            *mem = Arc::new(next);
+        }
         Ok(())
     }
 
