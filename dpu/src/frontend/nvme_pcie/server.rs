@@ -38,6 +38,7 @@ const REGION_BAR5: u32 = 5;
 const REGION_CONFIG: u32 = 7;
 /// vfio-user's PCI interrupt indexes.
 const IRQ_MSIX: u32 = 2;
+const IRQ_ERR: u32 = 3;
 
 /// BAR0's backing memory: a memfd the client maps the doorbell page of, mapped here too.
 pub struct Bar0 {
@@ -354,8 +355,10 @@ impl Conn<'_> {
                 if index >= VFIO_PCI_NUM_IRQS {
                     return Err(libc::EINVAL);
                 }
+                // INTx and the error interrupt: one each (offered so that a client's error
+                // recovery setup succeeds; nacre never raises either).
                 let count = match index {
-                    0 => 1,
+                    0 | IRQ_ERR => 1,
                     IRQ_MSIX => MSIX_VECTORS as u32,
                     _ => 0,
                 };
