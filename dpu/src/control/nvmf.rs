@@ -109,7 +109,7 @@ fn listener(p: &NvmfListener) -> Result<(SocketAddr, ListenerTransport), RpcErro
         Some(TRANSPORT_RDMA) => ListenerTransport::Rdma,
         Some(t) => {
             return Err(RpcError::invalid_params(format!(
-                "transport {t:?} is not one nacre serves: use \"tcp\", \"rdma\" or \"vfio-user\""
+                "transport {t:?} is not one nacre serves: use \"tcp\" or \"rdma\" (or \"vfio-user\" for a PCIe controller)"
             )))
         }
     };
