@@ -652,3 +652,21 @@ fn nacred_serves_a_vfio_user_listener_added_by_the_cli_and_replays_it() {
     let subs = n.ok("nvmf_get_subsystems", json!({}));
     assert!(!subs.to_string().contains(&listed), "{subs}");
 }
+
+#[test]
+fn removing_the_listener_disconnects_its_client() {
+    let s = serve();
+    let mut h = RawHost::connect(s.dir.path());
+    h.io_queues();
+    s.ports.remove_listener(NQN, s.dir.path()).unwrap();
+    assert!(
+        !s.dir.path().join("cntrl").exists(),
+        "the socket is removed"
+    );
+    let mut b = [0u8; 4];
+    assert!(
+        h.c.region_read(BAR0, 0x1C, &mut b).is_err(),
+        "the client is disconnected"
+    );
+    assert!(s.ports.listeners().is_empty());
+}

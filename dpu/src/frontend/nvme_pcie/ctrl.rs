@@ -75,6 +75,9 @@ pub struct PcieController {
     /// cleared by a controller reset.
     fatal: AtomicBool,
     pub(super) stop: AtomicBool,
+    /// A second handle on the connected client's socket: stopping the listener shuts it down,
+    /// which disconnects the client and ends the server thread.
+    pub(super) client: Mutex<Option<std::os::unix::net::UnixStream>>,
     /// Keeps the doorbell page mapped for as long as the controller lives.
     _doorbell_backing: Arc<dyn std::any::Any + Send + Sync>,
 }
@@ -140,6 +143,7 @@ impl PcieController {
             irqs: Mutex::new(Vec::new()),
             fatal: AtomicBool::new(false),
             stop: AtomicBool::new(false),
+            client: Mutex::new(None),
             _doorbell_backing: backing,
         })
     }
@@ -261,6 +265,11 @@ impl PcieController {
 
     /// CC.EN 0 → 1: the admin queues from AQA/ASQ/ACQ, a new controller of the core.
     fn enable(self: &Arc<Self>, cc_val: u32) {
+        if self.stop.load(Ordering::SeqCst) {
+            // The listener is gone: no new controller in the subsystem.
+            self.fatal.store(true, Ordering::SeqCst);
+            return;
+        }
         let (aqa, asq, acq) = {
             let r = lock(&self.regs);
             (r.aqa, r.asq, r.acq)

@@ -156,8 +156,8 @@ impl VfioUserPorts {
         Ok(path)
     }
 
-    /// Stop serving subsystem `nqn` at `dir`. A connected client is left to disconnect;
-    /// its controller is reset and answers nothing further.
+    /// Stop serving subsystem `nqn` at `dir`: a connected client is disconnected (to a guest,
+    /// the device is gone) and the socket removed.
     pub fn remove_listener(&self, nqn: &str, dir: &Path) -> Result<(), PcieError> {
         let l = {
             let mut ls = lock(&self.listeners);
@@ -210,16 +210,16 @@ fn stop(mut l: Listener) {
     l.dev.reset();
     // SAFETY: shutdown(2) on a descriptor `l.sock` owns: a blocked accept() returns.
     unsafe { libc::shutdown(l.sock.as_raw_fd(), libc::SHUT_RDWR) };
+    // A connected client is disconnected: its server thread then ends.
+    if let Some(c) = lock(&l.dev.client).take() {
+        let _ = c.shutdown(std::net::Shutdown::Both);
+    }
     let _ = std::fs::remove_file(&l.socket_path);
     if let Some(p) = l.poller.take() {
         let _ = p.join();
     }
-    // The server thread ends once its client (if any) disconnects; it is not waited for,
-    // and holds the controller (and its doorbell page) until then.
     if let Some(s) = l.server.take() {
-        if s.is_finished() {
-            let _ = s.join();
-        }
+        let _ = s.join();
     }
     info!(nqn = l.nqn, path = %l.socket_path.display(), "nvme pcie: vfio-user listener stopped");
 }

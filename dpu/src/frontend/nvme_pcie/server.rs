@@ -520,6 +520,11 @@ pub fn serve(listener: UnixListener, regions: Vec<Region>, dev: Arc<PcieControll
             }
         };
         info!("nvme pcie: vfio-user client connected");
+        *lock(&dev.client) = stream.try_clone().ok();
+        // `stop` sets the flag, then takes the handle: one of the two sides sees the other.
+        if dev.stop.load(Ordering::SeqCst) {
+            return;
+        }
         let mut conn = Conn {
             dev: &dev,
             regions: &regions,
@@ -530,6 +535,7 @@ pub fn serve(listener: UnixListener, regions: Vec<Region>, dev: Arc<PcieControll
             Err(e) => warn!("nvme pcie: vfio-user connection closed: {e}"),
         }
         // The client is gone: so is its view of the device.
+        *lock(&dev.client) = None;
         dev.reset();
         *lock(&dev.mem) = Arc::new(GuestMemoryMmap::new());
         lock(&dev.irqs).clear();
