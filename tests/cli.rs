@@ -183,6 +183,7 @@ fn nvmf_namespace_and_listener_help_describe_every_argument_with_examples() {
                 "TCP port",
                 "tcp or rdma",
                 "--transport rdma",
+                "--transport vfio-user --path",
             ],
         ),
     ] {

@@ -934,3 +934,68 @@ fn nvme_tcp_against_nacred() {
         out.fact("pattern_sha256")
     );
 }
+
+/// nacred's PCIe NVMe controller over vfio-user in a guest (trixie-backports' QEMU, the only
+/// one here with `vfio-user-pci`): the guest's own `nvme` driver binds it, `nvme list` shows
+/// model nacre on transport pcie with one I/O queue per vCPU (4), and 64 MiB written
+/// O_DIRECT by four writers read back identical.
+#[test]
+fn nvme_pcie_over_vfio_user_in_a_guest() {
+    use serde_json::json;
+
+    let Some(_bed) = prepare("nvme_pcie_over_vfio_user_in_a_guest") else {
+        return;
+    };
+    let qemu = testbed::trixie_qemu().expect("a QEMU with vfio-user-pci");
+    let nqn = "nqn.2024-01.io.nacre:pcie";
+    let d = Nacred::start_args(&["--no-default"]);
+    d.ok(
+        "volume_create",
+        json!({"name": "pv", "size": 128 * MIB, "block_size": 512, "backend": "ram"}),
+    );
+    d.ok(
+        "nvmf_subsystem_create",
+        json!({"nqn": nqn, "serial": "NACREPCIE0001", "allow_any_host": true}),
+    );
+    d.ok("nvmf_subsystem_add_ns", json!({"nqn": nqn, "volume": "pv"}));
+    let dir = tempfile::tempdir().expect("socket directory");
+    d.ok(
+        "nvmf_subsystem_add_listener",
+        json!({"nqn": nqn, "transport": "vfio-user", "address": dir.path()}),
+    );
+    let sock = dir.path().join("cntrl");
+    let device = format!(
+        r#"{{"driver":"vfio-user-pci","socket":{{"path":"{}","type":"unix"}}}}"#,
+        sock.display()
+    );
+    let out = Boot::new("nvme-pcie")
+        .param("model", "nacre")
+        .param("bytes", 128 * MIB)
+        .param("queues", 4)
+        .param("mib", 64)
+        .smp(4)
+        .qemu_binary(qemu)
+        .qemu([
+            "-object",
+            "memory-backend-memfd,id=mem,size=1G,share=on",
+            "-machine",
+            "q35,memory-backend=mem",
+            "-device",
+            device.as_str(),
+        ])
+        .timeout(Duration::from_secs(300))
+        .run()
+        .expect("guest");
+    assert!(
+        out.success(),
+        "{}\nnacred log tail:\n{}",
+        out.tail(60),
+        log_tail(&d.log_text(), 40)
+    );
+    assert_eq!(out.fact("pci"), "0x4e58:0x0001 0x010802");
+    assert_eq!(out.fact("model"), "nacre");
+    assert_eq!(out.fact("serial"), "NACREPCIE0001");
+    assert_eq!(out.fact("transport"), "pcie");
+    assert_eq!(out.fact("queues"), "4");
+    assert_eq!(out.fact("verified"), "64MiB");
+}

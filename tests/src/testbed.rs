@@ -58,6 +58,19 @@ pub fn exclusive() -> MutexGuard<'static, ()> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// `scripts/testbed trixie-qemu`: the path of a QEMU with the vfio-user client (trixie-backports',
+/// built into a trixie root once).
+pub fn trixie_qemu() -> Result<PathBuf> {
+    let out = Command::new(script()).arg("trixie-qemu").output()?;
+    if !out.status.success() {
+        anyhow::bail!(
+            "scripts/testbed trixie-qemu failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+}
+
 /// Run `scripts/testbed setup` (idempotent; the script locks against concurrent setups).
 pub fn setup() -> Result<()> {
     let out = Command::new(script())
@@ -92,6 +105,8 @@ pub struct Boot {
     qemu: Vec<String>,
     ctl: bool,
     timeout: Duration,
+    qemu_binary: Option<PathBuf>,
+    smp: Option<u32>,
 }
 
 impl Boot {
@@ -106,7 +121,21 @@ impl Boot {
             qemu: Vec::new(),
             ctl: false,
             timeout: Duration::from_secs(240),
+            qemu_binary: None,
+            smp: None,
         }
+    }
+
+    /// Boot with this QEMU instead of the one on $PATH (e.g. [`trixie_qemu`]'s).
+    pub fn qemu_binary(mut self, path: impl Into<PathBuf>) -> Self {
+        self.qemu_binary = Some(path.into());
+        self
+    }
+
+    /// Guest vCPUs (the script's default is 2).
+    pub fn smp(mut self, n: u32) -> Self {
+        self.smp = Some(n);
+        self
     }
 
     /// Label for the log and pid files; distinct for guests that run at the same time.
@@ -178,6 +207,12 @@ impl Boot {
         }
         if let Some(c) = &ctl_path {
             cmd.arg("--ctl").arg(c);
+        }
+        if let Some(n) = self.smp {
+            cmd.arg("--smp").arg(n.to_string());
+        }
+        if let Some(q) = &self.qemu_binary {
+            cmd.env("NACRE_TESTBED_QEMU", q);
         }
         cmd.arg("--").args(&self.qemu);
         cmd.stdin(Stdio::null())

@@ -54,22 +54,27 @@ pub enum NvmfCmd {
         /// Namespace ID.
         nsid: u32,
     },
-    /// Listen for NVMe/TCP (or NVMe/RDMA) connections to the subsystem.
+    /// Listen for NVMe/TCP (or NVMe/RDMA) connections to the subsystem, or serve it as a PCIe
+    /// NVMe controller over vfio-user (a QEMU guest's own nvme driver binds it).
     #[command(
-        after_help = "Examples:\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address 127.0.0.1 --port 4420\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address ::1 --port 4421\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --transport rdma --address 192.0.2.1\n\nRDMA needs an RDMA device with that address (RoCE NIC, or soft-RoCE:\n  rdma link add rxe0 type rxe netdev eth0)"
+        after_help = "Examples:\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address 127.0.0.1 --port 4420\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address ::1 --port 4421\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --transport rdma --address 192.0.2.1\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --transport vfio-user --path /run/nacre/vfu/data\n\nRDMA needs an RDMA device with that address (RoCE NIC, or soft-RoCE:\n  rdma link add rxe0 type rxe netdev eth0)\n\nvfio-user: the directory must exist; the controller's socket is DIR/cntrl, as with SPDK's\nVFIOUSER transport. QEMU >= 10.1.1: -device vfio-user-pci,socket=DIR/cntrl (guest memory\nshared: -object memory-backend-memfd,...,share=on). See docs/nvme-pcie.md."
     )]
     AddListener {
         /// Subsystem NQN.
         nqn: String,
         /// IPv4 or IPv6 address to listen on (0.0.0.0: every interface).
+        #[arg(long, required_unless_present = "path", conflicts_with = "path")]
+        address: Option<String>,
+        /// With --transport vfio-user: the directory the controller's socket (cntrl) goes in.
         #[arg(long)]
-        address: String,
+        path: Option<std::path::PathBuf>,
         /// TCP port, or the RDMA CM port with --transport rdma (4420 is NVMe-oF's IANA port; 0
         /// picks a free one).
         #[arg(long, default_value_t = 4420)]
         port: u16,
-        /// NVMe-oF transport: tcp or rdma (RDMA needs an RDMA device with the address).
-        #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
+        /// NVMe-oF transport: tcp or rdma (RDMA needs an RDMA device with the address); or
+        /// vfio-user, a PCIe NVMe controller (give --path).
+        #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma", "vfio-user"])]
         transport: String,
     },
     /// Stop offering the subsystem on an address.
@@ -80,13 +85,16 @@ pub enum NvmfCmd {
         /// Subsystem NQN.
         nqn: String,
         /// The listener's address.
+        #[arg(long, required_unless_present = "path", conflicts_with = "path")]
+        address: Option<String>,
+        /// A vfio-user listener's directory.
         #[arg(long)]
-        address: String,
+        path: Option<std::path::PathBuf>,
         /// The listener's port.
         #[arg(long, default_value_t = 4420)]
         port: u16,
-        /// tcp or rdma.
-        #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma"])]
+        /// tcp, rdma or vfio-user.
+        #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma", "vfio-user"])]
         transport: String,
     },
     /// Allow a host NQN to connect.
@@ -173,9 +181,23 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
         NvmfCmd::AddListener {
             nqn,
             address,
+            path,
             port,
             transport,
         } => {
+            let address = listener_address(&transport, address, path)?;
+            if transport == "vfio-user" {
+                let v = ctx.call(
+                    "nvmf_subsystem_add_listener",
+                    json!({"nqn": nqn, "address": address, "transport": transport}),
+                )?;
+                let msg = format!(
+                    "{nqn} is a PCIe NVMe controller on {} (vfio-user)",
+                    v["socket"].as_str().unwrap_or("")
+                );
+                ack(ctx, &v, msg);
+                return Ok(());
+            }
             let v = ctx.call(
                 "nvmf_subsystem_add_listener",
                 json!({"nqn": nqn, "address": address, "port": port, "transport": transport}),
@@ -191,9 +213,11 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
         NvmfCmd::RemoveListener {
             nqn,
             address,
+            path,
             port,
             transport,
         } => {
+            let address = listener_address(&transport, address, path)?;
             let v = ctx.call(
                 "nvmf_subsystem_remove_listener",
                 json!({"nqn": nqn, "address": address, "port": port, "transport": transport}),
@@ -323,4 +347,22 @@ fn listeners(s: &Value) -> String {
         })
         .collect::<Vec<_>>()
         .join(",")
+}
+
+/// The listener's address: `--path` for vfio-user (required there), `--address` otherwise.
+fn listener_address(
+    transport: &str,
+    address: Option<String>,
+    path: Option<std::path::PathBuf>,
+) -> Result<String> {
+    match (transport, address, path) {
+        ("vfio-user", None, Some(p)) => {
+            let p = std::path::absolute(&p).unwrap_or(p);
+            Ok(p.display().to_string())
+        }
+        ("vfio-user", _, None) => anyhow::bail!("--transport vfio-user needs --path DIR"),
+        (_, _, Some(_)) => anyhow::bail!("--path is for --transport vfio-user"),
+        (_, Some(a), None) => Ok(a),
+        (_, None, None) => anyhow::bail!("--address is required"),
+    }
 }

@@ -5,7 +5,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use nacre_shared::api::nvmf::{
     NvmfAllowAnyHost, NvmfHost, NvmfListener, NvmfSubsystemAddNs, NvmfSubsystemCreate,
-    NvmfSubsystemName, NvmfSubsystemRemoveNs, TRANSPORT_RDMA, TRANSPORT_TCP,
+    NvmfSubsystemName, NvmfSubsystemRemoveNs, TRANSPORT_RDMA, TRANSPORT_TCP, TRANSPORT_VFIO_USER,
 };
 use nacre_shared::api::Ack;
 use serde_json::{json, Value};
@@ -109,15 +109,30 @@ fn listener(p: &NvmfListener) -> Result<(SocketAddr, ListenerTransport), RpcErro
         Some(TRANSPORT_RDMA) => ListenerTransport::Rdma,
         Some(t) => {
             return Err(RpcError::invalid_params(format!(
-                "transport {t:?} is not one nacre serves: use \"tcp\" or \"rdma\""
+                "transport {t:?} is not one nacre serves: use \"tcp\" or \"rdma\" (or \"vfio-user\" for a PCIe controller)"
             )))
         }
     };
     Ok((SocketAddr::new(ip, p.port), transport))
 }
 
+/// Whether a listener request names the vfio-user transport (SPDK spells it `VFIOUSER`).
+fn is_vfio_user(p: &NvmfListener) -> bool {
+    p.transport.as_deref().is_some_and(|t| {
+        t.eq_ignore_ascii_case(TRANSPORT_VFIO_USER) || t.eq_ignore_ascii_case("vfiouser")
+    })
+}
+
 fn nvmf_subsystem_add_listener(d: &Daemon, params: Value) -> Result<Value, RpcError> {
     let p: NvmfListener = parse_params(params)?;
+    if is_vfio_user(&p) {
+        let dir = std::path::Path::new(&p.address);
+        let sock = d.registry.add_vfio_user_listener(&p.nqn, dir)?;
+        return to_value(json!({
+            "nqn": p.nqn, "address": p.address, "socket": sock.display().to_string(),
+            "transport": TRANSPORT_VFIO_USER
+        }));
+    }
     let (addr, transport) = listener(&p)?;
     let bound = d.registry.add_listener(&p.nqn, addr, transport)?;
     let (address, port) = (bound.ip().to_string(), bound.port());
@@ -131,6 +146,11 @@ fn nvmf_subsystem_add_listener(d: &Daemon, params: Value) -> Result<Value, RpcEr
 
 fn nvmf_subsystem_remove_listener(d: &Daemon, params: Value) -> Result<Value, RpcError> {
     let p: NvmfListener = parse_params(params)?;
+    if is_vfio_user(&p) {
+        let dir = std::path::Path::new(&p.address);
+        d.registry.remove_vfio_user_listener(&p.nqn, dir)?;
+        return to_value(Ack { ok: true });
+    }
     let (addr, transport) = listener(&p)?;
     d.registry.remove_listener(&p.nqn, addr, transport)?;
     to_value(Ack { ok: true })

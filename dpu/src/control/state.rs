@@ -107,6 +107,9 @@ pub struct NvmfSubsystemRecord {
     /// NVMe/RDMA listeners (RDMA CM addresses), likewise.
     #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
     pub rdma_listeners: BTreeSet<SocketAddr>,
+    /// vfio-user listeners: directories of PCIe NVMe controllers' sockets.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub vfio_user_listeners: BTreeSet<std::path::PathBuf>,
 }
 
 /// A remote NVMe-oF controller nacred connects to as a host, as persisted.
@@ -242,6 +245,7 @@ pub(crate) mod fixtures {
                 .collect(),
             listeners: Default::default(),
             rdma_listeners: Default::default(),
+            vfio_user_listeners: Default::default(),
         }
     }
 }

@@ -1,10 +1,17 @@
 //! Frontends: what a host sees. Each turns a wire protocol into [`crate::volume::IoRequest`]s.
 //!
 //! * [`vhost_user_blk`] — virtio-blk (virtio 1.2 §5.2) served over vhost-user.
-//! * [`nvmf_tcp`] — an NVMe-oF target over TCP (NVMe/TCP Transport Specification 1.0).
+//! * [`nvme`] — the NVMe target core every NVMe transport serves: subsystems, namespaces,
+//!   controllers, admin commands, discovery, admission and limits.
+//! * [`nvmf_tcp`] — the target's transport over TCP (NVMe/TCP Transport Specification 1.0),
+//!   and its management API ([`nvmf_tcp::NvmfTarget`]).
 //! * [`nvmf_rdma`] — the same target's subsystems over RDMA (NVMe RDMA Transport
-//!   Specification 1.0, RoCEv2), sharing controllers and discovery with [`nvmf_tcp`].
+//!   Specification 1.0, RoCEv2).
+//! * [`nvme_pcie`] — the same target's subsystems as PCIe NVMe controllers, emulated over
+//!   vfio-user.
 
+pub mod nvme;
+pub mod nvme_pcie;
 pub mod nvmf_rdma;
 pub mod nvmf_tcp;
 pub mod vhost_user_blk;

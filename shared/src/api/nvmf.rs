@@ -65,6 +65,9 @@ pub struct NvmfListener {
 /// Transports `nvmf_subsystem_add_listener` takes.
 pub const TRANSPORT_TCP: &str = "tcp";
 pub const TRANSPORT_RDMA: &str = "rdma";
+/// A PCIe NVMe controller emulated over vfio-user: `address` is the directory its socket
+/// (`cntrl`) goes in, as with SPDK's `VFIOUSER` transport; `port` is ignored.
+pub const TRANSPORT_VFIO_USER: &str = "vfio-user";
 
 pub fn default_port() -> u16 {
     4420

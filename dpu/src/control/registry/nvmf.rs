@@ -7,6 +7,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 
 use nacre_shared::api::nvmf::{
     NvmfListenerState, NvmfReactorStats, NvmfStats, NvmfSubsystemCreate, NvmfSubsystemInfo,
@@ -16,7 +17,9 @@ use nacre_shared::nvme::validate_nqn;
 use tracing::{info, warn};
 
 use super::store::{Inner, Registry};
-use super::target::{rdma_ports, rpc_err, target, ListenerTransport, Port};
+use super::target::{
+    pcie_err, rdma_ports, rpc_err, target, vfio_user_ports, ListenerTransport, Port,
+};
 use crate::control::error::RpcError;
 use crate::control::state::{serial_from_uuid, NvmfState, NvmfSubsystemRecord};
 use crate::frontend::nvmf_tcp::{NvmfTarget, DEFAULT_MODEL};
@@ -50,6 +53,7 @@ impl Registry {
                 namespaces: BTreeMap::new(),
                 listeners: BTreeSet::new(),
                 rdma_listeners: BTreeSet::new(),
+                vfio_user_listeners: BTreeSet::new(),
             };
             self.commit_nvmf(
                 inner,
@@ -79,6 +83,13 @@ impl Registry {
             if let Some(ports) = inner.live.nvmf_rdma.clone() {
                 ports.forget_subsystem(nqn);
             }
+            if let Some(ports) = inner.live.nvmf_vfio_user.clone() {
+                ports.forget_subsystem(nqn);
+            }
+            inner
+                .live
+                .vfio_user_listeners_failed
+                .retain(|(n, _), _| n != nqn);
             inner
                 .live
                 .rdma_listeners_failed
@@ -187,6 +198,72 @@ impl Registry {
                 || port.remove(nqn, bound),
             )?;
             Ok(bound)
+        })
+    }
+
+    /// `nvmf_subsystem_add_listener` with transport `vfio-user`: serve the subsystem as a
+    /// PCIe NVMe controller on `dir/cntrl` (`dir` must exist). Returns the socket's path.
+    pub fn add_vfio_user_listener(&self, nqn: &str, dir: &Path) -> Result<PathBuf, RpcError> {
+        if !dir.is_absolute() {
+            return Err(RpcError::invalid_params(format!(
+                "vfio-user directory {} must be an absolute path",
+                dir.display()
+            )));
+        }
+        self.with(|inner| {
+            if record(inner, nqn)?.vfio_user_listeners.contains(dir) {
+                return Err(RpcError::exists(
+                    "listener",
+                    &format!("vfio-user:{}", dir.display()),
+                ));
+            }
+            let ports = vfio_user_ports(inner);
+            let sock = ports.add_listener(nqn, dir).map_err(pcie_err)?;
+            inner
+                .live
+                .vfio_user_listeners_failed
+                .remove(&(nqn.to_string(), dir.to_path_buf()));
+            self.commit_nvmf(
+                inner,
+                |s| {
+                    if let Some(r) = s.subsystems.get_mut(nqn) {
+                        r.vfio_user_listeners.insert(dir.to_path_buf());
+                    }
+                },
+                || {
+                    let _ = ports.remove_listener(nqn, dir);
+                },
+            )?;
+            Ok(sock)
+        })
+    }
+
+    /// `nvmf_subsystem_remove_listener` with transport `vfio-user`.
+    pub fn remove_vfio_user_listener(&self, nqn: &str, dir: &Path) -> Result<(), RpcError> {
+        self.with(|inner| {
+            if !record(inner, nqn)?.vfio_user_listeners.contains(dir) {
+                return Err(RpcError::not_found(
+                    "listener",
+                    &format!("vfio-user:{}", dir.display()),
+                ));
+            }
+            self.commit_nvmf(
+                inner,
+                |s| {
+                    if let Some(r) = s.subsystems.get_mut(nqn) {
+                        r.vfio_user_listeners.remove(dir);
+                    }
+                },
+                || {},
+            )?;
+            if let Some(ports) = inner.live.nvmf_vfio_user.clone() {
+                let _ = ports.remove_listener(nqn, dir);
+            }
+            inner
+                .live
+                .vfio_user_listeners_failed
+                .remove(&(nqn.to_string(), dir.to_path_buf()));
+            Ok(())
         })
     }
 
@@ -384,6 +461,17 @@ fn start_subsystem(
             warn!(nqn = %rec.nqn, nsid, error = %e, "nvmf namespace not restored");
         }
     }
+    for d in &rec.vfio_user_listeners {
+        let ports = vfio_user_ports(inner);
+        if let Err(e) = ports.add_listener(&rec.nqn, d) {
+            // Not retried: reported by nvmf_get_subsystems until it is re-added.
+            warn!(nqn = %rec.nqn, dir = %d.display(), "vfio-user listener not restored: {e}");
+            inner
+                .live
+                .vfio_user_listeners_failed
+                .insert((rec.nqn.clone(), d.clone()), e.to_string());
+        }
+    }
     for l in &rec.rdma_listeners {
         let ports = rdma_ports(inner);
         if let Err(e) = ports.add_listener(&rec.nqn, *l) {
@@ -446,6 +534,13 @@ fn with_listener_states(inner: &Inner, subs: Vec<NvmfSubsystemInfo>) -> Vec<Nvmf
                 listener_states.extend(r.listeners.iter().map(|l| {
                     let reason = inner.live.listeners_failed.get(&key(l));
                     state(l.to_string(), reason.map(|r| format!("{r}; retrying")))
+                }));
+                listener_states.extend(r.vfio_user_listeners.iter().map(|d| {
+                    let reason = inner
+                        .live
+                        .vfio_user_listeners_failed
+                        .get(&(info.nqn.clone(), d.clone()));
+                    state(format!("vfio-user:{}", d.display()), reason.cloned())
                 }));
                 listener_states.extend(r.rdma_listeners.iter().map(|l| {
                     let reason = inner.live.rdma_listeners_failed.get(&key(l));

@@ -31,6 +31,11 @@ pub(super) struct Live {
     pub nvmf: Option<Arc<NvmfTarget>>,
     /// The target's NVMe/RDMA listeners (created with the first one).
     pub nvmf_rdma: Option<Arc<RdmaPorts>>,
+    /// The target's PCIe NVMe controllers over vfio-user (created with the first one).
+    pub nvmf_vfio_user: Option<Arc<crate::frontend::nvme_pcie::VfioUserPorts>>,
+    /// vfio-user listeners in the state that could not be started at replay ((nqn,
+    /// directory) → reason). Not retried.
+    pub vfio_user_listeners_failed: BTreeMap<(String, std::path::PathBuf), String>,
     /// NVMe/RDMA listeners in the state that could not be started at replay ((nqn, address)
     /// → reason): no RDMA device, or none with that address. Not retried.
     pub rdma_listeners_failed: BTreeMap<(String, SocketAddr), String>,
@@ -176,6 +181,7 @@ impl Registry {
         // Stops the listener retry too (it ends when nothing is left to retry).
         inner.live.listeners_failed.clear();
         inner.live.nvmf_rdma = None;
+        inner.live.nvmf_vfio_user = None;
         inner.live.nvmf = None;
         inner.live.volumes.clear();
         self.controllers.close_all();

@@ -10,12 +10,33 @@ use std::sync::Arc;
 use super::store::Inner;
 use crate::control::error::RpcError;
 use crate::control::state::NvmfSubsystemRecord;
+use crate::frontend::nvme_pcie::{PcieError, VfioUserPorts};
 use crate::frontend::nvmf_rdma::{RdmaError, RdmaPorts};
 use crate::frontend::nvmf_tcp::{NvmfError, NvmfTarget};
 
 /// The daemon's target, created on first use.
 pub(super) fn target(inner: &mut Inner) -> Arc<NvmfTarget> {
     inner.live.nvmf.get_or_insert_with(NvmfTarget::new).clone()
+}
+
+/// The target's vfio-user (PCIe NVMe) listeners, created on first use.
+pub(super) fn vfio_user_ports(inner: &mut Inner) -> Arc<VfioUserPorts> {
+    let t = target(inner);
+    inner
+        .live
+        .nvmf_vfio_user
+        .get_or_insert_with(|| VfioUserPorts::new(&t))
+        .clone()
+}
+
+pub(super) fn pcie_err(e: PcieError) -> RpcError {
+    match e {
+        PcieError::Nvmf(e) => rpc_err(e),
+        PcieError::NoSuchListener(d) => {
+            RpcError::not_found("listener", &format!("vfio-user:{}", d.display()))
+        }
+        PcieError::Listen { .. } => RpcError::failed(e.to_string()),
+    }
 }
 
 /// The target's RDMA listeners, created on first use.

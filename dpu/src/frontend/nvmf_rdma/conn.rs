@@ -28,12 +28,12 @@ use super::queue::{
     WR_READ, WR_RECV, WR_SEND,
 };
 use super::verbs;
-use crate::frontend::nvmf_tcp::ctrl::{AdminReply, TargetController};
-use crate::frontend::nvmf_tcp::fabrics::{
+use crate::frontend::nvme::ctrl::{AdminReply, TargetController};
+use crate::frontend::nvme::fabrics::{
     self, fabrics_connect, invalid_param, io_status, HostQueue, QueueRules,
 };
-use crate::frontend::nvmf_tcp::subsystem::{Namespace, Subsystem};
-use crate::frontend::nvmf_tcp::{limits, lock, ConnSlot, TargetInner};
+use crate::frontend::nvme::subsystem::{Namespace, Subsystem};
+use crate::frontend::nvme::{limits, lock, ConnSlot, TargetInner};
 use crate::volume::{self, IoKind, IoRequest, Segment};
 
 /// How long the queue thread keeps polling its completion queue after the last work before

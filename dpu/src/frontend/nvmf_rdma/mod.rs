@@ -1,7 +1,7 @@
 //! NVMe-oF target over RDMA (NVMe RDMA Transport Specification 1.0; RoCEv2 in practice),
 //! beside the NVMe/TCP target and sharing its subsystems, controllers and discovery
-//! service (`frontend::nvmf_tcp`: a controller does not care which transport carries its
-//! queues).
+//! service (`frontend::nvme`, the target core: a controller does not care which transport
+//! carries its queues).
 //!
 //! ```text
 //!  RdmaPorts ── listeners: one RDMA CM listening id per address, each with a thread that
@@ -23,7 +23,7 @@
 //! What a peer can make the target hold: a queue pins HSQSIZE + 1 MDTS buffers
 //! ([`MAX_IO_QUEUE_ENTRIES`] bounds it) and a thread until it is connected, which must
 //! happen within the target's setup timeout; connected queues count against the per-host
-//! queue cap ([`crate::frontend::nvmf_tcp::ConnLimits::per_host`]) and keep-alive, and a
+//! queue cap ([`crate::frontend::nvme::ConnLimits::per_host`]) and keep-alive, and a
 //! listener's queues count against the same per-listener caps as a TCP listener's
 //! connections (`ConnLimits::per_listener`: a full listener rejects with "no resources";
 //! `ConnLimits::setup_per_listener`: the oldest queue still short of Fabrics Connect is
@@ -45,9 +45,8 @@ use rdma_sys::*;
 use thiserror::Error;
 use tracing::{debug, info, warn};
 
-use crate::frontend::nvmf_tcp::{
-    limits, lock, Evict, ListenerConns, NvmfError, NvmfTarget, TargetInner,
-};
+use crate::frontend::nvme::{limits, lock, Evict, ListenerConns, NvmfError, TargetInner};
+use crate::frontend::nvmf_tcp::NvmfTarget;
 use nacre_shared::nvme::DISCOVERY_NQN;
 
 pub use verbs::device_count;

@@ -30,9 +30,9 @@ use tracing::{debug, warn};
 
 use super::cm::{self, CmRequest};
 use super::verbs::{self, EventChannel, RegBuf};
-use crate::frontend::nvmf_tcp::ctrl::CtrlQueue;
-use crate::frontend::nvmf_tcp::fabrics::io_status;
-use crate::frontend::nvmf_tcp::{limits, lock, ConnSlot};
+use crate::frontend::nvme::ctrl::CtrlQueue;
+use crate::frontend::nvme::fabrics::io_status;
+use crate::frontend::nvme::{limits, lock, ConnSlot};
 use crate::telemetry::{Arrival, VolumeMetrics};
 use crate::volume::{self, IoResult};
 

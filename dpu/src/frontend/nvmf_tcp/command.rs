@@ -17,12 +17,12 @@ use nacre_shared::nvme_tcp::{self as tcp, fes};
 use tracing::warn;
 
 use super::conn::Conn;
-use super::ctrl::AdminReply;
-use super::fabrics::{self, fabrics_connect, invalid_param, io_status, QueueRules};
-use super::limits;
 use super::pdu::{fatal, End};
-use super::subsystem::{Namespace, Subsystem};
 use super::transfer::GATHER_MIN;
+use crate::frontend::nvme::ctrl::AdminReply;
+use crate::frontend::nvme::fabrics::{self, fabrics_connect, invalid_param, io_status, QueueRules};
+use crate::frontend::nvme::limits;
+use crate::frontend::nvme::subsystem::{Namespace, Subsystem};
 use crate::telemetry::{trace, Arrival, VolumeMetrics};
 use crate::volume::{BlockDevice, IoKind, IoRequest, IoResult, Segment};
 

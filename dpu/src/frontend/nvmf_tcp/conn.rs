@@ -15,13 +15,13 @@ use nacre_shared::nvme_tcp::{self as tcp, Digests};
 use tracing::{debug, warn};
 
 use super::command::Slot;
-use super::ctrl::TargetController;
-use super::fabrics::HostQueue;
 use super::pdu::End;
 use super::reactor::{Mail, NewConn, Shared};
-use super::subsystem::{Namespace, Subsystem};
 use super::transfer::{BufPool, H2cPending, Out};
-use super::{limits, ConnSlot, TargetInner};
+use crate::frontend::nvme::ctrl::{CtrlQueue, TargetController};
+use crate::frontend::nvme::fabrics::HostQueue;
+use crate::frontend::nvme::subsystem::{Namespace, Subsystem};
+use crate::frontend::nvme::{limits, ConnSlot, TargetInner};
 use crate::volume::{self, IoResult};
 
 /// Reply coalescing ([`Conn::hold_replies`]): the fewest commands since the last decision
@@ -590,6 +590,22 @@ impl Conn {
                 std::mem::forget(std::mem::take(&mut s.buf));
             }
         }
+    }
+}
+
+/// What the controller needs of a TCP queue (keep-alive, SMART counters, teardown, AENs).
+impl CtrlQueue for Queue {
+    fn last_rx_ms(&self) -> u64 {
+        Queue::last_rx_ms(self)
+    }
+    fn stats(&self) -> (u64, u64, u64, u64) {
+        Queue::stats(self)
+    }
+    fn shutdown(&self) {
+        Queue::shutdown(self)
+    }
+    fn complete_async(&self, cid: u16, status: Status, dw0: u32) {
+        Queue::complete_async(self, cid, status, dw0)
     }
 }
 

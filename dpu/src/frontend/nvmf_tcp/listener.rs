@@ -11,12 +11,10 @@ use std::time::Duration;
 
 use tracing::{debug, info, warn};
 
-use super::admission::{ConnLimits, Evict, ListenerConns};
-use super::{lock, next_free_id, reactor, NvmfError, NvmfTarget, TargetInner};
+use super::{reactor, NvmfTarget, TcpPorts};
+use crate::frontend::nvme::{lock, ConnLimits, Evict, ListenerConns, NvmfError};
 
 pub(super) struct Listener {
-    /// Port ID reported in discovery log entries.
-    portid: u16,
     subsystems: BTreeSet<String>,
     stop: Arc<AtomicBool>,
     /// The listening socket (a second descriptor for it): shut down to end the accept loop.
@@ -24,11 +22,9 @@ pub(super) struct Listener {
     thread: Option<JoinHandle<()>>,
 }
 
-impl TargetInner {
-    pub(crate) fn portid(&self, addr: &SocketAddr) -> u16 {
-        lock(&self.listeners).get(addr).map_or(0, |l| l.portid)
-    }
-
+impl TcpPorts {
+    /// Start a listener on `addr` for `nqn`, or add `nqn` to the one running there; its
+    /// PORTID comes from the target core (discovery log entries name it).
     pub(super) fn acquire_listener(
         self: &Arc<Self>,
         addr: SocketAddr,
@@ -55,16 +51,10 @@ impl TargetInner {
             .name(format!("nvmf-listen-{}", bound.port()))
             .spawn(move || accept_loop(tl, bound, st, weak, Arc::default()))
             .map_err(|source| NvmfError::Listen { addr, source })?;
-        // A PORTID names one port for as long as the target runs: a removed listener's id is
-        // not given to another address (a host may have cached the discovery log that showed
-        // it). TCP ports take 1..=7FFFh; RDMA ones are numbered from 8000h (subsystem.rs).
-        let portid = next_free_id(&self.next_portid, 1..0x8000, |id| {
-            ls.values().any(|l| l.portid == id)
-        });
+        self.target.alloc_portid(bound);
         ls.insert(
             bound,
             Listener {
-                portid,
                 subsystems: BTreeSet::from([nqn.to_string()]),
                 stop,
                 sock,
@@ -92,6 +82,7 @@ impl TargetInner {
         };
         if let Some(l) = stopped {
             stop_listener(l);
+            self.target.free_portid(&addr);
             info!(%addr, "nvmf listener stopped");
         }
     }
@@ -120,14 +111,15 @@ fn accept_loop(
     tl: TcpListener,
     bound: SocketAddr,
     stop: Arc<AtomicBool>,
-    t: Weak<TargetInner>,
+    t: Weak<TcpPorts>,
     counts: Arc<ListenerConns>,
 ) {
     for s in tl.incoming() {
         if stop.load(Ordering::SeqCst) {
             break;
         }
-        let Some(target) = t.upgrade() else { break };
+        let Some(ports) = t.upgrade() else { break };
+        let target = &ports.target;
         let stream = match s {
             Ok(s) => s,
             Err(e) => {
@@ -160,7 +152,7 @@ fn accept_loop(
             continue;
         };
         let _ = stream.set_nodelay(true);
-        target.reactors.assign(reactor::NewConn {
+        ports.reactors.assign(reactor::NewConn {
             target: target.clone(),
             sock: stream,
             listener: bound,
@@ -217,7 +209,6 @@ mod tests {
         let stop = Arc::new(AtomicBool::new(false));
         let st = stop.clone();
         let l = Listener {
-            portid: 1,
             subsystems: BTreeSet::new(),
             stop,
             sock: tl.try_clone().unwrap(),

@@ -14,7 +14,7 @@ use nacre_shared::nvme_tcp::{
 use tracing::debug;
 
 use super::conn::{Conn, Phase, RBUF_LEN};
-use super::limits;
+use crate::frontend::nvme::limits;
 
 /// Why a connection ends.
 pub(super) enum End {

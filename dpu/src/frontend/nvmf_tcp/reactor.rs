@@ -39,7 +39,7 @@ use nacre_shared::nvme::Status;
 use tracing::{error, warn};
 
 use super::conn::Conn;
-use super::{lock, ConnSlot, TargetInner};
+use crate::frontend::nvme::{lock, ConnSlot, TargetInner};
 use crate::volume::IoResult;
 
 /// Token of the reactor's eventfd in the epoll set (connections count up from 1).

@@ -13,8 +13,8 @@ use smallvec::SmallVec;
 
 use super::command::Payload;
 use super::conn::Conn;
-use super::limits;
 use super::pdu::{fatal, End};
+use crate::frontend::nvme::limits;
 
 /// Flush the send queue early once it holds this much (read data held for a gather write
 /// included).

@@ -37,20 +37,10 @@ pub(crate) trait CtrlQueue: Send + Sync {
     fn keyed_sgls(&self) -> bool {
         false
     }
-}
-
-impl CtrlQueue for super::conn::Queue {
-    fn last_rx_ms(&self) -> u64 {
-        super::conn::Queue::last_rx_ms(self)
-    }
-    fn stats(&self) -> (u64, u64, u64, u64) {
-        super::conn::Queue::stats(self)
-    }
-    fn shutdown(&self) {
-        super::conn::Queue::shutdown(self)
-    }
-    fn complete_async(&self, cid: u16, status: Status, dw0: u32) {
-        super::conn::Queue::complete_async(self, cid, status, dw0)
+    /// Whether the queue is a PCIe controller's (memory-based transport): Identify
+    /// Controller then reports no SGL support and no fabrics capsule sizes.
+    fn pcie(&self) -> bool {
+        false
     }
 }
 
@@ -176,6 +166,13 @@ impl TargetController {
             .values()
             .filter_map(|w| w.upgrade())
             .collect()
+    }
+
+    fn admin_pcie(&self) -> bool {
+        lock(&self.queues)
+            .get(&0)
+            .and_then(Weak::upgrade)
+            .is_some_and(|q| q.pcie())
     }
 
     fn admin_keyed_sgls(&self) -> bool {
@@ -344,7 +341,7 @@ impl TargetController {
 
     pub(crate) fn identify_controller(&self) -> IdentifyController {
         let disc = self.subsys.discovery;
-        IdentifyController {
+        let id = IdentifyController {
             vid: 0,
             ssvid: 0,
             serial: self.subsys.serial.clone(),
@@ -395,7 +392,21 @@ impl TargetController {
             icdoff: 0,
             fcatt: 0,
             msdbd: 1,
+        };
+        if self.admin_pcie() {
+            // PRPs only (no SGLs), and no fabrics fields; CTRATT's 128-bit host identifier
+            // is a fabrics requirement.
+            return IdentifyController {
+                sgls: 0,
+                ioccsz: 0,
+                iorcsz: 0,
+                msdbd: 0,
+                ctratt: 0,
+                kas: 0,
+                ..id
+            };
         }
+        id
     }
 
     fn get_log_page(&self, c: &Command) -> AdminReply {

@@ -1,0 +1,768 @@
+//! The PCIe controller: BAR0's registers (NVMe Base 2.0 §3.1.4), controller enable, reset
+//! and shutdown (§3.5), the admin commands that exist only on PCIe (Create/Delete I/O
+//! Submission/Completion Queue, §5.4-5.7), the I/O command set onto
+//! [`crate::volume::BlockDevice`], and MSI-X through the client's eventfds.
+//!
+//! Everything else an admin command asks (Identify, features, log pages, asynchronous
+//! events, Abort) is the target core's controller ([`TargetController`]): the same code a
+//! host reaches over NVMe/TCP or RDMA.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Write;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
+
+use nacre_shared::nvme::dsm::{DatasetManagement, Range as DsmRange, RANGE_LEN};
+use nacre_shared::nvme::registers::{self, cc, csts};
+use nacre_shared::nvme::{admin_opcode, io_opcode, Command, Status};
+use tracing::{debug, warn};
+use vm_memory::GuestMemoryMmap;
+
+use super::config::ConfigSpace;
+use super::prp;
+use super::queue::{self, Cq, Doorbells, Fatal, Pending, Sq};
+use crate::frontend::nvme::ctrl::{AdminReply, CtrlQueue, TargetController};
+use crate::frontend::nvme::fabrics::io_status;
+use crate::frontend::nvme::{limits, lock, Subsystem, TargetInner};
+use crate::volume::{BlockDevice, IoCompletion, IoKind, IoRequest, IoResult};
+
+/// BAR0 registers not in `registers` (§3.1.4).
+const AQA: u64 = 0x24;
+const ASQ: u64 = 0x28;
+const ACQ: u64 = 0x30;
+/// Bytes of the register file below the doorbells that mean anything.
+const REGS_LEN: usize = 0x40;
+
+/// MSI-X vectors the function offers (admin plus one per I/O queue a host typically asks for).
+pub const MSIX_VECTORS: u16 = 64;
+/// Entries the poller takes from one queue per pass (so one busy queue cannot starve others).
+const FETCH_BATCH: usize = 64;
+
+struct Regs {
+    cc: u32,
+    aqa: u32,
+    asq: u64,
+    acq: u64,
+    intms: u32,
+}
+
+struct Queues {
+    sqs: BTreeMap<u16, Arc<Sq>>,
+    cqs: BTreeMap<u16, Arc<Cq>>,
+}
+
+/// One emulated NVMe PCIe function.
+pub struct PcieController {
+    target: Arc<TargetInner>,
+    subsys: Arc<Subsystem>,
+    /// What the host sees as its identity in the core's logs.
+    hostnqn: String,
+    pub(super) config: Mutex<ConfigSpace>,
+    regs: Mutex<Regs>,
+    queues: Mutex<Queues>,
+    ctrl: Mutex<Option<Arc<TargetController>>>,
+    /// The admin queue as the core's controller sees it (asynchronous events).
+    admin: Mutex<Option<Arc<AdminQueue>>>,
+    pub(super) doorbells: Doorbells,
+    /// The memory the client mapped for DMA; replaced whole on each map and unmap.
+    pub(super) mem: Mutex<Arc<GuestMemoryMmap>>,
+    /// MSI-X vector → eventfd.
+    pub(super) irqs: Mutex<Vec<Option<File>>>,
+    /// Controller Fatal Status: set by a host error the controller cannot go on from;
+    /// cleared by a controller reset.
+    fatal: AtomicBool,
+    pub(super) stop: AtomicBool,
+    /// A second handle on the connected client's socket: stopping the listener shuts it down,
+    /// which disconnects the client and ends the server thread.
+    pub(super) client: Mutex<Option<std::os::unix::net::UnixStream>>,
+    /// Keeps the doorbell page mapped for as long as the controller lives.
+    _doorbell_backing: Arc<dyn std::any::Any + Send + Sync>,
+}
+
+/// The admin queue's face towards the core's controller: parked Asynchronous Event Requests
+/// complete through it.
+struct AdminQueue {
+    dev: Weak<PcieController>,
+}
+
+impl CtrlQueue for AdminQueue {
+    fn last_rx_ms(&self) -> u64 {
+        0
+    }
+    fn stats(&self) -> (u64, u64, u64, u64) {
+        (0, 0, 0, 0)
+    }
+    fn shutdown(&self) {}
+    fn complete_async(&self, cid: u16, status: Status, dw0: u32) {
+        if let Some(d) = self.dev.upgrade() {
+            d.complete(0, 0, cid, status, dw0);
+        }
+    }
+    fn pcie(&self) -> bool {
+        true
+    }
+}
+
+impl PcieController {
+    /// # Safety
+    /// `doorbell_page` must point to 4 KiB of shared memory that stays mapped while
+    /// `backing` lives.
+    pub(super) unsafe fn new(
+        target: Arc<TargetInner>,
+        subsys: Arc<Subsystem>,
+        hostnqn: String,
+        doorbell_page: *mut u8,
+        backing: Arc<dyn std::any::Any + Send + Sync>,
+        bar0_len: u64,
+        msix_bar_len: u64,
+    ) -> Arc<Self> {
+        Arc::new(PcieController {
+            target,
+            subsys,
+            hostnqn,
+            config: Mutex::new(ConfigSpace::new(MSIX_VECTORS, bar0_len, msix_bar_len)),
+            regs: Mutex::new(Regs {
+                cc: 0,
+                aqa: 0,
+                asq: 0,
+                acq: 0,
+                intms: 0,
+            }),
+            queues: Mutex::new(Queues {
+                sqs: BTreeMap::new(),
+                cqs: BTreeMap::new(),
+            }),
+            ctrl: Mutex::new(None),
+            admin: Mutex::new(None),
+            // SAFETY: `backing`, held below, keeps the page mapped (caller).
+            doorbells: unsafe { Doorbells::new(doorbell_page) },
+            mem: Mutex::new(Arc::new(GuestMemoryMmap::new())),
+            irqs: Mutex::new(Vec::new()),
+            fatal: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            client: Mutex::new(None),
+            _doorbell_backing: backing,
+        })
+    }
+
+    fn csts(&self) -> u32 {
+        let core = lock(&self.ctrl)
+            .as_ref()
+            .and_then(|c| c.property_get(registers::CSTS, false).ok())
+            .unwrap_or(0) as u32;
+        core | if self.fatal.load(Ordering::SeqCst) {
+            csts::CFS
+        } else {
+            0
+        }
+    }
+
+    fn regs_bytes(&self) -> [u8; REGS_LEN] {
+        let mut b = [0u8; REGS_LEN];
+        let cap = registers::cap((limits::MAX_QUEUE_ENTRIES - 1) as u16, limits::CAP_TO_500MS);
+        let r = lock(&self.regs);
+        b[0..8].copy_from_slice(&cap.to_le_bytes());
+        b[8..12].copy_from_slice(&registers::version(1, 4, 0).to_le_bytes());
+        b[0x0C..0x10].copy_from_slice(&r.intms.to_le_bytes());
+        b[0x10..0x14].copy_from_slice(&r.intms.to_le_bytes());
+        b[0x14..0x18].copy_from_slice(&r.cc.to_le_bytes());
+        drop(r);
+        b[0x1C..0x20].copy_from_slice(&self.csts().to_le_bytes());
+        let r = lock(&self.regs);
+        b[0x24..0x28].copy_from_slice(&r.aqa.to_le_bytes());
+        b[0x28..0x30].copy_from_slice(&r.asq.to_le_bytes());
+        b[0x30..0x38].copy_from_slice(&r.acq.to_le_bytes());
+        b
+    }
+
+    /// A read of BAR0 below the doorbells.
+    pub(super) fn read_regs(&self, offset: u64, out: &mut [u8]) {
+        let b = self.regs_bytes();
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = (offset as usize)
+                .checked_add(i)
+                .and_then(|at| b.get(at).copied())
+                .unwrap_or(0);
+        }
+    }
+
+    /// A write to BAR0 below the doorbells: 4- or 8-byte accesses to the registers a host
+    /// writes (INTMS, INTMC, CC, AQA, ASQ, ACQ); others are ignored (read-only or reserved).
+    pub(super) fn write_regs(self: &Arc<Self>, offset: u64, data: &[u8]) {
+        let v = match data.len() {
+            4 => u32::from_le_bytes(data.try_into().unwrap_or_default()) as u64,
+            8 => u64::from_le_bytes(data.try_into().unwrap_or_default()),
+            _ => return,
+        };
+        match offset {
+            o if o == registers::INTMS as u64 => lock(&self.regs).intms |= v as u32,
+            o if o == registers::INTMC as u64 => lock(&self.regs).intms &= !(v as u32),
+            o if o == registers::CC as u64 => self.write_cc(v as u32),
+            AQA => lock(&self.regs).aqa = v as u32,
+            ASQ => {
+                let mut r = lock(&self.regs);
+                r.asq = if data.len() == 8 {
+                    v
+                } else {
+                    (r.asq & !0xFFFF_FFFF) | v
+                };
+            }
+            0x2C if data.len() == 4 => {
+                let mut r = lock(&self.regs);
+                r.asq = (r.asq & 0xFFFF_FFFF) | v << 32;
+            }
+            ACQ => {
+                let mut r = lock(&self.regs);
+                r.acq = if data.len() == 8 {
+                    v
+                } else {
+                    (r.acq & !0xFFFF_FFFF) | v
+                };
+            }
+            0x34 if data.len() == 4 => {
+                let mut r = lock(&self.regs);
+                r.acq = (r.acq & 0xFFFF_FFFF) | v << 32;
+            }
+            _ => {}
+        }
+    }
+
+    fn write_cc(self: &Arc<Self>, new: u32) {
+        let old = {
+            let mut r = lock(&self.regs);
+            std::mem::replace(&mut r.cc, new)
+        };
+        let enabling = new & cc::EN != 0 && old & cc::EN == 0;
+        let disabling = new & cc::EN == 0 && old & cc::EN != 0;
+        if enabling {
+            self.enable(new);
+        } else if disabling {
+            self.reset();
+        }
+        let shn = (new & cc::SHN_MASK) >> cc::SHN_SHIFT;
+        let shn_old = (old & cc::SHN_MASK) >> cc::SHN_SHIFT;
+        if shn != 0 && shn_old == 0 {
+            // Shutdown notification: every acknowledged write durable before SHST says
+            // complete.
+            for ns in self.subsys.namespace_table().into_values() {
+                if let Err(e) = ns
+                    .volume
+                    .submit_wait(IoRequest::new(IoKind::Flush, 0, 0, 0))
+                {
+                    warn!(nsid = ns.nsid, "nvme pcie: flush at shutdown failed: {e}");
+                }
+            }
+        }
+        if !disabling {
+            if let Some(c) = lock(&self.ctrl).as_ref() {
+                c.property_set(registers::CC, new as u64);
+            }
+        }
+    }
+
+    /// CC.EN 0 → 1: the admin queues from AQA/ASQ/ACQ, a new controller of the core.
+    fn enable(self: &Arc<Self>, cc_val: u32) {
+        if self.stop.load(Ordering::SeqCst) {
+            // The listener is gone: no new controller in the subsystem.
+            self.fatal.store(true, Ordering::SeqCst);
+            return;
+        }
+        let (aqa, asq, acq) = {
+            let r = lock(&self.regs);
+            (r.aqa, r.asq, r.acq)
+        };
+        let sqs = (aqa & 0xFFF) as u16 + 1;
+        let cqs = ((aqa >> 16) & 0xFFF) as u16 + 1;
+        if sqs < 2 || cqs < 2 || asq % prp::PAGE != 0 || acq % prp::PAGE != 0 {
+            warn!("nvme pcie: enabled with unusable admin queues: controller fatal");
+            self.fatal.store(true, Ordering::SeqCst);
+            return;
+        }
+        let admin = Arc::new(AdminQueue {
+            dev: Arc::downgrade(self),
+        });
+        let ctrl = TargetController::new(
+            &self.target,
+            self.subsys.clone(),
+            self.hostnqn.clone(),
+            0,
+            IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            &admin,
+        );
+        self.subsys.insert_controller(ctrl.clone());
+        {
+            let mut q = lock(&self.queues);
+            q.sqs.insert(
+                0,
+                Arc::new(Sq {
+                    qid: 0,
+                    base: asq,
+                    size: sqs,
+                    cqid: 0,
+                    head: Mutex::new(0),
+                }),
+            );
+            q.cqs.insert(0, Arc::new(Cq::new(0, acq, cqs, 0, true)));
+        }
+        *lock(&self.admin) = Some(admin);
+        *lock(&self.ctrl) = Some(ctrl);
+        debug!(
+            nqn = self.subsys.nqn(),
+            cc = cc_val,
+            "nvme pcie: controller enabled"
+        );
+    }
+
+    /// Controller reset (CC.EN 1 → 0, or the device reset): queues deleted, the core's
+    /// controller gone, registers but AQA/ASQ/ACQ back to their reset values.
+    pub(super) fn reset(&self) {
+        if let Some(c) = lock(&self.ctrl).take() {
+            self.subsys.remove_controller(c.cntlid);
+            c.teardown();
+        }
+        *lock(&self.admin) = None;
+        {
+            let mut q = lock(&self.queues);
+            q.sqs.clear();
+            q.cqs.clear();
+        }
+        self.doorbells.clear();
+        self.fatal.store(false, Ordering::SeqCst);
+        let mut r = lock(&self.regs);
+        r.cc = 0;
+        r.intms = 0;
+    }
+
+    fn set_fatal(&self, why: Fatal) {
+        if !self.fatal.swap(true, Ordering::SeqCst) {
+            warn!(
+                nqn = self.subsys.nqn(),
+                ?why,
+                "nvme pcie: host error: controller fatal status"
+            );
+        }
+    }
+
+    /// Raise MSI-X vector `iv` (if the function has MSI-X on and the client gave an eventfd).
+    fn interrupt(&self, iv: u16) {
+        if !lock(&self.config).msix_enabled() {
+            return;
+        }
+        if let Some(Some(f)) = lock(&self.irqs).get(iv as usize) {
+            let _ = (&*f).write_all(&1u64.to_ne_bytes());
+        }
+    }
+
+    /// Post a completion on the completion queue of submission queue `sqid`.
+    fn complete(&self, sqid: u16, sqhd: u16, cid: u16, status: Status, dw0: u32) {
+        let cq = {
+            let q = lock(&self.queues);
+            let Some(cqid) = q.sqs.get(&sqid).map(|s| s.cqid) else {
+                return;
+            };
+            q.cqs.get(&cqid).cloned()
+        };
+        let Some(cq) = cq else { return };
+        let mem = lock(&self.mem).clone();
+        match cq.post(
+            &mem,
+            &self.doorbells,
+            Pending {
+                dw0,
+                sqhd,
+                sqid,
+                cid,
+                status,
+            },
+        ) {
+            Ok(true) if cq.ien => self.interrupt(cq.iv),
+            Ok(_) => {}
+            Err(f) => self.set_fatal(f),
+        }
+    }
+
+    /// One pass over every submission queue; whether any work was found.
+    pub(super) fn poll(self: &Arc<Self>) -> bool {
+        // No DMA before the driver enables bus mastering (PCI Command register).
+        if self.fatal.load(Ordering::SeqCst)
+            || lock(&self.ctrl).is_none()
+            || !lock(&self.config).bus_master()
+        {
+            return false;
+        }
+        let (sqs, cqs): (Vec<Arc<Sq>>, Vec<Arc<Cq>>) = {
+            let q = lock(&self.queues);
+            (
+                q.sqs.values().cloned().collect(),
+                q.cqs.values().cloned().collect(),
+            )
+        };
+        let mem = lock(&self.mem).clone();
+        let mut work = false;
+        for cq in &cqs {
+            match cq.flush(&mem, &self.doorbells) {
+                Ok(true) => {
+                    work = true;
+                    if cq.ien {
+                        self.interrupt(cq.iv);
+                    }
+                }
+                Ok(false) => {}
+                Err(f) => return self.fatal_pass(f),
+            }
+        }
+        for sq in &sqs {
+            let entries = match queue::fetch(sq, &mem, &self.doorbells, FETCH_BATCH) {
+                Ok(e) => e,
+                Err(f) => return self.fatal_pass(f),
+            };
+            for (sqhd, raw) in entries {
+                work = true;
+                let cmd = Command::decode(&raw);
+                let prp1 = u64::from_le_bytes(raw[24..32].try_into().unwrap_or_default());
+                let prp2 = u64::from_le_bytes(raw[32..40].try_into().unwrap_or_default());
+                if sq.qid == 0 {
+                    self.admin_command(&mem, sqhd, &cmd, prp1, prp2);
+                } else {
+                    self.io_command(&mem, sq.qid, sqhd, &cmd, prp1, prp2);
+                }
+            }
+        }
+        work
+    }
+
+    fn fatal_pass(&self, f: Fatal) -> bool {
+        self.set_fatal(f);
+        false
+    }
+
+    // ---- Admin commands ----
+
+    fn admin_command(
+        &self,
+        mem: &Arc<GuestMemoryMmap>,
+        sqhd: u16,
+        c: &Command,
+        prp1: u64,
+        prp2: u64,
+    ) {
+        let reply = |s: Status, dw0: u32| self.complete(0, sqhd, c.cid, s, dw0);
+        if c.flags & 0xC0 != 0 {
+            // PSDT: SGLs are not supported (Identify Controller SGLS = 0).
+            return reply(Status::INVALID_FIELD, 0);
+        }
+        match c.opcode {
+            admin_opcode::CREATE_IO_CQ => reply(self.create_cq(c), 0),
+            admin_opcode::CREATE_IO_SQ => reply(self.create_sq(c), 0),
+            admin_opcode::DELETE_IO_SQ => reply(self.delete_sq(c.cdw10 as u16), 0),
+            admin_opcode::DELETE_IO_CQ => reply(self.delete_cq(c.cdw10 as u16), 0),
+            _ => {
+                let Some(ctrl) = lock(&self.ctrl).clone() else {
+                    return reply(Status::COMMAND_SEQUENCE_ERROR, 0);
+                };
+                match ctrl.admin(c, &[]) {
+                    AdminReply::Done(s, dw0, data) => {
+                        if s.is_success() && !data.is_empty() {
+                            match prp::walk(mem, prp1, prp2, data.len() as u64) {
+                                Ok(spans) => prp::copy_out(&spans, &data),
+                                Err(e) => return reply(e, 0),
+                            }
+                        }
+                        reply(s, dw0)
+                    }
+                    AdminReply::Parked => {}
+                }
+            }
+        }
+    }
+
+    fn create_cq(&self, c: &Command) -> Status {
+        let qid = c.cdw10 as u16;
+        let size = (c.cdw10 >> 16) as u16 as u32 + 1;
+        let contiguous = c.cdw11 & 1 != 0;
+        let ien = c.cdw11 & 2 != 0;
+        let iv = (c.cdw11 >> 16) as u16;
+        let base = c.sgl.addr;
+        let mut q = lock(&self.queues);
+        if qid == 0 || qid > limits::MAX_IO_QUEUES || q.cqs.contains_key(&qid) {
+            return Status::INVALID_QUEUE_IDENTIFIER;
+        }
+        if !(2..=limits::MAX_QUEUE_ENTRIES).contains(&size) {
+            return MAX_QUEUE_SIZE_EXCEEDED;
+        }
+        if !contiguous {
+            return Status::INVALID_FIELD;
+        }
+        if iv >= MSIX_VECTORS {
+            return INVALID_INTERRUPT_VECTOR;
+        }
+        if base % prp::PAGE != 0 {
+            return PRP_OFFSET_INVALID;
+        }
+        q.cqs
+            .insert(qid, Arc::new(Cq::new(qid, base, size as u16, iv, ien)));
+        Status::SUCCESS
+    }
+
+    fn create_sq(&self, c: &Command) -> Status {
+        let qid = c.cdw10 as u16;
+        let size = (c.cdw10 >> 16) as u16 as u32 + 1;
+        let contiguous = c.cdw11 & 1 != 0;
+        let cqid = (c.cdw11 >> 16) as u16;
+        let base = c.sgl.addr;
+        let mut q = lock(&self.queues);
+        if qid == 0 || qid > limits::MAX_IO_QUEUES || q.sqs.contains_key(&qid) {
+            return Status::INVALID_QUEUE_IDENTIFIER;
+        }
+        if cqid == 0 || !q.cqs.contains_key(&cqid) {
+            return COMPLETION_QUEUE_INVALID;
+        }
+        if !(2..=limits::MAX_QUEUE_ENTRIES).contains(&size) {
+            return MAX_QUEUE_SIZE_EXCEEDED;
+        }
+        if !contiguous {
+            return Status::INVALID_FIELD;
+        }
+        if base % prp::PAGE != 0 {
+            return PRP_OFFSET_INVALID;
+        }
+        q.sqs.insert(
+            qid,
+            Arc::new(Sq {
+                qid,
+                base,
+                size: size as u16,
+                cqid,
+                head: Mutex::new(0),
+            }),
+        );
+        Status::SUCCESS
+    }
+
+    fn delete_sq(&self, qid: u16) -> Status {
+        let mut q = lock(&self.queues);
+        if qid == 0 || q.sqs.remove(&qid).is_none() {
+            return Status::INVALID_QUEUE_IDENTIFIER;
+        }
+        Status::SUCCESS
+    }
+
+    fn delete_cq(&self, qid: u16) -> Status {
+        let mut q = lock(&self.queues);
+        if qid == 0 || !q.cqs.contains_key(&qid) {
+            return Status::INVALID_QUEUE_IDENTIFIER;
+        }
+        if q.sqs.values().any(|s| s.cqid == qid) {
+            return INVALID_QUEUE_DELETION;
+        }
+        q.cqs.remove(&qid);
+        Status::SUCCESS
+    }
+
+    // ---- I/O commands (NVM Command Set 1.0 §3) ----
+
+    fn io_command(
+        self: &Arc<Self>,
+        mem: &Arc<GuestMemoryMmap>,
+        sqid: u16,
+        sqhd: u16,
+        c: &Command,
+        prp1: u64,
+        prp2: u64,
+    ) {
+        let fail = |s: Status| self.complete(sqid, sqhd, c.cid, s, 0);
+        if c.flags & 0xC0 != 0 || c.fuse() != 0 {
+            return fail(Status::INVALID_FIELD);
+        }
+        if c.opcode == io_opcode::FLUSH && c.nsid == 0xFFFF_FFFF {
+            // Every namespace, one after the other.
+            let mut reqs: Vec<_> = self
+                .subsys
+                .namespace_table()
+                .into_values()
+                .map(|ns| (ns.volume.clone(), IoRequest::new(IoKind::Flush, 0, 0, 0)))
+                .collect();
+            let Some(first) = reqs.pop() else {
+                return fail(Status::SUCCESS);
+            };
+            return self.submit(mem, sqid, sqhd, c.cid, false, first, reqs);
+        }
+        let Some(ns) = self.subsys.namespace(c.nsid) else {
+            return fail(Status::INVALID_NAMESPACE);
+        };
+        let bs = ns.block_size as u64;
+        let vol = ns.volume.clone();
+        let range = || -> Result<(u64, u64), Status> {
+            let off = c.slba().checked_mul(bs).ok_or(Status::LBA_OUT_OF_RANGE)?;
+            Ok((off, c.nlb() as u64 * bs))
+        };
+        match c.opcode {
+            io_opcode::READ | io_opcode::WRITE => {
+                let (off, len) = match range() {
+                    Ok(r) => r,
+                    Err(s) => return fail(s),
+                };
+                let spans = match prp::walk(mem, prp1, prp2, len) {
+                    Ok(s) => s,
+                    Err(s) => return fail(s),
+                };
+                let read = c.opcode == io_opcode::READ;
+                let kind = if read { IoKind::Read } else { IoKind::Write };
+                let req = IoRequest::new(kind, off, len, 0).with_segments(spans);
+                let then = if !read && c.fua() {
+                    vec![(vol.clone(), IoRequest::new(IoKind::Flush, 0, 0, 0))]
+                } else {
+                    Vec::new()
+                };
+                self.submit(mem, sqid, sqhd, c.cid, read, (vol, req), then)
+            }
+            io_opcode::FLUSH => self.submit(
+                mem,
+                sqid,
+                sqhd,
+                c.cid,
+                false,
+                (vol, IoRequest::new(IoKind::Flush, 0, 0, 0)),
+                Vec::new(),
+            ),
+            io_opcode::WRITE_ZEROES => {
+                let (off, len) = match range() {
+                    Ok(r) => r,
+                    Err(s) => return fail(s),
+                };
+                self.submit(
+                    mem,
+                    sqid,
+                    sqhd,
+                    c.cid,
+                    false,
+                    (vol, IoRequest::new(IoKind::WriteZeroes, off, len, 0)),
+                    Vec::new(),
+                )
+            }
+            io_opcode::DATASET_MANAGEMENT => {
+                let d = DatasetManagement::from_command(c);
+                let mut buf = vec![0u8; d.data_len()];
+                match prp::walk(mem, prp1, prp2, buf.len() as u64) {
+                    Ok(spans) => prp::copy_in(&spans, &mut buf),
+                    Err(s) => return fail(s),
+                }
+                if !d.deallocate {
+                    return fail(Status::SUCCESS);
+                }
+                let mut reqs = Vec::new();
+                for r in buf.chunks_exact(RANGE_LEN).map(DsmRange::decode) {
+                    let Some(off) = r.slba.checked_mul(bs) else {
+                        return fail(Status::LBA_OUT_OF_RANGE);
+                    };
+                    if r.nlb > 0 {
+                        reqs.push((
+                            vol.clone(),
+                            IoRequest::new(IoKind::Discard, off, r.nlb as u64 * bs, 0),
+                        ));
+                    }
+                }
+                reqs.reverse();
+                let Some(first) = reqs.pop() else {
+                    return fail(Status::SUCCESS);
+                };
+                self.submit(mem, sqid, sqhd, c.cid, false, first, reqs)
+            }
+            _ => fail(Status::INVALID_OPCODE),
+        }
+    }
+
+    /// Submit `first`, then each of `then` (last first) after the previous one succeeded;
+    /// the command completes with the first failure or after the last.
+    #[allow(clippy::too_many_arguments)]
+    fn submit(
+        self: &Arc<Self>,
+        mem: &Arc<GuestMemoryMmap>,
+        sqid: u16,
+        sqhd: u16,
+        cid: u16,
+        read: bool,
+        first: (Arc<dyn BlockDevice>, IoRequest),
+        then: Vec<(Arc<dyn BlockDevice>, IoRequest)>,
+    ) {
+        let done = Arc::new_cyclic(|me| Inflight {
+            me: me.clone(),
+            dev: Arc::downgrade(self),
+            _mem: mem.clone(),
+            sqid,
+            sqhd,
+            cid,
+            read,
+            then: Mutex::new(then),
+        });
+        let d: Arc<dyn IoCompletion> = done;
+        first.0.submit(first.1, &d);
+    }
+}
+
+/// A command at the volumes. It holds the guest memory map its data spans point into, so
+/// the mapping outlives the request even if the client unmaps it meanwhile.
+struct Inflight {
+    me: Weak<Inflight>,
+    dev: Weak<PcieController>,
+    _mem: Arc<GuestMemoryMmap>,
+    sqid: u16,
+    sqhd: u16,
+    cid: u16,
+    read: bool,
+    then: Mutex<Vec<(Arc<dyn BlockDevice>, IoRequest)>>,
+}
+
+impl IoCompletion for Inflight {
+    fn complete(&self, _tag: u64, result: IoResult) {
+        if result.is_ok() {
+            let next = lock(&self.then).pop();
+            if let (Some((vol, req)), Some(me)) = (next, self.me.upgrade()) {
+                let d: Arc<dyn IoCompletion> = me;
+                vol.submit(req, &d);
+                return;
+            }
+        }
+        let status = match &result {
+            Ok(()) => Status::SUCCESS,
+            Err(e) => io_status(e, self.read),
+        };
+        if let Some(dev) = self.dev.upgrade() {
+            dev.complete(self.sqid, self.sqhd, self.cid, status, 0);
+        }
+    }
+}
+
+/// Command specific statuses of the queue commands (§5.4-5.7, Figure 103).
+const COMPLETION_QUEUE_INVALID: Status = Status::new(1, 0x00, true);
+const MAX_QUEUE_SIZE_EXCEEDED: Status = Status::new(1, 0x02, true);
+const INVALID_INTERRUPT_VECTOR: Status = Status::new(1, 0x08, true);
+const INVALID_QUEUE_DELETION: Status = Status::new(1, 0x0C, true);
+/// PRP Offset Invalid (§4.1.1, generic status 13h).
+pub(super) const PRP_OFFSET_INVALID: Status = Status::new(0, 0x13, true);
+
+/// The poller's loop: busy while there is work, then sleeping in growing steps (up to
+/// 1 ms) so an idle controller costs little.
+pub(super) fn poller(dev: Weak<PcieController>) {
+    let mut idle = 0u32;
+    loop {
+        let Some(d) = dev.upgrade() else { return };
+        if d.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        if d.poll() {
+            idle = 0;
+            continue;
+        }
+        drop(d);
+        idle = idle.saturating_add(1);
+        if idle < 64 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros((idle as u64).min(1000)));
+        }
+    }
+}

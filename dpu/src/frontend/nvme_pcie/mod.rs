@@ -1,0 +1,244 @@
+//! An NVMe controller on PCIe, emulated over vfio-user: what a host's own `nvme` driver
+//! binds (NVMe Base 2.0, memory-based transport), served to a vfio-user client (QEMU's
+//! `vfio-user-pci`, SPDK's NVMe driver with `trtype:VFIOUSER`) on a Unix socket `DIR/cntrl`,
+//! as SPDK's `vfiouser` transport does.
+//!
+//! ```text
+//!   client (QEMU vfio-user-pci / SPDK) ── DIR/cntrl ── server: vfio-user messages
+//!        │ guest memory by fd (DMA map)                   │ region access, DMA map, IRQs
+//!        │ doorbell page by fd (sparse mmap of BAR0)      ▼
+//!        │                                  ctrl: BAR0 registers, CC.EN/SHN, queue
+//!        └──── stores to doorbells ───────► commands, I/O onto BlockDevice, MSI-X
+//!                                                 │  poller thread reads the doorbells
+//!              queue: SQ/CQ in guest memory ◄─────┤
+//!              prp: PRP lists → volume segments ◄─┘
+//!              config: PCI configuration space and capabilities
+//!                                                 │
+//!   frontend::nvme (the target core): the controller's admin commands, subsystems,
+//!   namespaces, asynchronous events — the same as over NVMe/TCP and NVMe/RDMA
+//! ```
+//!
+//! Data moves between the volume and the guest's pages directly: the PRP walk turns the
+//! command's pages into the request's segments (no bounce), each checked against the mapped
+//! memory first. A hostile host gets NVMe error statuses (PRP outside mapped memory: Data
+//! Transfer Error; malformed PRPs: PRP Offset Invalid; oversized transfers: Invalid Field)
+//! or, for a doorbell value beyond its queue's size, Controller Fatal Status until it resets
+//! the controller; never a write outside its mapping.
+//!
+//! The seam to a BlueField: DOCA DevEmu (the device-emulation API) would replace `server`
+//! and `config` (the PCI function, BARs, DMA and MSI-X come from the hardware's emulated
+//! function instead of a socket and file descriptors) and the doorbell page (DevEmu raises
+//! doorbell events); `ctrl`, `queue`, `prp` and the target core stay, with guest memory
+//! reached through DevEmu's DMA mappings instead of `vm-memory` regions.
+//!
+//! What it does today: one client at a time per controller; a poller thread per controller
+//! (busy while there is work, then backing off to 1 ms sleeps); interrupts without
+//! coalescing; no Doorbell Buffer Config, no SGLs, 4 KiB pages only (CAP.MPSMAX = 0).
+
+mod config;
+mod ctrl;
+mod prp;
+mod queue;
+mod server;
+
+use std::collections::HashMap;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, Weak};
+use std::thread::JoinHandle;
+
+use thiserror::Error;
+use tracing::{info, warn};
+
+use crate::frontend::nvme::{lock, NvmfError, TargetInner};
+use crate::frontend::nvmf_tcp::NvmfTarget;
+use ctrl::PcieController;
+
+/// The socket's name in the listener directory (SPDK's and libvfio-user's).
+pub const SOCKET_NAME: &str = "cntrl";
+
+#[derive(Debug, Error)]
+pub enum PcieError {
+    #[error(transparent)]
+    Nvmf(#[from] NvmfError),
+    #[error("cannot serve vfio-user at {path}: {reason}")]
+    Listen { path: PathBuf, reason: String },
+    #[error("no vfio-user listener at {0} for this subsystem")]
+    NoSuchListener(PathBuf),
+}
+
+struct Listener {
+    nqn: String,
+    dev: Arc<PcieController>,
+    /// A second descriptor of the listening socket: shut down to end the accept.
+    sock: UnixListener,
+    server: Option<JoinHandle<()>>,
+    poller: Option<JoinHandle<()>>,
+    socket_path: PathBuf,
+}
+
+/// The vfio-user listeners of one [`NvmfTarget`]: each a PCIe NVMe controller of one
+/// subsystem, served on `DIR/cntrl`.
+pub struct VfioUserPorts {
+    target: Weak<TargetInner>,
+    listeners: Mutex<HashMap<PathBuf, Listener>>,
+}
+
+impl VfioUserPorts {
+    pub fn new(target: &NvmfTarget) -> Arc<VfioUserPorts> {
+        Arc::new(VfioUserPorts {
+            target: Arc::downgrade(target.inner()),
+            listeners: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Serve subsystem `nqn` as a PCIe NVMe controller on `dir/cntrl` (`dir` must exist).
+    /// Returns the socket's path.
+    pub fn add_listener(&self, nqn: &str, dir: &Path) -> Result<PathBuf, PcieError> {
+        let listen_err = |reason: String| PcieError::Listen {
+            path: dir.to_path_buf(),
+            reason,
+        };
+        let target = self
+            .target
+            .upgrade()
+            .ok_or_else(|| listen_err("the NVMe target is stopping".into()))?;
+        let subsys = target.subsystem(nqn)?;
+        let mut ls = lock(&self.listeners);
+        if ls.contains_key(dir) {
+            return Err(listen_err("a controller is already served there".into()));
+        }
+        if !dir.is_dir() {
+            return Err(listen_err("no such directory".into()));
+        }
+        let path = dir.join(SOCKET_NAME);
+        remove_stale_socket(&path).map_err(listen_err)?;
+        let sock = UnixListener::bind(&path).map_err(|e| listen_err(e.to_string()))?;
+        let sock2 = sock.try_clone().map_err(|e| listen_err(e.to_string()))?;
+        let bar0 = Arc::new(server::Bar0::new().map_err(|e| listen_err(e.to_string()))?);
+        // SAFETY: the doorbell page lies in `bar0`'s mapping, which the controller holds.
+        let dev = unsafe {
+            PcieController::new(
+                target.clone(),
+                subsys,
+                format!("nqn.2024-01.io.nacre:pcie:{}", dir.display()),
+                bar0.doorbell_page(),
+                bar0.clone(),
+                server::BAR0_LEN,
+                server::MSIX_BAR_LEN,
+            )
+        };
+        let regions = server::regions(&bar0);
+        let d = dev.clone();
+        let server_thread = std::thread::Builder::new()
+            .name("nvme-pcie-vfu".into())
+            .spawn(move || server::serve(sock, regions, d))
+            .map_err(|e| listen_err(e.to_string()))?;
+        let w = Arc::downgrade(&dev);
+        let poller = std::thread::Builder::new()
+            .name("nvme-pcie-poll".into())
+            .spawn(move || ctrl::poller(w))
+            .map_err(|e| listen_err(e.to_string()))?;
+        info!(nqn, path = %path.display(), "nvme pcie: vfio-user controller listening");
+        ls.insert(
+            dir.to_path_buf(),
+            Listener {
+                nqn: nqn.to_string(),
+                dev,
+                sock: sock2,
+                server: Some(server_thread),
+                poller: Some(poller),
+                socket_path: path.clone(),
+            },
+        );
+        Ok(path)
+    }
+
+    /// Stop serving subsystem `nqn` at `dir`: a connected client is disconnected (to a guest,
+    /// the device is gone) and the socket removed.
+    pub fn remove_listener(&self, nqn: &str, dir: &Path) -> Result<(), PcieError> {
+        let l = {
+            let mut ls = lock(&self.listeners);
+            match ls.get(dir) {
+                Some(l) if l.nqn == nqn => ls.remove(dir),
+                _ => None,
+            }
+        };
+        let l = l.ok_or_else(|| PcieError::NoSuchListener(dir.to_path_buf()))?;
+        stop(l);
+        Ok(())
+    }
+
+    /// Stop every listener of subsystem `nqn` (it is being deleted).
+    pub fn forget_subsystem(&self, nqn: &str) {
+        let gone: Vec<Listener> = {
+            let mut ls = lock(&self.listeners);
+            let dirs: Vec<PathBuf> = ls
+                .iter()
+                .filter(|(_, l)| l.nqn == nqn)
+                .map(|(d, _)| d.clone())
+                .collect();
+            dirs.iter().filter_map(|d| ls.remove(d)).collect()
+        };
+        for l in gone {
+            stop(l);
+        }
+    }
+
+    /// (subsystem NQN, listener directory) of every listener.
+    pub fn listeners(&self) -> Vec<(String, PathBuf)> {
+        lock(&self.listeners)
+            .iter()
+            .map(|(d, l)| (l.nqn.clone(), d.clone()))
+            .collect()
+    }
+}
+
+impl Drop for VfioUserPorts {
+    fn drop(&mut self) {
+        let ls: Vec<Listener> = lock(&self.listeners).drain().map(|(_, l)| l).collect();
+        for l in ls {
+            stop(l);
+        }
+    }
+}
+
+fn stop(mut l: Listener) {
+    l.dev.stop.store(true, Ordering::SeqCst);
+    l.dev.reset();
+    // SAFETY: shutdown(2) on a descriptor `l.sock` owns: a blocked accept() returns.
+    unsafe { libc::shutdown(l.sock.as_raw_fd(), libc::SHUT_RDWR) };
+    // A connected client is disconnected: its server thread then ends.
+    if let Some(c) = lock(&l.dev.client).take() {
+        let _ = c.shutdown(std::net::Shutdown::Both);
+    }
+    let _ = std::fs::remove_file(&l.socket_path);
+    if let Some(p) = l.poller.take() {
+        let _ = p.join();
+    }
+    if let Some(s) = l.server.take() {
+        let _ = s.join();
+    }
+    info!(nqn = l.nqn, path = %l.socket_path.display(), "nvme pcie: vfio-user listener stopped");
+}
+
+/// A socket left behind by an earlier run (nobody accepts on it) is removed; anything else
+/// at the path is an error.
+fn remove_stale_socket(path: &Path) -> Result<(), String> {
+    match std::fs::symlink_metadata(path) {
+        Err(_) => Ok(()),
+        Ok(m) => {
+            use std::os::unix::fs::FileTypeExt;
+            if !m.file_type().is_socket() {
+                return Err(format!("{} exists and is not a socket", path.display()));
+            }
+            if UnixStream::connect(path).is_ok() {
+                return Err(format!("{} is in use", path.display()));
+            }
+            warn!(path = %path.display(), "nvme pcie: removing a stale socket");
+            std::fs::remove_file(path).map_err(|e| e.to_string())
+        }
+    }
+}

@@ -1,0 +1,287 @@
+//! Submission and completion queues in the host's memory (NVMe Base 2.0 §3.3.1: memory-based
+//! transport queue model, physically contiguous queues only: CAP.CQR = 1), and their
+//! doorbells in BAR0's doorbell page (§3.1.4.20-21, CAP.DSTRD = 0).
+//!
+//! The doorbell page is shared with the client (mmapped through vfio-user's sparse mmap), so
+//! a host rings a doorbell with a plain store and nothing reaches nacred: the controller's
+//! poller reads the page. A doorbell value beyond the queue's size is a host error the
+//! controller cannot recover from; the controller then reports Controller Fatal Status.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Mutex;
+
+use nacre_shared::nvme::Status;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+/// Bytes of a submission queue entry (CC.IOSQES = 6) and a completion queue entry
+/// (CC.IOCQES = 4).
+pub const SQE_LEN: u64 = 64;
+pub const CQE_LEN: u64 = 16;
+
+/// Offset of the doorbell page in BAR0 (§3.1.4: doorbells start at 1000h).
+pub const DOORBELLS: u64 = 0x1000;
+/// Doorbell registers in the page: SQyTDBL at 2y, CQyHDBL at 2y + 1 (DSTRD = 0).
+pub const DOORBELL_SLOTS: usize = 1024;
+
+/// The doorbell page: a view of shared memory the client writes at any time.
+pub struct Doorbells {
+    regs: *const AtomicU32,
+}
+
+// SAFETY: the page is only accessed through atomics, which any thread may use.
+unsafe impl Send for Doorbells {}
+// SAFETY: as above.
+unsafe impl Sync for Doorbells {}
+
+impl Doorbells {
+    /// # Safety
+    /// `page` must point to [`DOORBELL_SLOTS`] 4-byte aligned u32s that stay mapped for the
+    /// life of the returned value.
+    pub unsafe fn new(page: *mut u8) -> Self {
+        Doorbells {
+            regs: page as *const AtomicU32,
+        }
+    }
+
+    fn slot(&self, i: usize) -> &AtomicU32 {
+        assert!(i < DOORBELL_SLOTS);
+        // SAFETY: i is in the page (asserted); the page outlives self (constructor).
+        unsafe { &*self.regs.add(i) }
+    }
+
+    pub fn sq_tail(&self, qid: u16) -> u32 {
+        self.slot(2 * qid as usize).load(Ordering::Acquire)
+    }
+
+    pub fn cq_head(&self, qid: u16) -> u32 {
+        self.slot(2 * qid as usize + 1).load(Ordering::Acquire)
+    }
+
+    /// A doorbell write that arrived as a vfio-user region write (the client did not mmap
+    /// the page): `offset` is relative to the page.
+    pub fn store(&self, offset: u64, data: &[u8]) {
+        if offset % 4 != 0 || data.len() != 4 || offset as usize / 4 >= DOORBELL_SLOTS {
+            return;
+        }
+        let v = u32::from_le_bytes([data[0], data[1], data[2], data[3]]);
+        self.slot(offset as usize / 4).store(v, Ordering::Release);
+    }
+
+    pub fn load(&self, offset: u64, out: &mut [u8]) {
+        out.fill(0);
+        if offset % 4 == 0 && out.len() == 4 && (offset as usize / 4) < DOORBELL_SLOTS {
+            out.copy_from_slice(
+                &self
+                    .slot(offset as usize / 4)
+                    .load(Ordering::Acquire)
+                    .to_le_bytes(),
+            );
+        }
+    }
+
+    /// Zero every doorbell (controller reset).
+    pub fn clear(&self) {
+        for i in 0..DOORBELL_SLOTS {
+            self.slot(i).store(0, Ordering::Release);
+        }
+    }
+}
+
+/// A submission queue.
+pub struct Sq {
+    pub qid: u16,
+    pub base: u64,
+    /// Entries (1-based).
+    pub size: u16,
+    pub cqid: u16,
+    /// The next entry to fetch; only the poller moves it.
+    pub head: Mutex<u16>,
+}
+
+/// A completion the host has no room for yet.
+#[derive(Clone, Copy)]
+pub struct Pending {
+    pub dw0: u32,
+    pub sqhd: u16,
+    pub sqid: u16,
+    pub cid: u16,
+    pub status: Status,
+}
+
+pub struct CqState {
+    tail: u16,
+    phase: bool,
+    /// Completions waiting for the host to free entries (it must not, but a hostile or
+    /// slow host may let its completion queue fill).
+    pending: VecDeque<Pending>,
+}
+
+/// A completion queue.
+pub struct Cq {
+    pub qid: u16,
+    pub base: u64,
+    pub size: u16,
+    /// MSI-X vector and Interrupts Enabled.
+    pub iv: u16,
+    pub ien: bool,
+    pub state: Mutex<CqState>,
+}
+
+/// Why a queue operation stopped the controller.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Fatal {
+    /// A doorbell value at or beyond the queue's size.
+    Doorbell,
+}
+
+impl Cq {
+    pub fn new(qid: u16, base: u64, size: u16, iv: u16, ien: bool) -> Self {
+        Cq {
+            qid,
+            base,
+            size,
+            iv,
+            ien,
+            state: Mutex::new(CqState {
+                tail: 0,
+                phase: true,
+                pending: VecDeque::new(),
+            }),
+        }
+    }
+
+    /// Post `c` (or keep it until the host frees an entry). Returns whether anything was
+    /// posted (the caller then raises the interrupt).
+    pub fn post(&self, mem: &GuestMemoryMmap, db: &Doorbells, c: Pending) -> Result<bool, Fatal> {
+        let mut st = crate::frontend::nvme::lock(&self.state);
+        st.pending.push_back(c);
+        self.drain(&mut st, mem, db)
+    }
+
+    /// Post what the host has room for.
+    pub fn flush(&self, mem: &GuestMemoryMmap, db: &Doorbells) -> Result<bool, Fatal> {
+        let mut st = crate::frontend::nvme::lock(&self.state);
+        if st.pending.is_empty() {
+            return Ok(false);
+        }
+        self.drain(&mut st, mem, db)
+    }
+
+    fn drain(
+        &self,
+        st: &mut CqState,
+        mem: &GuestMemoryMmap,
+        db: &Doorbells,
+    ) -> Result<bool, Fatal> {
+        let head = db.cq_head(self.qid);
+        if head >= self.size as u32 {
+            return Err(Fatal::Doorbell);
+        }
+        let mut posted = false;
+        while let Some(c) = st.pending.front().copied() {
+            let next = (st.tail + 1) % self.size;
+            if next as u32 == head {
+                break; // full
+            }
+            let at = self.base + st.tail as u64 * CQE_LEN;
+            let mut b = [0u8; 12];
+            b[0..4].copy_from_slice(&c.dw0.to_le_bytes());
+            b[8..10].copy_from_slice(&c.sqhd.to_le_bytes());
+            b[10..12].copy_from_slice(&c.sqid.to_le_bytes());
+            let dw3 = c.cid as u32 | ((c.status.to_field() | st.phase as u16) as u32) << 16;
+            // Dwords 0-2 first, then Dword 3 with the phase tag: the host takes the entry as
+            // posted once it sees the new phase. A queue outside mapped memory loses the
+            // completion (the host broke its own queue), never memory outside the mapping.
+            if mem.write_slice(&b, GuestAddress(at)).is_ok() {
+                std::sync::atomic::fence(Ordering::Release);
+                let _ = mem.write_obj(dw3, GuestAddress(at + 12));
+            }
+            st.pending.pop_front();
+            st.tail = next;
+            if st.tail == 0 {
+                st.phase = !st.phase;
+            }
+            posted = true;
+        }
+        Ok(posted)
+    }
+}
+
+/// Fetch the entries the host submitted to `sq` since the last call (at most `max`).
+pub fn fetch(
+    sq: &Sq,
+    mem: &GuestMemoryMmap,
+    db: &Doorbells,
+    max: usize,
+) -> Result<Vec<(u16, [u8; SQE_LEN as usize])>, Fatal> {
+    let tail = db.sq_tail(sq.qid);
+    if tail >= sq.size as u32 {
+        return Err(Fatal::Doorbell);
+    }
+    let mut head = crate::frontend::nvme::lock(&sq.head);
+    let mut out = Vec::new();
+    while *head as u32 != tail && out.len() < max {
+        let mut e = [0u8; SQE_LEN as usize];
+        let at = sq.base + *head as u64 * SQE_LEN;
+        *head = (*head + 1) % sq.size;
+        // An entry outside mapped memory reads as zeros: opcode 0 on the admin queue is
+        // Delete I/O SQ of QID 0, refused; on an I/O queue a Flush of NSID 0, refused.
+        let _ = mem.read_slice(&mut e, GuestAddress(at));
+        out.push((*head, e));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completions_wrap_with_the_phase_and_wait_when_the_queue_is_full() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap();
+        let mut page = vec![0u32; DOORBELL_SLOTS];
+        // SAFETY: `page` outlives `db` and holds DOORBELL_SLOTS aligned u32s.
+        let db = unsafe { Doorbells::new(page.as_mut_ptr() as *mut u8) };
+        let cq = Cq::new(1, 0x1000, 4, 0, true);
+        let c = |cid| Pending {
+            dw0: 0,
+            sqhd: 0,
+            sqid: 1,
+            cid,
+            status: Status::SUCCESS,
+        };
+        for cid in 0..5 {
+            cq.post(&mem, &db, c(cid)).unwrap();
+        }
+        // Size 4 holds 3 before the host moves its head; the rest wait.
+        let dw3 = |i: u64| {
+            mem.read_obj::<u32>(GuestAddress(0x1000 + i * 16 + 12))
+                .unwrap()
+        };
+        assert_eq!(
+            (0..3).map(|i| dw3(i) >> 16 & 1).collect::<Vec<_>>(),
+            [1, 1, 1]
+        );
+        assert_eq!(dw3(3), 0);
+        db.store(3 * 4, &3u32.to_le_bytes());
+        assert!(cq.flush(&mem, &db).unwrap());
+        // Entry 3, then entry 0 again with the phase flipped.
+        assert_eq!((dw3(3) & 0xFFFF, dw3(3) >> 16 & 1), (3, 1));
+        assert_eq!((dw3(0) & 0xFFFF, dw3(0) >> 16 & 1), (4, 0));
+        // A head doorbell beyond the size is fatal.
+        db.store(3 * 4, &9u32.to_le_bytes());
+        assert_eq!(cq.post(&mem, &db, c(9)), Err(Fatal::Doorbell));
+        let sq = Sq {
+            qid: 1,
+            base: 0x2000,
+            size: 8,
+            cqid: 1,
+            head: Mutex::new(0),
+        };
+        db.store(2 * 4, &8u32.to_le_bytes());
+        assert_eq!(fetch(&sq, &mem, &db, 64).unwrap_err(), Fatal::Doorbell);
+        db.store(2 * 4, &2u32.to_le_bytes());
+        assert_eq!(fetch(&sq, &mem, &db, 64).unwrap().len(), 2);
+    }
+}

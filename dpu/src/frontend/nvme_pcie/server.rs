@@ -1,0 +1,546 @@
+//! The vfio-user server (vfio-user protocol 0.1: the messages QEMU's `vfio-user-pci` and
+//! SPDK's NVMe driver send): the regions the client sees (BAR0 with its doorbell page
+//! mmappable, the MSI-X BARs, the configuration space), its DMA maps as [`GuestMemoryMmap`]
+//! regions, its MSI-X eventfds, and the device reset.
+//!
+//! Written here rather than with rust-vmm's `vfio_user` server (0.1.7): that server fails
+//! SPDK's client at the first message (a Version without a capabilities string makes it
+//! panic) and panics on some malformed messages. Every message is checked here before it
+//! is used: a size outside what its command allows, an unknown command or a region access
+//! out of range gets an error reply, and a header that cannot be trusted (a size below the
+//! header's own, or above [`MAX_MSG`]) ends the connection; nothing panics. One client is
+//! served at a time; a client that goes away leaves the controller reset.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use tracing::{debug, info, warn};
+use vfio_bindings::bindings::vfio::*;
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+
+use super::ctrl::{PcieController, MSIX_VECTORS};
+use super::queue::DOORBELLS;
+use crate::frontend::nvme::lock;
+
+/// BAR0: registers (4 KiB) and the doorbell page (4 KiB).
+pub const BAR0_LEN: u64 = 0x2000;
+/// BAR4 (MSI-X table) and BAR5 (pending bits), each one page; the client emulates both.
+pub const MSIX_BAR_LEN: u64 = 0x1000;
+/// vfio-user's PCI region indexes (`VFIO_PCI_*_REGION_INDEX`).
+const REGION_BAR0: u32 = 0;
+const REGION_BAR4: u32 = 4;
+const REGION_BAR5: u32 = 5;
+const REGION_CONFIG: u32 = 7;
+/// vfio-user's PCI interrupt indexes.
+const IRQ_MSIX: u32 = 2;
+const IRQ_ERR: u32 = 3;
+
+/// BAR0's backing memory: a memfd the client maps the doorbell page of, mapped here too.
+pub struct Bar0 {
+    fd: OwnedFd,
+    ptr: *mut u8,
+}
+
+// SAFETY: the mapping is plain shared memory; every access goes through `queue::Doorbells`
+// (atomics).
+unsafe impl Send for Bar0 {}
+// SAFETY: as above.
+unsafe impl Sync for Bar0 {}
+
+impl Bar0 {
+    pub fn new() -> std::io::Result<Self> {
+        // SAFETY: memfd_create with a NUL-terminated name; the result is checked.
+        let raw = unsafe { libc::memfd_create(c"nacre-nvme-bar0".as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: `raw` is a new descriptor nobody else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: ftruncate on our descriptor.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), BAR0_LEN as libc::off_t) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: a new shared mapping of the whole memfd; checked for failure below.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                BAR0_LEN as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Bar0 {
+            fd,
+            ptr: ptr as *mut u8,
+        })
+    }
+
+    pub fn doorbell_page(&self) -> *mut u8 {
+        // SAFETY: DOORBELLS < BAR0_LEN: inside the mapping.
+        unsafe { self.ptr.add(DOORBELLS as usize) }
+    }
+
+    pub fn raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+impl Drop for Bar0 {
+    fn drop(&mut self) {
+        // SAFETY: unmapping the mapping made in `new`; the controller that read it held this
+        // Bar0, so it is gone.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, BAR0_LEN as usize) };
+    }
+}
+
+/// The largest message accepted: a region write of one page plus headers is the largest a
+/// client needs for this device.
+pub const MAX_MSG: usize = 64 * 1024;
+/// File descriptors one message may carry (DMA map: one; MSI-X: one per vector).
+const MAX_FDS: usize = MSIX_VECTORS as usize;
+
+/// vfio-user message header (protocol §"Header"): id, command, size (with the header),
+/// flags (type, no-reply, error), error.
+const HEADER: usize = 16;
+mod cmd {
+    pub const VERSION: u16 = 1;
+    pub const DMA_MAP: u16 = 2;
+    pub const DMA_UNMAP: u16 = 3;
+    pub const DEVICE_GET_INFO: u16 = 4;
+    pub const DEVICE_GET_REGION_INFO: u16 = 5;
+    pub const DEVICE_GET_IRQ_INFO: u16 = 7;
+    pub const DEVICE_SET_IRQS: u16 = 8;
+    pub const REGION_READ: u16 = 9;
+    pub const REGION_WRITE: u16 = 10;
+    pub const DEVICE_RESET: u16 = 13;
+}
+const FLAG_REPLY: u32 = 1;
+const FLAG_NO_REPLY: u32 = 1 << 4;
+const FLAG_ERROR: u32 = 1 << 5;
+/// What the server offers in its Version reply.
+/// QEMU's client caps max_msg_fds at 16 (it splits a larger MSI-X setup into several
+/// messages).
+const CAPABILITIES: &str = r#"{"capabilities":{"max_msg_fds":16,"max_data_xfer_size":65536}}"#;
+
+fn u16_at(b: &[u8], off: usize) -> u16 {
+    u16::from_le_bytes([b[off], b[off + 1]])
+}
+fn u32_at(b: &[u8], off: usize) -> u32 {
+    u32::from_le_bytes(b[off..off + 4].try_into().unwrap_or_default())
+}
+fn u64_at(b: &[u8], off: usize) -> u64 {
+    u64::from_le_bytes(b[off..off + 8].try_into().unwrap_or_default())
+}
+
+/// A message as read: header, payload, the descriptors it carried.
+type Message = ([u8; HEADER], Vec<u8>, Vec<File>);
+
+/// A reply: payload and the descriptor to pass with it, or an errno.
+type Reply = Result<(Vec<u8>, Option<RawFd>), i32>;
+
+struct Conn<'a> {
+    dev: &'a Arc<PcieController>,
+    regions: &'a [Region],
+    stream: UnixStream,
+}
+
+/// One region as the client sees it.
+#[derive(Clone)]
+pub struct Region {
+    pub flags: u32,
+    pub size: u64,
+    /// (offset, size) of the parts the client may mmap, and the descriptor to map.
+    pub sparse: Vec<(u64, u64)>,
+    pub fd: Option<RawFd>,
+}
+
+/// The regions of the function: BAR0 (doorbell page mmappable), BAR4/5 (MSI-X), config.
+pub fn regions(bar0: &Bar0) -> Vec<Region> {
+    let rw = VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE;
+    let plain = |flags, size| Region {
+        flags,
+        size,
+        sparse: Vec::new(),
+        fd: None,
+    };
+    (0..VFIO_PCI_NUM_REGIONS)
+        .map(|i| match i {
+            REGION_BAR0 => Region {
+                flags: rw | VFIO_REGION_INFO_FLAG_MMAP,
+                size: BAR0_LEN,
+                sparse: vec![(DOORBELLS, 0x1000)],
+                fd: Some(bar0.raw_fd()),
+            },
+            REGION_BAR4 | REGION_BAR5 => plain(rw, MSIX_BAR_LEN),
+            REGION_CONFIG => plain(rw, super::config::CONFIG_LEN as u64),
+            _ => plain(0, 0),
+        })
+        .collect()
+}
+
+impl Conn<'_> {
+    /// Read one message: its header, payload and descriptors. `Ok(None)`: the client closed.
+    fn read_msg(&mut self) -> std::io::Result<Option<Message>> {
+        let mut hdr = [0u8; HEADER];
+        let mut fds = [-1; MAX_FDS];
+        let mut iov = [libc::iovec {
+            iov_base: hdr.as_mut_ptr() as *mut libc::c_void,
+            iov_len: HEADER,
+        }];
+        // SAFETY: the iovec points at `hdr`, which outlives the call; `fds` has room for
+        // MAX_FDS descriptors.
+        let (n, nfds) = unsafe { self.stream.recv_with_fds(&mut iov, &mut fds) }
+            .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))?;
+        // SAFETY: the kernel just installed these descriptors for us; each is owned once.
+        let files: Vec<File> = fds[..nfds]
+            .iter()
+            .map(|&fd| unsafe { File::from_raw_fd(fd) })
+            .collect();
+        if n == 0 {
+            return Ok(None);
+        }
+        if n < HEADER {
+            self.stream.read_exact(&mut hdr[n..])?;
+        }
+        let size = u32_at(&hdr, 4) as usize;
+        if !(HEADER..=MAX_MSG).contains(&size) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("message size {size} outside {HEADER}..={MAX_MSG}"),
+            ));
+        }
+        let mut payload = vec![0u8; size - HEADER];
+        self.stream.read_exact(&mut payload)?;
+        Ok(Some((hdr, payload, files)))
+    }
+
+    fn send(&mut self, hdr: &[u8; HEADER], reply: Reply) -> std::io::Result<()> {
+        let mut out = [0u8; HEADER];
+        out[0..4].copy_from_slice(&hdr[0..4]);
+        let (payload, fd, flags, err) = match reply {
+            Ok((p, fd)) => (p, fd, FLAG_REPLY, 0),
+            Err(e) => (Vec::new(), None, FLAG_REPLY | FLAG_ERROR, e as u32),
+        };
+        out[4..8].copy_from_slice(&((HEADER + payload.len()) as u32).to_le_bytes());
+        out[8..12].copy_from_slice(&flags.to_le_bytes());
+        out[12..16].copy_from_slice(&err.to_le_bytes());
+        // One send per reply: clients read a reply's fixed part with a single recvmsg.
+        let mut msg = out.to_vec();
+        msg.extend_from_slice(&payload);
+        match fd {
+            Some(fd) => {
+                self.stream
+                    .send_with_fd(&msg[..], fd)
+                    .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))?;
+            }
+            None => self.stream.write_all(&msg)?,
+        }
+        Ok(())
+    }
+
+    fn handle(&mut self, command: u16, p: &[u8], fds: Vec<File>) -> Reply {
+        let need = |n: usize| {
+            if p.len() < n {
+                Err(libc::EINVAL)
+            } else {
+                Ok(())
+            }
+        };
+        match command {
+            cmd::VERSION => {
+                // Major 0; the client's capabilities (an optional JSON string) are not
+                // needed: nacre asks nothing of the client beyond the protocol's defaults.
+                need(4)?;
+                if u16_at(p, 0) != 0 {
+                    return Err(libc::ENOTSUP);
+                }
+                // Minor 0: what QEMU's client accepts (it refuses a minor above its own, 0);
+                // SPDK's asks for 0.1 and takes 0.0.
+                let mut r = Vec::with_capacity(4 + CAPABILITIES.len() + 1);
+                r.extend_from_slice(&0u16.to_le_bytes());
+                r.extend_from_slice(&0u16.to_le_bytes());
+                r.extend_from_slice(CAPABILITIES.as_bytes());
+                r.push(0);
+                Ok((r, None))
+            }
+            cmd::DMA_MAP => {
+                need(32)?;
+                let (offset, address, size) = (u64_at(p, 8), u64_at(p, 16), u64_at(p, 24));
+                let Some(fd) = fds.into_iter().next() else {
+                    // Memory not shared by descriptor (QEMU maps its ROMs and MMIO this way):
+                    // nacre offers no DMA Read/Write messages, so the device never reaches it;
+                    // a PRP that points there fails like any unmapped address.
+                    debug!(
+                        address,
+                        size, "nvme pcie: DMA map without a descriptor ignored"
+                    );
+                    return Ok((Vec::new(), None));
+                };
+                self.dma_map(fd, offset, address, size).map_err(|e| {
+                    warn!("nvme pcie: DMA map refused: {e}");
+                    libc::EINVAL
+                })?;
+                Ok((Vec::new(), None))
+            }
+            cmd::DMA_UNMAP => {
+                need(24)?;
+                let (flags, address, size) = (u32_at(p, 4), u64_at(p, 8), u64_at(p, 16));
+                self.dma_unmap(flags, address, size)?;
+                Ok((p[..24].to_vec(), None))
+            }
+            cmd::DEVICE_GET_INFO => {
+                need(16)?;
+                let mut r = p[..16].to_vec();
+                r[0..4].copy_from_slice(&16u32.to_le_bytes());
+                r[4..8].copy_from_slice(
+                    &(VFIO_DEVICE_FLAGS_PCI | VFIO_DEVICE_FLAGS_RESET).to_le_bytes(),
+                );
+                r[8..12].copy_from_slice(&VFIO_PCI_NUM_REGIONS.to_le_bytes());
+                r[12..16].copy_from_slice(&VFIO_PCI_NUM_IRQS.to_le_bytes());
+                Ok((r, None))
+            }
+            cmd::DEVICE_GET_REGION_INFO => {
+                need(32)?;
+                let argsz = u32_at(p, 0) as usize;
+                let index = u32_at(p, 8);
+                let r = self.regions.get(index as usize).ok_or(libc::EINVAL)?;
+                let caps_len = if r.sparse.is_empty() {
+                    0
+                } else {
+                    16 + 16 * r.sparse.len()
+                };
+                let full = 32 + caps_len;
+                let mut info = vec![0u8; 32];
+                let with_caps = caps_len > 0 && argsz >= full;
+                let flags = r.flags
+                    | if with_caps {
+                        VFIO_REGION_INFO_FLAG_CAPS
+                    } else {
+                        0
+                    };
+                info[0..4].copy_from_slice(&(full as u32).to_le_bytes());
+                info[4..8].copy_from_slice(&flags.to_le_bytes());
+                info[8..12].copy_from_slice(&index.to_le_bytes());
+                info[12..16].copy_from_slice(&(if with_caps { 32u32 } else { 0 }).to_le_bytes());
+                info[16..24].copy_from_slice(&r.size.to_le_bytes());
+                // offset: where the region starts in the descriptor (0).
+                if with_caps {
+                    info.extend_from_slice(
+                        &(VFIO_REGION_INFO_CAP_SPARSE_MMAP as u16).to_le_bytes(),
+                    );
+                    info.extend_from_slice(&1u16.to_le_bytes());
+                    info.extend_from_slice(&0u32.to_le_bytes());
+                    info.extend_from_slice(&(r.sparse.len() as u32).to_le_bytes());
+                    info.extend_from_slice(&0u32.to_le_bytes());
+                    for &(off, len) in &r.sparse {
+                        info.extend_from_slice(&off.to_le_bytes());
+                        info.extend_from_slice(&len.to_le_bytes());
+                    }
+                }
+                Ok((info, r.fd))
+            }
+            cmd::DEVICE_GET_IRQ_INFO => {
+                need(16)?;
+                let index = u32_at(p, 8);
+                if index >= VFIO_PCI_NUM_IRQS {
+                    return Err(libc::EINVAL);
+                }
+                // INTx and the error interrupt: one each (offered so that a client's error
+                // recovery setup succeeds; nacre never raises either).
+                let count = match index {
+                    0 | IRQ_ERR => 1,
+                    IRQ_MSIX => MSIX_VECTORS as u32,
+                    _ => 0,
+                };
+                let mut r = p[..16].to_vec();
+                r[0..4].copy_from_slice(&16u32.to_le_bytes());
+                r[4..8].copy_from_slice(
+                    &(VFIO_IRQ_INFO_EVENTFD | VFIO_IRQ_INFO_NORESIZE).to_le_bytes(),
+                );
+                r[12..16].copy_from_slice(&count.to_le_bytes());
+                Ok((r, None))
+            }
+            cmd::DEVICE_SET_IRQS => {
+                need(20)?;
+                let (flags, index, start, count) =
+                    (u32_at(p, 4), u32_at(p, 8), u32_at(p, 12), u32_at(p, 16));
+                self.set_irqs(index, flags, start, count, fds)?;
+                Ok((Vec::new(), None))
+            }
+            cmd::REGION_READ => {
+                need(16)?;
+                let (offset, region, count) = (u64_at(p, 0), u32_at(p, 8), u32_at(p, 12));
+                self.check_access(region, offset, count)?;
+                let mut r = p[..16].to_vec();
+                let mut data = vec![0u8; count as usize];
+                self.region_read(region, offset, &mut data);
+                r.extend_from_slice(&data);
+                Ok((r, None))
+            }
+            cmd::REGION_WRITE => {
+                need(16)?;
+                let (offset, region, count) = (u64_at(p, 0), u32_at(p, 8), u32_at(p, 12));
+                self.check_access(region, offset, count)?;
+                let data = p.get(16..16 + count as usize).ok_or(libc::EINVAL)?;
+                self.region_write(region, offset, data);
+                Ok((p[..16].to_vec(), None))
+            }
+            cmd::DEVICE_RESET => {
+                self.dev.reset();
+                Ok((Vec::new(), None))
+            }
+            _ => Err(libc::ENOSYS),
+        }
+    }
+
+    /// A region access must lie inside the region and move at most one page.
+    fn check_access(&self, region: u32, offset: u64, count: u32) -> Result<(), i32> {
+        let r = self.regions.get(region as usize).ok_or(libc::EINVAL)?;
+        let end = offset.checked_add(count as u64).ok_or(libc::EINVAL)?;
+        if end > r.size || count > 4096 {
+            return Err(libc::EINVAL);
+        }
+        Ok(())
+    }
+
+    fn region_read(&self, region: u32, offset: u64, data: &mut [u8]) {
+        match region {
+            REGION_BAR0 if offset >= DOORBELLS => self.dev.doorbells.load(offset - DOORBELLS, data),
+            REGION_BAR0 => self.dev.read_regs(offset, data),
+            REGION_CONFIG => lock(&self.dev.config).read(offset, data),
+            _ => data.fill(0),
+        }
+    }
+
+    fn region_write(&self, region: u32, offset: u64, data: &[u8]) {
+        match region {
+            REGION_BAR0 if offset >= DOORBELLS => {
+                self.dev.doorbells.store(offset - DOORBELLS, data)
+            }
+            REGION_BAR0 => self.dev.write_regs(offset, data),
+            REGION_CONFIG => lock(&self.dev.config).write(offset, data),
+            _ => {}
+        }
+    }
+
+    fn dma_map(&self, fd: File, offset: u64, address: u64, size: u64) -> Result<(), String> {
+        let size = usize::try_from(size).map_err(|_| "size".to_string())?;
+        let mapping =
+            MmapRegion::from_file(FileOffset::new(fd, offset), size).map_err(|e| e.to_string())?;
+        let region = GuestRegionMmap::new(mapping, GuestAddress(address))
+            .ok_or_else(|| "address range overflows".to_string())?;
+        let mut mem = lock(&self.dev.mem);
+        let next = mem
+            .insert_region(Arc::new(region))
+            .map_err(|e| e.to_string())?;
+        *mem = Arc::new(next);
+        Ok(())
+    }
+
+    fn dma_unmap(&self, flags: u32, address: u64, size: u64) -> Result<(), i32> {
+        let mut mem = lock(&self.dev.mem);
+        if flags & VFIO_DMA_UNMAP_FLAG_ALL != 0 {
+            *mem = Arc::new(GuestMemoryMmap::new());
+            return Ok(());
+        }
+        // An unmap of what was never mapped (a map without a descriptor) changes nothing.
+        if let Ok((next, _)) = mem.remove_region(GuestAddress(address), size) {
+            // Requests in flight keep the old map (and so the mapping) until they complete.
+            *mem = Arc::new(next);
+        }
+        Ok(())
+    }
+
+    fn set_irqs(
+        &self,
+        index: u32,
+        flags: u32,
+        start: u32,
+        count: u32,
+        fds: Vec<File>,
+    ) -> Result<(), i32> {
+        if index != IRQ_MSIX {
+            return Ok(());
+        }
+        let end = start
+            .checked_add(count)
+            .filter(|&e| e <= MSIX_VECTORS as u32)
+            .ok_or(libc::EINVAL)?;
+        let mut irqs = lock(&self.dev.irqs);
+        irqs.resize_with(MSIX_VECTORS as usize, || None);
+        if flags & VFIO_IRQ_SET_DATA_EVENTFD != 0 {
+            let mut fds = fds.into_iter();
+            for v in start..end {
+                irqs[v as usize] = fds.next();
+            }
+        } else if flags & VFIO_IRQ_SET_DATA_NONE != 0 && count == 0 {
+            irqs.iter_mut().for_each(|f| *f = None);
+        }
+        Ok(())
+    }
+
+    fn run(&mut self) -> std::io::Result<()> {
+        while let Some((hdr, payload, fds)) = self.read_msg()? {
+            let command = u16_at(&hdr, 2);
+            let flags = u32_at(&hdr, 8);
+            let reply = self.handle(command, &payload, fds);
+            if let Err(e) = &reply {
+                debug!(command, errno = e, "nvme pcie: vfio-user request refused");
+            }
+            if flags & FLAG_NO_REPLY == 0 {
+                self.send(&hdr, reply)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Serve clients one after the other on `listener` until `dev.stop` is set.
+pub fn serve(listener: UnixListener, regions: Vec<Region>, dev: Arc<PcieController>) {
+    for stream in listener.incoming() {
+        if dev.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                warn!("nvme pcie: vfio-user accept failed: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(10));
+                continue;
+            }
+        };
+        info!("nvme pcie: vfio-user client connected");
+        *lock(&dev.client) = stream.try_clone().ok();
+        // `stop` sets the flag, then takes the handle: one of the two sides sees the other.
+        if dev.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let mut conn = Conn {
+            dev: &dev,
+            regions: &regions,
+            stream,
+        };
+        match conn.run() {
+            Ok(()) => info!("nvme pcie: vfio-user client disconnected"),
+            Err(e) => warn!("nvme pcie: vfio-user connection closed: {e}"),
+        }
+        // The client is gone: so is its view of the device.
+        *lock(&dev.client) = None;
+        dev.reset();
+        *lock(&dev.mem) = Arc::new(GuestMemoryMmap::new());
+        lock(&dev.irqs).clear();
+        if dev.stop.load(Ordering::SeqCst) {
+            return;
+        }
+    }
+}

@@ -1,0 +1,672 @@
+//! The PCIe NVMe controller over vfio-user, against real clients: SPDK's NVMe driver
+//! (`spdk_nvme_identify`, `spdk_nvme_perf` with `trtype:VFIOUSER`) and a raw vfio-user
+//! client (rust-vmm's `vfio_user::Client`) that plays a host driver step by step, including
+//! a hostile one.
+//!
+//! SPDK's binaries come from `$SPDK_DIR` or the team's `../shared/tools/spdk`; without
+//! them these tests fail saying so.
+
+use std::path::{Path, PathBuf};
+use std::process::Command as Process;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nacre_dpu::frontend::nvme_pcie::VfioUserPorts;
+use nacre_dpu::frontend::nvmf_tcp::NvmfTarget;
+use nacre_dpu::volume::ram::RamVolume;
+use nacre_dpu::volume::BlockDevice;
+
+const NQN: &str = "nqn.2024-01.io.nacre:pcie";
+const SERIAL: &str = "NACREPCIE0001";
+const NGUID: [u8; 16] = *b"pcie-nguid-0001!";
+const VOL_SIZE: u64 = 64 << 20;
+
+fn spdk_bin(name: &str) -> PathBuf {
+    let dir = std::env::var_os("SPDK_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/tools/spdk"));
+    let p = dir.join("bin").join(name);
+    assert!(
+        p.is_file(),
+        "SPDK's {name} is missing at {} (set SPDK_DIR to an SPDK v25.09 build with vfio-user)",
+        p.display()
+    );
+    p
+}
+
+struct Served {
+    _target: Arc<NvmfTarget>,
+    ports: Arc<VfioUserPorts>,
+    vol: Arc<dyn BlockDevice>,
+    dir: tempfile::TempDir,
+}
+
+fn serve() -> Served {
+    let target = NvmfTarget::new();
+    target.create_subsystem(NQN, SERIAL, "nacre", true).unwrap();
+    let vol: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(VOL_SIZE, 512).unwrap());
+    target
+        .add_namespace(NQN, None, vol.clone(), NGUID, "vol0".into())
+        .unwrap();
+    let ports = VfioUserPorts::new(&target);
+    let dir = tempfile::tempdir().unwrap();
+    let sock = ports.add_listener(NQN, dir.path()).unwrap();
+    assert_eq!(sock, dir.path().join("cntrl"));
+    Served {
+        _target: target,
+        ports,
+        vol,
+        dir,
+    }
+}
+
+fn trid(dir: &Path) -> String {
+    format!("trtype:VFIOUSER traddr:{} subnqn:{NQN}", dir.display())
+}
+
+/// SPDK's tools share DPDK's runtime files: one at a time.
+static SPDK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Run an SPDK tool with a deadline; its output, or a panic with it.
+fn run_spdk(name: &str, args: &[&str]) -> String {
+    let _one = SPDK.lock().unwrap_or_else(|p| p.into_inner());
+    let mut child = Process::new(spdk_bin(name))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "{name} failed ({}):\n{text}",
+        out.status
+    );
+    text
+}
+
+#[test]
+fn spdk_identify_sees_a_pcie_nvme_controller_named_nacre() {
+    let s = serve();
+    let out = run_spdk(
+        "spdk_nvme_identify",
+        &["--no-huge", "-s", "1024", "-r", &trid(s.dir.path())],
+    );
+    let field = |name: &str| {
+        out.lines()
+            .find(|l| l.trim_start().starts_with(name))
+            .map(|l| l.split_once(':').map_or("", |x| x.1).trim().to_string())
+            .unwrap_or_else(|| panic!("no {name} in:\n{out}"))
+    };
+    assert_eq!(field("Model Number"), "nacre");
+    assert_eq!(field("Serial Number"), SERIAL);
+    assert_eq!(field("Subsystem NQN"), NQN);
+    assert!(out.contains("NVMeoF Controller at VFIOUSER"), "{out}");
+    assert_eq!(
+        field("Size (in LBAs)"),
+        format!("{} (0GiB)", VOL_SIZE / 512)
+    );
+    assert!(!out.contains("*ERROR*"), "{out}");
+    drop(s.ports);
+}
+
+/// SPDK's perf over VFIOUSER: random read/write mixes at QD32 of 4 KiB and 16 KiB (PRP
+/// list) transfers, error-free. The oracle: every 4 KiB block starts tagged with its own
+/// index (each 8-byte word: index, word number); perf writes from buffers it filled with
+/// one byte value, or read into earlier, so afterwards every block must hold one whole
+/// tagged block (its own or another's, word order intact) or one repeated byte. A read that returned shifted, torn
+/// or wrong data, or a write that landed so, breaks that.
+#[test]
+fn spdk_perf_runs_error_free_and_writes_land_whole() {
+    let s = serve();
+    // Tag every 4 KiB block with its index.
+    let blocks = VOL_SIZE / 4096;
+    let mut buf = vec![0u8; VOL_SIZE as usize];
+    for b in 0..blocks as usize {
+        for (i, chunk) in buf[b * 4096..(b + 1) * 4096].chunks_mut(8).enumerate() {
+            chunk.copy_from_slice(&((b as u64) << 16 | i as u64 | 1 << 63).to_le_bytes());
+        }
+    }
+    s.vol.write_at(0, &buf).unwrap();
+    for (size, mix) in [("4096", "50"), ("16384", "30")] {
+        let out = run_spdk(
+            "spdk_nvme_perf",
+            &[
+                "--no-huge",
+                "-s",
+                "1024",
+                "-q",
+                "32",
+                "-o",
+                size,
+                "-w",
+                "randrw",
+                "-M",
+                mix,
+                "-t",
+                "2",
+                "-r",
+                &trid(s.dir.path()),
+            ],
+        );
+        assert!(!out.contains("*ERROR*"), "{out}");
+        assert!(out.contains("Total"), "no summary from perf:\n{out}");
+    }
+    s.vol.read_at(0, &mut buf).unwrap();
+    let tag = |b: u64, i: usize| (b << 16 | i as u64 | 1 << 63).to_le_bytes();
+    let mut moved = 0;
+    for b in 0..blocks as usize {
+        let blk = &buf[b * 4096..(b + 1) * 4096];
+        if blk.iter().all(|&x| x == blk[0]) {
+            moved += 1;
+            continue;
+        }
+        let from = u64::from_le_bytes(blk[..8].try_into().unwrap()) >> 16 & 0xFFFF_FFFF;
+        let whole = from < blocks && blk.chunks(8).enumerate().all(|(i, c)| c == tag(from, i));
+        assert!(
+            whole,
+            "block {b} is not one whole tagged block: {:02x?}",
+            &blk[..64]
+        );
+        moved += (from != b as u64) as usize;
+    }
+    assert!(moved > 0, "perf wrote nothing");
+}
+
+/// Guest memory the raw client shares with the controller: a memfd mapped here too.
+struct GuestMem {
+    fd: std::os::fd::OwnedFd,
+    ptr: *mut u8,
+    len: usize,
+}
+
+/// Where the raw client's memory starts in the device's (IO virtual) address space.
+const IOVA: u64 = 0x10_0000;
+const MEM_LEN: usize = 1 << 20;
+const ASQ: u64 = IOVA;
+const ACQ: u64 = IOVA + 0x1000;
+const IOCQ: u64 = IOVA + 0x2000;
+const IOSQ: u64 = IOVA + 0x3000;
+const DATA: u64 = IOVA + 0x1_0000;
+
+impl GuestMem {
+    fn new() -> Self {
+        use std::os::fd::{AsRawFd, FromRawFd};
+        // SAFETY: memfd_create with a NUL-terminated name; checked.
+        let raw = unsafe { libc::memfd_create(c"guest".as_ptr(), 0) };
+        assert!(raw >= 0);
+        // SAFETY: a new descriptor owned once.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+        // SAFETY: ftruncate and a shared mapping of our own memfd, both checked.
+        let ptr = unsafe {
+            assert_eq!(libc::ftruncate(fd.as_raw_fd(), MEM_LEN as i64), 0);
+            libc::mmap(
+                std::ptr::null_mut(),
+                MEM_LEN,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED);
+        GuestMem {
+            fd,
+            ptr: ptr as *mut u8,
+            len: MEM_LEN,
+        }
+    }
+
+    fn at(&mut self, iova: u64, len: usize) -> &mut [u8] {
+        let off = (iova - IOVA) as usize;
+        assert!(off + len <= self.len);
+        // SAFETY: inside the mapping; the controller writes it concurrently only where the
+        // test waits for it (completion entries, read data), and the test reads those with
+        // volatile loads (`phase`) before looking.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(off), len) }
+    }
+}
+
+impl Drop for GuestMem {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+    }
+}
+
+/// A host driver played step by step through rust-vmm's vfio-user client.
+struct RawHost {
+    c: vfio_user::Client,
+    mem: GuestMem,
+    sq_tail: [u16; 2],
+    cq_head: [u16; 2],
+    phase: [bool; 2],
+    cid: u16,
+}
+
+const BAR0: u32 = 0;
+const CONFIG: u32 = 7;
+const QSIZE: u16 = 16;
+
+impl RawHost {
+    fn connect(dir: &Path) -> Self {
+        use std::os::fd::AsRawFd;
+        let mut c = vfio_user::Client::new(&dir.join("cntrl")).unwrap();
+        let mem = GuestMem::new();
+        c.dma_map(0, IOVA, MEM_LEN as u64, mem.fd.as_raw_fd())
+            .unwrap();
+        // Bus master on.
+        c.region_write(CONFIG, 4, &6u16.to_le_bytes()).unwrap();
+        let aqa = (QSIZE as u32 - 1) << 16 | (QSIZE as u32 - 1);
+        c.region_write(BAR0, 0x24, &aqa.to_le_bytes()).unwrap();
+        c.region_write(BAR0, 0x28, &ASQ.to_le_bytes()).unwrap();
+        c.region_write(BAR0, 0x30, &ACQ.to_le_bytes()).unwrap();
+        let cc: u32 = 1 | 6 << 16 | 4 << 20;
+        c.region_write(BAR0, 0x14, &cc.to_le_bytes()).unwrap();
+        let mut h = RawHost {
+            c,
+            mem,
+            sq_tail: [0; 2],
+            cq_head: [0; 2],
+            phase: [true; 2],
+            cid: 0,
+        };
+        h.wait_csts(|v| v & 1 == 1, "CSTS.RDY");
+        h
+    }
+
+    fn csts(&mut self) -> u32 {
+        let mut b = [0u8; 4];
+        self.c.region_read(BAR0, 0x1C, &mut b).unwrap();
+        u32::from_le_bytes(b)
+    }
+
+    fn wait_csts(&mut self, ok: impl Fn(u32) -> bool, what: &str) -> u32 {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let v = self.csts();
+            if ok(v) {
+                return v;
+            }
+            assert!(Instant::now() < deadline, "{what} never came (CSTS {v:#x})");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Ring queue `q`'s submission doorbell with `value`.
+    fn ring(&mut self, q: usize, value: u32) {
+        self.c
+            .region_write(BAR0, 0x1000 + 8 * q as u64, &value.to_le_bytes())
+            .unwrap();
+    }
+
+    /// Submit `sqe` (64 bytes, CID filled in) on queue `q` and wait for its completion:
+    /// (status field without the phase, Dword 0).
+    fn submit(&mut self, q: usize, mut sqe: [u8; 64]) -> (u16, u32) {
+        self.cid += 1;
+        sqe[2..4].copy_from_slice(&self.cid.to_le_bytes());
+        let (sq, cq) = if q == 0 { (ASQ, ACQ) } else { (IOSQ, IOCQ) };
+        let slot = self.sq_tail[q] as u64;
+        self.mem.at(sq + slot * 64, 64).copy_from_slice(&sqe);
+        self.sq_tail[q] = (self.sq_tail[q] + 1) % QSIZE;
+        let tail = self.sq_tail[q] as u32;
+        self.ring(q, tail);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let at = cq + self.cq_head[q] as u64 * 16;
+        loop {
+            let p = self.mem.at(at, 16).as_ptr();
+            // SAFETY: 16 bytes inside the mapping (`at` checked), which the controller
+            // writes: read with volatile loads, the status (phase) last-written word first.
+            let st = unsafe { std::ptr::read_volatile(p.add(14) as *const u16) };
+            // SAFETY: as above.
+            let e: [u8; 16] = unsafe { std::ptr::read_volatile(p as *const [u8; 16]) };
+            if (st & 1 == 1) == self.phase[q] {
+                let cid = u16::from_le_bytes([e[12], e[13]]);
+                assert_eq!(cid, self.cid, "completion for another command");
+                let dw0 = u32::from_le_bytes(e[0..4].try_into().unwrap());
+                self.cq_head[q] = (self.cq_head[q] + 1) % QSIZE;
+                if self.cq_head[q] == 0 {
+                    self.phase[q] = !self.phase[q];
+                }
+                let head = self.cq_head[q] as u32;
+                self.c
+                    .region_write(BAR0, 0x1000 + 8 * q as u64 + 4, &head.to_le_bytes())
+                    .unwrap();
+                return (st >> 1, dw0);
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no completion (CSTS {:#x})",
+                self.csts()
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    fn io_queues(&mut self) {
+        let ok = (0, 0);
+        let q = (QSIZE as u32 - 1) << 16 | 1;
+        assert_eq!(
+            self.submit(0, sqe(0x05, 0, IOCQ, 0, q, 1, 0)).0,
+            ok.0,
+            "create CQ"
+        );
+        assert_eq!(
+            self.submit(0, sqe(0x01, 0, IOSQ, 0, q, 1 << 16 | 1, 0)).0,
+            ok.0,
+            "create SQ"
+        );
+    }
+}
+
+/// A submission queue entry: opcode, NSID, PRP1, PRP2, Dwords 10-12.
+fn sqe(op: u8, nsid: u32, prp1: u64, prp2: u64, cdw10: u32, cdw11: u32, cdw12: u32) -> [u8; 64] {
+    let mut e = [0u8; 64];
+    e[0] = op;
+    e[4..8].copy_from_slice(&nsid.to_le_bytes());
+    e[24..32].copy_from_slice(&prp1.to_le_bytes());
+    e[32..40].copy_from_slice(&prp2.to_le_bytes());
+    e[40..44].copy_from_slice(&cdw10.to_le_bytes());
+    e[44..48].copy_from_slice(&cdw11.to_le_bytes());
+    e[48..52].copy_from_slice(&cdw12.to_le_bytes());
+    e
+}
+
+/// Status field values (status code type << 8 | status code).
+const SUCCESS: u16 = 0;
+const INVALID_FIELD: u16 = 0x02;
+const DATA_TRANSFER_ERROR: u16 = 0x04;
+const PRP_OFFSET_INVALID: u16 = 0x13;
+/// The status field without DNR.
+fn code(st: u16) -> u16 {
+    st & 0x7FF
+}
+
+#[test]
+fn a_raw_host_writes_and_reads_back_through_prp_lists() {
+    let s = serve();
+    let mut h = RawHost::connect(s.dir.path());
+    h.io_queues();
+    // 16 KiB: PRP1, then a PRP list at DATA + 0xF000 naming three more pages.
+    let pattern: Vec<u8> = (0..16384u32).map(|i| (i * 7 + i / 4096) as u8).collect();
+    h.mem.at(DATA, 16384).copy_from_slice(&pattern);
+    let list = DATA + 0xF000;
+    for (i, page) in [DATA + 0x1000, DATA + 0x2000, DATA + 0x3000]
+        .iter()
+        .enumerate()
+    {
+        h.mem
+            .at(list + 8 * i as u64, 8)
+            .copy_from_slice(&page.to_le_bytes());
+    }
+    // Write at LBA 64 (512-byte blocks, 32 of them), then read into other pages.
+    let (st, _) = h.submit(1, sqe(0x01, 1, DATA, list, 64, 0, 31));
+    assert_eq!(code(st), SUCCESS);
+    let mut on_vol = vec![0u8; 16384];
+    s.vol.read_at(64 * 512, &mut on_vol).unwrap();
+    assert_eq!(on_vol, pattern, "the volume holds what the host wrote");
+    let back = DATA + 0x8000;
+    for (i, page) in [back + 0x1000, back + 0x2000, back + 0x3000]
+        .iter()
+        .enumerate()
+    {
+        h.mem
+            .at(list + 8 * i as u64, 8)
+            .copy_from_slice(&page.to_le_bytes());
+    }
+    let (st, _) = h.submit(1, sqe(0x02, 1, back, list, 64, 0, 31));
+    assert_eq!(code(st), SUCCESS);
+    assert_eq!(h.mem.at(back, 16384), &pattern[..]);
+    // Flush, Write Zeroes, and Dataset Management (deallocate) complete.
+    assert_eq!(code(h.submit(1, sqe(0x00, 1, 0, 0, 0, 0, 0)).0), SUCCESS);
+    assert_eq!(code(h.submit(1, sqe(0x08, 1, 0, 0, 64, 0, 7)).0), SUCCESS);
+    s.vol.read_at(64 * 512, &mut on_vol).unwrap();
+    assert!(on_vol[..4096].iter().all(|&b| b == 0) && on_vol[4096..] == pattern[4096..]);
+    // Shutdown notification: SHST reports complete.
+    let cc: u32 = 1 | 6 << 16 | 4 << 20 | 1 << 14;
+    h.c.region_write(BAR0, 0x14, &cc.to_le_bytes()).unwrap();
+    h.wait_csts(|v| v >> 2 & 3 == 2, "CSTS.SHST complete");
+}
+
+#[test]
+fn a_hostile_host_gets_error_statuses_and_cannot_write_outside_its_memory() {
+    let s = serve();
+    let mut h = RawHost::connect(s.dir.path());
+    h.io_queues();
+    let before = {
+        let mut b = vec![0u8; 1 << 20];
+        s.vol.read_at(0, &mut b).unwrap();
+        b
+    };
+    // PRPs outside the mapped memory: the data pointer, the second page, the list, and an
+    // entry of the list.
+    let outside = 0x4000_0000u64;
+    assert_eq!(
+        code(h.submit(1, sqe(0x01, 1, outside, 0, 0, 0, 7)).0),
+        DATA_TRANSFER_ERROR
+    );
+    assert_eq!(
+        code(h.submit(1, sqe(0x02, 1, outside, 0, 0, 0, 7)).0),
+        DATA_TRANSFER_ERROR
+    );
+    assert_eq!(
+        code(h.submit(1, sqe(0x01, 1, DATA, outside, 0, 0, 15)).0),
+        DATA_TRANSFER_ERROR
+    );
+    assert_eq!(
+        code(h.submit(1, sqe(0x01, 1, DATA, outside, 0, 0, 31)).0),
+        DATA_TRANSFER_ERROR
+    );
+    let list = DATA + 0xF000;
+    h.mem.at(list, 8).copy_from_slice(&outside.to_le_bytes());
+    assert_eq!(
+        code(h.submit(1, sqe(0x01, 1, DATA, list, 0, 0, 31)).0),
+        DATA_TRANSFER_ERROR
+    );
+    // A PRP list that is not there (zero pointer), a misaligned one, and a transfer beyond
+    // MDTS (128 KiB): no data moves.
+    assert_eq!(
+        code(h.submit(1, sqe(0x01, 1, DATA, 0, 0, 0, 31)).0),
+        PRP_OFFSET_INVALID
+    );
+    assert_eq!(
+        code(h.submit(1, sqe(0x01, 1, DATA, list + 4, 0, 0, 31)).0),
+        PRP_OFFSET_INVALID
+    );
+    assert_eq!(
+        code(h.submit(1, sqe(0x01, 1, DATA, list, 0, 0, 511)).0),
+        INVALID_FIELD
+    );
+    let mut after = vec![0u8; 1 << 20];
+    s.vol.read_at(0, &mut after).unwrap();
+    assert!(after == before, "a refused write changed the volume");
+    // A Read whose data would land outside the memory changed nothing in it either.
+    assert!(h.mem.at(DATA, 4096).iter().all(|&b| b == 0));
+    // A doorbell beyond the queue's size: Controller Fatal Status, and nothing more is
+    // served until the host resets the controller.
+    h.ring(1, QSIZE as u32 + 5);
+    h.wait_csts(|v| v & 2 == 2, "CSTS.CFS");
+    h.c.region_write(BAR0, 0x14, &0u32.to_le_bytes()).unwrap();
+    h.wait_csts(|v| v & 3 == 0, "CSTS.RDY and CFS clear after reset");
+    drop(h);
+    // The controller serves the next host as new.
+    let mut h = RawHost::connect(s.dir.path());
+    let (st, _) = h.submit(0, sqe(0x06, 0, DATA, 0, 1, 0, 0));
+    assert_eq!(code(st), SUCCESS, "Identify after a hostile host");
+    assert_eq!(&h.mem.at(DATA + 24, 5)[..], b"nacre");
+}
+
+#[test]
+fn malformed_vfio_user_messages_close_the_connection_not_the_controller() {
+    use std::io::{Read, Write};
+    let s = serve();
+    let sock = s.dir.path().join("cntrl");
+    let header = |id: u16, cmd: u16, size: u32| {
+        let mut h = Vec::new();
+        h.extend_from_slice(&id.to_le_bytes());
+        h.extend_from_slice(&cmd.to_le_bytes());
+        h.extend_from_slice(&size.to_le_bytes());
+        h.extend_from_slice(&[0; 8]);
+        h
+    };
+    // A size smaller than the header, a size beyond any message, then a region read far
+    // out of range and an unknown command (error replies, connection kept).
+    for bad in [header(1, 1, 8), header(1, 9, 0xFFFF_FFF0)] {
+        let mut c = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        c.write_all(&bad).unwrap();
+        let mut b = [0u8; 16];
+        assert_eq!(
+            c.read(&mut b).unwrap(),
+            0,
+            "the server closes a connection it cannot parse"
+        );
+    }
+    let mut c = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut req = header(7, 9, 32);
+    req.extend_from_slice(&u64::MAX.to_le_bytes());
+    req.extend_from_slice(&0u32.to_le_bytes());
+    req.extend_from_slice(&4096u32.to_le_bytes());
+    c.write_all(&req).unwrap();
+    let mut reply = [0u8; 16];
+    c.read_exact(&mut reply).unwrap();
+    assert_eq!(u16::from_le_bytes([reply[0], reply[1]]), 7);
+    assert_ne!(
+        u32::from_le_bytes(reply[8..12].try_into().unwrap()) & 1 << 5,
+        0,
+        "error flag"
+    );
+    c.write_all(&header(8, 200, 16)).unwrap();
+    c.read_exact(&mut reply).unwrap();
+    assert_ne!(
+        u32::from_le_bytes(reply[8..12].try_into().unwrap()) & 1 << 5,
+        0,
+        "error flag"
+    );
+    drop(c);
+    // A well-formed host is served afterwards.
+    let mut h = RawHost::connect(s.dir.path());
+    h.io_queues();
+    assert_eq!(code(h.submit(1, sqe(0x00, 1, 0, 0, 0, 0, 0)).0), SUCCESS);
+}
+
+/// The operator's way: `nacre nvmf add-listener --transport vfio-user --path DIR` on a
+/// running nacred, SPDK's driver sees the controller, the listener is persisted and
+/// replayed by a restart, and removing it removes the socket.
+#[test]
+fn nacred_serves_a_vfio_user_listener_added_by_the_cli_and_replays_it() {
+    use nacre_tests::daemon::Nacred;
+    use serde_json::json;
+    let mut n = Nacred::start();
+    n.ok(
+        "volume_create",
+        json!({"name": "pv", "size": 16 << 20, "block_size": 4096}),
+    );
+    n.ok(
+        "nvmf_subsystem_create",
+        json!({"nqn": NQN, "serial": SERIAL, "allow_any_host": true}),
+    );
+    n.ok("nvmf_subsystem_add_ns", json!({"nqn": NQN, "volume": "pv"}));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_str().unwrap();
+    // Without --path, and with a directory that does not exist: one-line errors.
+    let out = n.cli(&["nvmf", "add-listener", NQN, "--transport", "vfio-user"]);
+    assert!(!out.status.success());
+    let missing = dir.path().join("missing");
+    let out = n.cli(&[
+        "nvmf",
+        "add-listener",
+        NQN,
+        "--transport",
+        "vfio-user",
+        "--path",
+        missing.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no such directory"));
+    let out = n.cli(&[
+        "nvmf",
+        "add-listener",
+        NQN,
+        "--transport",
+        "vfio-user",
+        "--path",
+        path,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("PCIe NVMe controller"));
+    let identify = || {
+        run_spdk(
+            "spdk_nvme_identify",
+            &["--no-huge", "-s", "1024", "-r", &trid(dir.path())],
+        )
+    };
+    let out = identify();
+    assert!(
+        out.contains(&format!("Serial Number:                         {SERIAL}")),
+        "{out}"
+    );
+    let subs = n.ok("nvmf_get_subsystems", json!({}));
+    let listed = format!("vfio-user:{path}");
+    assert!(subs.to_string().contains(&listed), "{subs}");
+    // Persisted and replayed.
+    n.restart();
+    let out = identify();
+    assert!(
+        out.contains("Model Number:                          nacre"),
+        "{out}"
+    );
+    let out = n.cli(&[
+        "nvmf",
+        "remove-listener",
+        NQN,
+        "--transport",
+        "vfio-user",
+        "--path",
+        path,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!dir.path().join("cntrl").exists(), "the socket is removed");
+    let subs = n.ok("nvmf_get_subsystems", json!({}));
+    assert!(!subs.to_string().contains(&listed), "{subs}");
+}
+
+#[test]
+fn removing_the_listener_disconnects_its_client() {
+    let s = serve();
+    let mut h = RawHost::connect(s.dir.path());
+    h.io_queues();
+    s.ports.remove_listener(NQN, s.dir.path()).unwrap();
+    assert!(
+        !s.dir.path().join("cntrl").exists(),
+        "the socket is removed"
+    );
+    let mut b = [0u8; 4];
+    assert!(
+        h.c.region_read(BAR0, 0x1C, &mut b).is_err(),
+        "the client is disconnected"
+    );
+    assert!(s.ports.listeners().is_empty());
+}
