@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::Parser;
 use nacre_dpu::config;
 use nacre_dpu::control::host_channel::HostListener;
+use nacre_dpu::control::opi::{OpiConfig, OpiServer};
 use nacre_dpu::control::{server::RpcServer, Daemon, DaemonConfig};
 use nacre_dpu::frontend::nvmf_tcp::{self, ConnLimits, PollPolicy};
 use nacre_shared::api::vhost::VhostBlkCreate;
@@ -100,6 +101,15 @@ struct Args {
     /// The host channel's certificates (`nacre cert init`) [default: <state-dir>/tls].
     #[arg(long, env = "NACRE_HOST_TLS_DIR")]
     host_tls_dir: Option<PathBuf>,
+
+    /// Serve OPI's storage API (opi_api.storage.v1) over gRPC on this address, with server
+    /// reflection (docs/opi.md). Loopback only: the server has no TLS yet. Default: off.
+    #[arg(long, env = "NACRE_OPI_LISTEN")]
+    opi_listen: Option<SocketAddr>,
+
+    /// The tenant whose KEK wraps the data keys OPI clients hand over for encrypted volumes.
+    #[arg(long, env = "NACRE_OPI_TENANT")]
+    opi_tenant: Option<String>,
 
     /// NVMe/TCP: connections one listener serves at once; more are closed on accept.
     #[arg(long, env = "NACRE_NVMF_MAX_CONNECTIONS", default_value_t = ConnLimits::DEFAULT.per_listener)]
@@ -270,6 +280,20 @@ fn run(args: Args) -> anyhow::Result<()> {
         }
         None => None,
     };
+    let opi_server = match args.opi_listen {
+        Some(addr) => {
+            let s = OpiServer::start(
+                daemon.registry.clone(),
+                addr,
+                OpiConfig {
+                    tenant: args.opi_tenant.clone(),
+                },
+            )?;
+            eprintln!("nacred: OPI gRPC on {}", s.local_addr());
+            Some(s)
+        }
+        None => None,
+    };
     print_attach_hints(&daemon);
     info!(rpc = %rpc_path.display(), state_dir = %args.state_dir.display(), "nacred ready");
     eprintln!("nacred: ready; RPC on {}", rpc_path.display());
@@ -278,6 +302,7 @@ fn run(args: Args) -> anyhow::Result<()> {
     // SAFETY: sigwait with the same valid set; sig is a valid out pointer.
     unsafe { libc::sigwait(&signals, &mut sig) };
     info!(signal = sig, "stopping");
+    drop(opi_server);
     drop(host_listener);
     drop(server);
     daemon.shutdown();

@@ -17,7 +17,7 @@
 //!             │                                                  call, serialise
 //!   registry::replay
 //!             │
-//!   registry::{volumes, tenants, nvmf, remotes, vhost, qos, peers}   operations, one
+//!   registry::{volumes, tenants, nvmf, remotes, vhost, qos, peers, opi}   operations, one
 //!             │                                          family each; never each other
 //!   registry::{compose, remote_volume, keys, exporters, target, listener_retry}
 //!             │                        how live objects are built, found and indexed
@@ -44,6 +44,7 @@ mod exporters;
 mod keys;
 pub mod listener_retry;
 mod nvmf;
+mod opi;
 mod peers;
 mod qos;
 mod remote_volume;
@@ -83,6 +84,7 @@ mod test {
         ("vhost", 4, include_str!("vhost.rs")),
         ("qos", 4, include_str!("qos.rs")),
         ("peers", 4, include_str!("peers.rs")),
+        ("opi", 4, include_str!("opi.rs")),
         ("replay", 5, include_str!("replay.rs")),
     ];
 
