@@ -157,12 +157,12 @@ fn godpu_create_data_path_restart_delete() {
     {
         let mut c = BlkioClient::connect(&sock, &ClientOptions::default()).unwrap();
         assert_eq!(c.capacity().unwrap(), 8192 * 512);
+        let mut q = c.queues.remove(0);
         let mem = c.mem();
         let (w, r) = mem.split_at_mut(4096);
         for (i, b) in w.iter_mut().enumerate() {
             *b = (i % 251) as u8;
         }
-        let mut q = c.queues.remove(0);
         assert_eq!(write(&mut q, 8192, w).unwrap(), 0);
         assert_eq!(read(&mut q, 8192, &mut r[..4096]).unwrap(), 0);
         assert_eq!(&r[..4096], &w[..]);

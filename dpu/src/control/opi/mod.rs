@@ -239,31 +239,6 @@ pub(crate) fn id_in<'a>(name: &'a str, collection: &str) -> Result<&'a str, Stat
     Ok(id)
 }
 
-/// The parent and child ids in `parents/{p}/children/{c}`.
-pub(crate) fn ids_in<'a>(
-    name: &'a str,
-    parents: &str,
-    children: &str,
-) -> Result<(&'a str, &'a str), Status> {
-    let bad = || {
-        invalid(format!(
-            "name {name:?} is not {parents}/{{id}}/{children}/{{id}}"
-        ))
-    };
-    let rest = name
-        .strip_prefix(parents)
-        .and_then(|r| r.strip_prefix('/'))
-        .ok_or_else(bad)?;
-    let (p, c) = rest.split_once('/').ok_or_else(bad)?;
-    let c = c
-        .strip_prefix(children)
-        .and_then(|r| r.strip_prefix('/'))
-        .ok_or_else(bad)?;
-    check_id(p)?;
-    check_id(c)?;
-    Ok((p, c))
-}
-
 /// The volume a `volume_name_ref` names: a nacre volume name, or the resource name of an
 /// OPI volume (`nullVolumes/v`, `mallocVolumes/v`, `aioVolumes/v`, `qosVolumes/q` stands for
 /// the volume it limits, `encryptedVolumes/e`).
@@ -454,14 +429,5 @@ mod test {
         assert_eq!(id_in("nullVolumes/a", "nullVolumes").unwrap(), "a");
         assert!(id_in("nullVolumes/", "nullVolumes").is_err());
         assert!(id_in("nullVolumes/a/b", "nullVolumes").is_err());
-        assert_eq!(
-            ids_in(
-                "nvmeSubsystems/s/nvmeNamespaces/n",
-                "nvmeSubsystems",
-                "nvmeNamespaces"
-            )
-            .unwrap(),
-            ("s", "n")
-        );
     }
 }
