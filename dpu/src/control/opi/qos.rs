@@ -38,7 +38,7 @@ fn limits(l: &pb::Limits) -> Result<QosLimits, Status> {
             "limits.min: nacre enforces ceilings only; set limits.max",
         ));
     }
-    let max = l.max.clone().unwrap_or_default();
+    let max = l.max.unwrap_or_default();
     let conv = |v: i64, unit: u64, what: &str| -> Result<Option<u64>, Status> {
         match v {
             0 => Ok(None),
@@ -203,7 +203,7 @@ impl MiddleendQosVolumeService for Service {
                             )));
                         }
                     }
-                    _ => next.limits = m.limits.clone(),
+                    _ => next.limits = m.limits,
                 }
             }
             apply(&r, &m.name, &next).map(Response::new)
