@@ -9,6 +9,7 @@ object on its last line; any failed expectation raises (exit status 1).
   opi_client.py verify   ADDR
   opi_client.py delete   ADDR
   opi_client.py crud     ADDR RPC_SOCKET
+  opi_client.py bench    ADDR CYCLES        (scripts/bench-opi)
 """
 
 import importlib
@@ -397,10 +398,34 @@ def crud(addr, sock):
     return {"checks": checks}
 
 
+def bench(addr, cycles):
+    """Namespace create/delete cycles on one subsystem over a null volume; seconds per op."""
+    import time
+    c = Client(addr)
+    c.null.CreateNullVolume(nul.CreateNullVolumeRequest(
+        null_volume_id="bench-vol", null_volume=nul.NullVolume(block_size=512, blocks_count=2048)))
+    sub = c.fe.CreateNvmeSubsystem(fe.CreateNvmeSubsystemRequest(
+        nvme_subsystem_id="bench-sub", nvme_subsystem=fe.NvmeSubsystem(
+            spec=fe.NvmeSubsystemSpec(nqn="nqn.2024-01.io.nacre:bench-opi"))))
+    create_s = delete_s = 0.0
+    for i in range(int(cycles)):
+        t0 = time.perf_counter()
+        ns = c.fe.CreateNvmeNamespace(fe.CreateNvmeNamespaceRequest(
+            parent=sub.name, nvme_namespace_id=f"ns-{i}",
+            nvme_namespace=fe.NvmeNamespace(spec=fe.NvmeNamespaceSpec(volume_name_ref="bench-vol"))))
+        t1 = time.perf_counter()
+        c.fe.DeleteNvmeNamespace(fe.DeleteNvmeNamespaceRequest(name=ns.name))
+        t2 = time.perf_counter()
+        create_s += t1 - t0
+        delete_s += t2 - t1
+    n = max(int(cycles), 1)
+    return {"cycles": n, "create_ms": 1000 * create_s / n, "delete_ms": 1000 * delete_s / n}
+
+
 def main():
     cmd, args = sys.argv[1], sys.argv[2:]
     out = {"services": services, "create": create, "verify": verify, "delete": delete,
-           "crud": crud}[cmd](*args)
+           "crud": crud, "bench": bench}[cmd](*args)
     print(json.dumps(out))
 
 
