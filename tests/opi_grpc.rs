@@ -108,6 +108,30 @@ fn non_loopback_without_tls_is_refused() {
 }
 
 #[test]
+fn mutual_tls_serves_the_cas_clients_only() {
+    let tls = tempfile::tempdir().unwrap();
+    let out = Command::new(nacre_tests::daemon::bin("nacre"))
+        .args(["cert", "init", "--dir"])
+        .arg(tls.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let n = Nacred::start_args(&[
+        "--no-default",
+        "--opi-listen",
+        "127.0.0.1:0",
+        "--opi-tls-dir",
+        tls.path().to_str().unwrap(),
+    ]);
+    let out = client(&["tls", &opi_addr(&n), tls.path().to_str().unwrap()]);
+    assert_eq!(out["refused"].as_object().unwrap().len(), 4, "{out}");
+    assert!(
+        n.log_text().contains("OPI gRPC: refused (TLS handshake failed)"),
+        "refusals are logged"
+    );
+}
+
+#[test]
 fn crud_aip_rules_bad_input_and_both_apis() {
     let n = opi_daemon();
     let out = client(&["crud", &opi_addr(&n), n.rpc.to_str().unwrap()]);

@@ -9,6 +9,7 @@ object on its last line; any failed expectation raises (exit status 1).
   opi_client.py verify   ADDR
   opi_client.py delete   ADDR
   opi_client.py crud     ADDR RPC_SOCKET
+  opi_client.py tls      ADDR TLS_DIR       (the CA made by `nacre cert init`)
   opi_client.py bench    ADDR CYCLES        (scripts/bench-opi)
 """
 
@@ -422,10 +423,96 @@ def bench(addr, cycles):
     return {"cycles": n, "create_ms": 1000 * create_s / n, "delete_ms": 1000 * delete_s / n}
 
 
+def client_cert(ca_cert, ca_key, days_from, days_to):
+    """A client certificate (PEM cert, PEM key) signed by `ca_key`, valid between the two
+    offsets in days from now."""
+    import datetime
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "opi-client")]))
+            .issuer_name(ca_cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now + datetime.timedelta(days=days_from))
+            .not_valid_after(now + datetime.timedelta(days=days_to))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    return (cert.public_bytes(serialization.Encoding.PEM),
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()))
+
+
+def foreign_ca():
+    import datetime
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "someone else's CA")])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=30))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    return cert, key
+
+
+def tls(addr, tls_dir):
+    """Mutual TLS: a certificate from the DPU's CA is served; none, an expired one, one from
+    another CA, and plaintext are refused."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    ca_pem = open(os.path.join(tls_dir, "ca.pem"), "rb").read()
+    ca_cert = x509.load_pem_x509_certificate(ca_pem)
+    ca_key = serialization.load_pem_private_key(
+        open(os.path.join(tls_dir, "ca.key"), "rb").read(), password=None)
+    opts = (("grpc.ssl_target_name_override", "nacred"),)
+
+    def call(creds):
+        ch = grpc.secure_channel(addr, creds, options=opts) if creds else grpc.insecure_channel(addr)
+        stub = nul_grpc.NullVolumeServiceStub(ch)
+        try:
+            return stub.ListNullVolumes(nul.ListNullVolumesRequest(), timeout=10)
+        finally:
+            ch.close()
+
+    cert, key = client_cert(ca_cert, ca_key, -1, 30)
+    ok = call(grpc.ssl_channel_credentials(ca_pem, key, cert))
+    assert not ok.null_volumes, ok
+    refused = {}
+    expired_cert, expired_key = client_cert(ca_cert, ca_key, -30, -1)
+    other_ca, other_key = foreign_ca()
+    other_cert, other_ckey = client_cert(other_ca, other_key, -1, 30)
+    cases = {
+        "no client certificate": grpc.ssl_channel_credentials(ca_pem),
+        "expired certificate": grpc.ssl_channel_credentials(ca_pem, expired_key, expired_cert),
+        "another CA's certificate": grpc.ssl_channel_credentials(ca_pem, other_ckey, other_cert),
+        "plaintext": None,
+    }
+    for what, creds in cases.items():
+        try:
+            r = call(creds)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, (what, e.code(), e.details())
+            refused[what] = e.code().name
+            continue
+        raise AssertionError(f"{what}: served: {r}")
+    return {"served": True, "refused": refused}
+
+
 def main():
     cmd, args = sys.argv[1], sys.argv[2:]
     out = {"services": services, "create": create, "verify": verify, "delete": delete,
-           "crud": crud, "bench": bench}[cmd](*args)
+           "crud": crud, "bench": bench, "tls": tls}[cmd](*args)
     print(json.dumps(out))
 
 

@@ -103,9 +103,14 @@ struct Args {
     host_tls_dir: Option<PathBuf>,
 
     /// Serve OPI's storage API (opi_api.storage.v1) over gRPC on this address, with server
-    /// reflection (docs/opi.md). Loopback only: the server has no TLS yet. Default: off.
+    /// reflection (docs/opi.md). Without --opi-tls-dir, loopback only. Default: off.
     #[arg(long, env = "NACRE_OPI_LISTEN")]
     opi_listen: Option<SocketAddr>,
+
+    /// Serve OPI over mutual TLS with the certificates `nacre cert init` made in this
+    /// directory: clients need a certificate signed by that CA.
+    #[arg(long, env = "NACRE_OPI_TLS_DIR")]
+    opi_tls_dir: Option<PathBuf>,
 
     /// The tenant whose KEK wraps the data keys OPI clients hand over for encrypted volumes.
     #[arg(long, env = "NACRE_OPI_TENANT")]
@@ -287,6 +292,7 @@ fn run(args: Args) -> anyhow::Result<()> {
                 addr,
                 OpiConfig {
                     tenant: args.opi_tenant.clone(),
+                    tls_dir: args.opi_tls_dir.clone(),
                 },
             )?;
             eprintln!("nacred: OPI gRPC on {}", s.local_addr());

@@ -61,22 +61,125 @@ pub struct OpiServer {
 pub struct OpiConfig {
     /// The tenant whose KEK wraps the data keys of OPI's encrypted volumes.
     pub tenant: Option<String>,
+    /// Mutual TLS with the certificates `nacre cert init` made here (`ca.pem`, `server.pem`,
+    /// `server.key`): clients need a certificate signed by that CA. None: plain gRPC,
+    /// loopback only.
+    pub tls_dir: Option<std::path::PathBuf>,
+}
+
+/// A TLS handshake not finished in this time is dropped.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The host channel's server configuration (TLS 1.3, a client certificate from the DPU's CA
+/// required), offering HTTP/2 by ALPN as gRPC clients require.
+fn tls_config(dir: &std::path::Path) -> anyhow::Result<Arc<rustls::ServerConfig>> {
+    use nacre_shared::channel::{self, files};
+    let read = |name: &str| {
+        let p = dir.join(name);
+        std::fs::read_to_string(&p).map_err(|e| {
+            anyhow::anyhow!(
+                "cannot read {}: {e} (make the DPU's certificates with `nacre cert init`)",
+                p.display()
+            )
+        })
+    };
+    let key = zeroize::Zeroizing::new(read(files::SERVER_KEY)?);
+    let config = channel::server_config(&read(files::CA_CERT)?, &read(files::SERVER_CERT)?, &key)?;
+    let mut config = (*config).clone();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// A mutual-TLS connection, handed to tonic as its I/O.
+struct TlsConn(tokio_rustls::server::TlsStream<tokio::net::TcpStream>);
+
+impl tonic::transport::server::Connected for TlsConn {
+    type ConnectInfo = ();
+    fn connect_info(&self) {}
+}
+
+impl tokio::io::AsyncRead for TlsConn {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().0).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for TlsConn {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.get_mut().0).poll_write(cx, buf)
+    }
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().0).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().0).poll_shutdown(cx)
+    }
+}
+
+/// Accept TCP connections and hand those whose client certificate the CA signed to tonic;
+/// a refused handshake is logged with the peer's address.
+async fn accept_tls(
+    listener: tokio::net::TcpListener,
+    config: Arc<rustls::ServerConfig>,
+    tx: tokio::sync::mpsc::Sender<std::io::Result<TlsConn>>,
+) {
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    loop {
+        let (tcp, peer) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "OPI gRPC: accept failed");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let acceptor = acceptor.clone();
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let _ = tcp.set_nodelay(true);
+            match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                Ok(Ok(s)) => {
+                    let _ = tx.send(Ok(TlsConn(s))).await;
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(%peer, error = %e, "OPI gRPC: refused (TLS handshake failed)")
+                }
+                Err(_) => tracing::warn!(%peer, "OPI gRPC: refused (no TLS handshake in time)"),
+            }
+        });
+    }
 }
 
 impl OpiServer {
-    /// Bind `addr` (loopback only: the server has no TLS yet) and serve every OPI storage
-    /// service on it.
+    /// Bind `addr` and serve every OPI storage service on it: over mutual TLS when
+    /// `config.tls_dir` is set, otherwise in the clear and on loopback only.
     pub fn start(
         registry: Arc<Registry>,
         addr: SocketAddr,
         config: OpiConfig,
     ) -> anyhow::Result<Self> {
-        if !addr.ip().is_loopback() {
-            anyhow::bail!(
-                "--opi-listen {addr}: without TLS the OPI server listens on loopback only \
-                 (127.0.0.1 or ::1)"
-            );
-        }
+        let tls = match &config.tls_dir {
+            Some(dir) => Some(tls_config(dir)?),
+            None if !addr.ip().is_loopback() => anyhow::bail!(
+                "--opi-listen {addr}: without --opi-tls-dir the OPI server listens on loopback \
+                 only (127.0.0.1 or ::1)"
+            ),
+            None => None,
+        };
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("opi-grpc")
@@ -142,16 +245,29 @@ impl OpiServer {
             .name("opi-grpc".into())
             .spawn(move || {
                 rt.block_on(async move {
-                    let incoming = tonic::transport::server::TcpIncoming::from(listener);
                     let stop = async {
                         let _ = stop_rx.await;
                     };
-                    if let Err(e) = router.serve_with_incoming_shutdown(incoming, stop).await {
+                    let served = match tls {
+                        Some(config) => {
+                            let (tx, rx) = tokio::sync::mpsc::channel(16);
+                            let accept = tokio::spawn(accept_tls(listener, config, tx));
+                            let incoming = tokio_stream::wrappers::ReceiverStream::new(rx);
+                            let r = router.serve_with_incoming_shutdown(incoming, stop).await;
+                            accept.abort();
+                            r
+                        }
+                        None => {
+                            let incoming = tonic::transport::server::TcpIncoming::from(listener);
+                            router.serve_with_incoming_shutdown(incoming, stop).await
+                        }
+                    };
+                    if let Err(e) = served {
                         tracing::warn!(error = %e, "OPI gRPC server stopped");
                     }
                 });
             })?;
-        tracing::info!(addr = %bound, "OPI gRPC server listening");
+        tracing::info!(addr = %bound, tls = config.tls_dir.is_some(), "OPI gRPC server listening");
         Ok(OpiServer {
             addr: bound,
             stop: Some(stop_tx),
