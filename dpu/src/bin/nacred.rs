@@ -232,6 +232,15 @@ fn run(args: Args) -> anyhow::Result<()> {
     // SAFETY: pthread_sigmask with a valid, initialised set.
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &signals, std::ptr::null_mut()) };
 
+    // Refused before anything is opened (OpiServer::start checks it again).
+    if let (Some(addr), None) = (args.opi_listen, &args.opi_tls_dir) {
+        if !addr.ip().is_loopback() {
+            anyhow::bail!(
+                "--opi-listen {addr}: without --opi-tls-dir the OPI server listens on loopback \
+                 only (127.0.0.1 or ::1)"
+            );
+        }
+    }
     raise_fd_limit();
     nvmf_tcp::set_default_reactors(args.nvmf_reactors);
     nacre_dpu::fabric::tcp::set_reactors(args.fabric_reactors);
@@ -271,20 +280,7 @@ fn run(args: Args) -> anyhow::Result<()> {
             Err(e) => return Err(e).with_context(|| format!("cannot serve metrics on {addr}")),
         }
     }
-    // Last: a client that reaches the RPC socket finds every device already serving.
-    let server = RpcServer::start(daemon.clone(), &rpc_path)?;
-    let host_listener = match args.host_listen {
-        Some(addr) => {
-            let dir = args
-                .host_tls_dir
-                .clone()
-                .unwrap_or_else(|| args.state_dir.join("tls"));
-            let l = HostListener::start(daemon.clone(), addr, &dir)?;
-            eprintln!("nacred: host channel on {}", l.local_addr());
-            Some(l)
-        }
-        None => None,
-    };
+    // Before the RPC socket, so that once it answers the OPI server is up (and logged).
     let opi_server = match args.opi_listen {
         Some(addr) => {
             let s = OpiServer::start(
@@ -297,6 +293,20 @@ fn run(args: Args) -> anyhow::Result<()> {
             )?;
             eprintln!("nacred: OPI gRPC on {}", s.local_addr());
             Some(s)
+        }
+        None => None,
+    };
+    // Last: a client that reaches the RPC socket finds every device already serving.
+    let server = RpcServer::start(daemon.clone(), &rpc_path)?;
+    let host_listener = match args.host_listen {
+        Some(addr) => {
+            let dir = args
+                .host_tls_dir
+                .clone()
+                .unwrap_or_else(|| args.state_dir.join("tls"));
+            let l = HostListener::start(daemon.clone(), addr, &dir)?;
+            eprintln!("nacred: host channel on {}", l.local_addr());
+            Some(l)
         }
         None => None,
     };
