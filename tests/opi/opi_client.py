@@ -184,6 +184,35 @@ def verify(addr):
         name="nvmeSubsystems/subsys-1/nvmeControllers/ctrl-1"))
     c.vb.GetVirtioBlk(vb.GetVirtioBlkRequest(name="virtioBlks/vblk-1"))
     st = c.fe.StatsNvmeNamespace(fe.StatsNvmeNamespaceRequest(name=ns.name)).stats
+    # Stats of every resource create made.
+    c.fe.StatsNvmeSubsystem(fe.StatsNvmeSubsystemRequest(name="nvmeSubsystems/subsys-1"))
+    c.fe.StatsNvmeController(fe.StatsNvmeControllerRequest(name=ctl.name))
+    c.vb.StatsVirtioBlk(vb.StatsVirtioBlkRequest(name="virtioBlks/vblk-1"))
+    c.malloc.StatsMallocVolume(mal.StatsMallocVolumeRequest(name="mallocVolumes/malloc-1"))
+    c.be.StatsNvmeRemoteController(be.StatsNvmeRemoteControllerRequest(name=FE_CTRL))
+    c.be.StatsNvmePath(be.StatsNvmePathRequest(name=FE_CTRL + "/nvmePaths/path-1"))
+    rns = c.be.GetNvmeRemoteNamespace(be.GetNvmeRemoteNamespaceRequest(
+        name=FE_CTRL + "/nvmeRemoteNamespaces/1"))
+    assert rns.nsid == 1, rns
+    # Updates: what can change in place does, what cannot is INVALID_ARGUMENT naming it.
+    G = grpc.StatusCode
+    mask = field_mask_pb2.FieldMask
+    blk = c.vb.GetVirtioBlk(vb.GetVirtioBlkRequest(name="virtioBlks/vblk-1"))
+    assert c.vb.UpdateVirtioBlk(vb.UpdateVirtioBlkRequest(
+        virtio_blk=blk, update_mask=mask(paths=["max_io_qps"]))) == blk
+    bad = vb.VirtioBlk(name=blk.name, volume_name_ref="no-such-volume")
+    assert "volume_name_ref" in expect(G.INVALID_ARGUMENT, c.vb.UpdateVirtioBlk,
+                                       vb.UpdateVirtioBlkRequest(virtio_blk=bad, update_mask=mask(paths=["volume_name_ref"])))
+    moved = fe.NvmeNamespace(name=ns.name, spec=fe.NvmeNamespaceSpec(host_nsid=9))
+    expect(G.INVALID_ARGUMENT, c.fe.UpdateNvmeNamespace, fe.UpdateNvmeNamespaceRequest(
+        nvme_namespace=moved, update_mask=mask(paths=["spec.host_nsid"])))
+    assert c.fe.UpdateNvmeController(fe.UpdateNvmeControllerRequest(
+        nvme_controller=ctl, update_mask=mask(paths=["spec"]))).name == ctl.name
+    rc = c.be.GetNvmeRemoteController(be.GetNvmeRemoteControllerRequest(name=FE_CTRL))
+    assert c.be.UpdateNvmeRemoteController(be.UpdateNvmeRemoteControllerRequest(
+        nvme_remote_controller=rc, update_mask=mask(paths=["multipath"]))) == rc
+    path = c.be.GetNvmePath(be.GetNvmePathRequest(name=FE_CTRL + "/nvmePaths/path-1"))
+    assert c.be.UpdateNvmePath(be.UpdateNvmePathRequest(nvme_path=path)) == path
     return {"tcp_port": int(ctl.spec.fabrics_id.trsvcid), "ns_write_ops": st.write_ops_count,
             "ns_read_ops": st.read_ops_count}
 
@@ -218,7 +247,8 @@ def delete(addr):
 def crud(addr, sock):
     c = Client(addr)
     G = grpc.StatusCode
-    state = lambda: rpc_ok(sock, "volume_list")  # noqa: E731
+    state = lambda: [rpc_ok(sock, m) for m in  # noqa: E731
+                     ("volume_list", "nvmf_get_subsystems", "remote_list", "vhost_blk_list")]
     checks = 0
 
     # Null volumes: Create (client id, then server UUID), idempotent Create, Get, List with
