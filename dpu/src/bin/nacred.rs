@@ -11,6 +11,7 @@ use args::{Args, MetricsListen, DEFAULT_METRICS_LISTEN};
 use clap::Parser;
 use nacre_dpu::config;
 use nacre_dpu::control::host_channel::HostListener;
+use nacre_dpu::control::opi::{OpiConfig, OpiServer};
 use nacre_dpu::control::{server::RpcServer, Daemon, DaemonConfig};
 use nacre_dpu::frontend::nvmf_tcp::{self, ConnLimits};
 use nacre_shared::api::vhost::VhostBlkCreate;
@@ -95,6 +96,15 @@ fn run(args: Args) -> anyhow::Result<()> {
     // SAFETY: pthread_sigmask with a valid, initialised set.
     unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &signals, std::ptr::null_mut()) };
 
+    // Refused before anything is opened (OpiServer::start checks it again).
+    if let (Some(addr), None) = (args.opi_listen, &args.opi_tls_dir) {
+        if !addr.ip().is_loopback() {
+            anyhow::bail!(
+                "--opi-listen {addr}: without --opi-tls-dir the OPI server listens on loopback \
+                 only (127.0.0.1 or ::1)"
+            );
+        }
+    }
     raise_fd_limit();
     nvmf_tcp::set_default_reactors(args.nvmf_reactors);
     nacre_dpu::fabric::tcp::set_reactors(args.fabric_reactors);
@@ -134,6 +144,22 @@ fn run(args: Args) -> anyhow::Result<()> {
             Err(e) => return Err(e).with_context(|| format!("cannot serve metrics on {addr}")),
         }
     }
+    // Before the RPC socket, so that once it answers the OPI server is up (and logged).
+    let opi_server = match args.opi_listen {
+        Some(addr) => {
+            let s = OpiServer::start(
+                daemon.registry.clone(),
+                addr,
+                OpiConfig {
+                    tenant: args.opi_tenant.clone(),
+                    tls_dir: args.opi_tls_dir.clone(),
+                },
+            )?;
+            eprintln!("nacred: OPI gRPC on {}", s.local_addr());
+            Some(s)
+        }
+        None => None,
+    };
     // Last: a client that reaches the RPC socket finds every device already serving.
     let server = RpcServer::start(daemon.clone(), &rpc_path)?;
     let host_listener = match args.host_listen {
@@ -156,6 +182,7 @@ fn run(args: Args) -> anyhow::Result<()> {
     // SAFETY: sigwait with the same valid set; sig is a valid out pointer.
     unsafe { libc::sigwait(&signals, &mut sig) };
     info!(signal = sig, "stopping");
+    drop(opi_server);
     drop(host_listener);
     drop(server);
     daemon.shutdown();

@@ -15,6 +15,7 @@ pub mod lock;
 pub mod method;
 pub mod metrics;
 pub mod nvmf;
+pub mod opi;
 pub mod peer;
 pub mod qos;
 pub mod registry;

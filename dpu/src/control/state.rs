@@ -49,6 +49,21 @@ pub struct State {
     /// QoS limits of volumes, tenants and the daemon.
     #[serde(default)]
     pub qos: QosState,
+    /// OPI resource names (`nvmeSubsystems/s1`, …) and the objects above they stand for
+    /// (`control::opi`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub opi: BTreeMap<String, OpiBinding>,
+}
+
+/// What one OPI resource name stands for.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct OpiBinding {
+    /// The object: a subsystem NQN, `NQN nsid`, `NQN tcp ADDR`, a volume, a remote; empty
+    /// for a remote controller that has no path yet.
+    pub object: String,
+    /// The resource as the client gave it, protobuf-encoded, in hex (keys left out): what an
+    /// idempotent Create compares and Get returns.
+    pub spec: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]

@@ -85,6 +85,20 @@ pub(crate) struct Args {
     #[arg(long, env = "NACRE_HOST_TLS_DIR")]
     pub(crate) host_tls_dir: Option<PathBuf>,
 
+    /// Serve OPI's storage API (opi_api.storage.v1) over gRPC on this address, with server
+    /// reflection (docs/opi.md). Without --opi-tls-dir, loopback only. Default: off.
+    #[arg(long, env = "NACRE_OPI_LISTEN")]
+    pub(crate) opi_listen: Option<SocketAddr>,
+
+    /// Serve OPI over mutual TLS with the certificates `nacre cert init` made in this
+    /// directory: clients need a certificate signed by that CA.
+    #[arg(long, env = "NACRE_OPI_TLS_DIR")]
+    pub(crate) opi_tls_dir: Option<PathBuf>,
+
+    /// The tenant whose KEK wraps the data keys OPI clients hand over for encrypted volumes.
+    #[arg(long, env = "NACRE_OPI_TENANT")]
+    pub(crate) opi_tenant: Option<String>,
+
     /// NVMe/TCP: connections one listener serves at once; more are closed on accept.
     #[arg(long, env = "NACRE_NVMF_MAX_CONNECTIONS", default_value_t = ConnLimits::DEFAULT.per_listener)]
     pub(crate) nvmf_max_connections: usize,

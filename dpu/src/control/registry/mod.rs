@@ -17,8 +17,8 @@
 //!             │                                                  call, serialise
 //!   registry::replay
 //!             │
-//!   registry::{volumes, tenants, kms, nvmf, remotes, vhost, qos, peers}   operations, one
-//!             │                                          family each; never each other
+//!   registry::{volumes, tenants, kms, nvmf, remotes, vhost, qos, peers, opi}   operations,
+//!             │                                          one family each; never each other
 //!   registry::{compose, remote_volume, keys, exporters, target, listener_retry}
 //!             │                        how live objects are built, found and indexed
 //!   registry::store                    the records + live objects, under the control lock;
@@ -45,6 +45,7 @@ mod keys;
 mod kms;
 pub mod listener_retry;
 mod nvmf;
+mod opi;
 mod peers;
 mod qos;
 mod remote_volume;
@@ -85,6 +86,7 @@ mod test {
         ("vhost", 4, include_str!("vhost.rs")),
         ("qos", 4, include_str!("qos.rs")),
         ("peers", 4, include_str!("peers.rs")),
+        ("opi", 4, include_str!("opi.rs")),
         ("replay", 5, include_str!("replay.rs")),
     ];
 

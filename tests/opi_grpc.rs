@@ -1,0 +1,225 @@
+//! OPI's storage API over gRPC (`nacred --opi-listen`), driven by a Python grpcio client
+//! (tests/opi/opi_client.py) whose stubs grpcio-tools generates from proto/opi/storage/v1 at
+//! test time: the services listed through server reflection; the sequence of OPI's
+//! `godpu storage create`, data written through what it made and read back, `godpu storage
+//! delete`; Create/Get/List/Update/Delete/Stats and the AIP rules per service; bad input;
+//! and the gRPC and JSON-RPC APIs seeing one state, replayed by a restart.
+//!
+//! The NVMe/TCP target the backend connects to is a second nacred.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use nacre_tests::blkio_client::{read, write, BlkioClient, ClientOptions};
+use nacre_tests::daemon::Nacred;
+use nacre_tests::nvmf_host::{HostOptions, NvmfHost};
+use serde_json::{json, Value};
+
+const TARGET_NQN: &str = "nqn.2024-01.io.nacre:opi-shelf";
+const FRONT_NQN: &str = "nqn.2024-01.io.nacre:opi-front";
+
+/// Run one subcommand of the Python client; its last stdout line is JSON.
+fn client(args: &[&str]) -> Value {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("opi/opi_client.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .args(args)
+        .output()
+        .expect("python3 must be installed (scripts/setup --test)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "opi_client.py {args:?} failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.lines().last().unwrap_or_default())
+        .unwrap_or_else(|e| panic!("opi_client.py {args:?}: {e}: {stdout}"))
+}
+
+/// The address nacred says its OPI server bound.
+fn opi_addr(n: &Nacred) -> String {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let log = n.log_text();
+        if let Some(a) = log
+            .lines()
+            .rev()
+            .find_map(|l| l.strip_prefix("nacred: OPI gRPC on "))
+        {
+            return a.trim().to_string();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no OPI address in the log:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn opi_daemon() -> Nacred {
+    Nacred::start_args(&["--no-default", "--opi-listen", "127.0.0.1:0"])
+}
+
+#[test]
+fn reflection_lists_every_storage_service() {
+    let n = opi_daemon();
+    let names = client(&["services", &opi_addr(&n)]);
+    for s in [
+        "opi_api.storage.v1.FrontendNvmeService",
+        "opi_api.storage.v1.FrontendVirtioBlkService",
+        "opi_api.storage.v1.NvmeRemoteControllerService",
+        "opi_api.storage.v1.NullVolumeService",
+        "opi_api.storage.v1.MallocVolumeService",
+        "opi_api.storage.v1.AioVolumeService",
+        "opi_api.storage.v1.MiddleendQosVolumeService",
+        "opi_api.storage.v1.MiddleendEncryptionService",
+    ] {
+        assert!(
+            names["services"].as_array().unwrap().iter().any(|n| n == s),
+            "{s} missing: {names}"
+        );
+    }
+}
+
+#[test]
+fn non_loopback_without_tls_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (state, run) = (tmp.path().join("state"), tmp.path().join("run"));
+    let out = Command::new(nacre_tests::daemon::bin("nacred"))
+        .args(["--no-default", "--opi-listen", "0.0.0.0:0"])
+        .arg("--state-dir")
+        .arg(&state)
+        .arg("--run-dir")
+        .arg(&run)
+        .env("NACRE_METRICS_LISTEN", "off")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("loopback only"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    // Refused before anything else: the directories are not even made.
+    assert!(!state.exists() && !run.exists());
+}
+
+#[test]
+fn mutual_tls_serves_the_cas_clients_only() {
+    let tls = tempfile::tempdir().unwrap();
+    let out = Command::new(nacre_tests::daemon::bin("nacre"))
+        .args(["cert", "init", "--dir"])
+        .arg(tls.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let n = Nacred::start_args(&[
+        "--no-default",
+        "--opi-listen",
+        "127.0.0.1:0",
+        "--opi-tls-dir",
+        tls.path().to_str().unwrap(),
+    ]);
+    let out = client(&["tls", &opi_addr(&n), tls.path().to_str().unwrap()]);
+    assert_eq!(out["refused"].as_object().unwrap().len(), 4, "{out}");
+    assert!(
+        n.log_text()
+            .contains("OPI gRPC: refused (TLS handshake failed)"),
+        "refusals are logged"
+    );
+}
+
+#[test]
+fn crud_aip_rules_bad_input_and_both_apis() {
+    let n = opi_daemon();
+    let out = client(&["crud", &opi_addr(&n), n.rpc.to_str().unwrap()]);
+    assert_eq!(out["checks"], 6, "{out}");
+}
+
+#[test]
+fn godpu_create_data_path_restart_delete() {
+    // The shelf: a second nacred exporting a RAM volume over NVMe/TCP.
+    let shelf = Nacred::start_args(&["--no-default"]);
+    shelf.ok(
+        "volume_create",
+        json!({"name": "shelf", "size": 16 << 20, "backend": "ram", "block_size": 512}),
+    );
+    let target: SocketAddr = shelf.export_nvmf(TARGET_NQN, "shelf");
+
+    let mut n = opi_daemon();
+    let addr = opi_addr(&n);
+    let made = client(&["create", &addr, &target.to_string(), TARGET_NQN, FRONT_NQN]);
+    let port = made["tcp_port"].as_u64().unwrap() as u16;
+    let nsid = made["nsid"].as_u64().unwrap() as u32;
+
+    // Written through the OPI frontend (NVMe/TCP on the DPU) … read back on the shelf.
+    let bs = 512;
+    let data: Vec<u8> = (0..8 * bs).map(|i| (i * 7 + 3) as u8).collect();
+    let mut front = NvmfHost::connect(
+        SocketAddr::from(([127, 0, 0, 1], port)),
+        FRONT_NQN,
+        HostOptions::default(),
+    )
+    .expect("connect to the OPI-made controller");
+    front
+        .write(0, nsid, 16, &data, bs)
+        .expect("write through the frontend");
+    assert_eq!(front.read(0, nsid, 16, 8, bs).unwrap(), data);
+    drop(front);
+    let mut back = NvmfHost::connect(target, TARGET_NQN, HostOptions::default()).unwrap();
+    assert_eq!(
+        back.read(0, 1, 16, 8, bs).unwrap(),
+        data,
+        "the shelf does not hold what was written through the OPI frontend"
+    );
+    drop(back);
+
+    // The virtio-blk device, through libblkio on its vhost-user socket.
+    let sock = n.run_dir.join("vhost-vblk-1.sock");
+    {
+        let mut c = BlkioClient::connect(&sock, &ClientOptions::default()).unwrap();
+        assert_eq!(c.capacity().unwrap(), 8192 * 512);
+        let mut q = c.queues.remove(0);
+        let mem = c.mem();
+        let (w, r) = mem.split_at_mut(4096);
+        for (i, b) in w.iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+        assert_eq!(write(&mut q, 8192, w).unwrap(), 0);
+        assert_eq!(read(&mut q, 8192, &mut r[..4096]).unwrap(), 0);
+        assert_eq!(&r[..4096], &w[..]);
+    }
+
+    // Both APIs see it; a restart replays it, and OPI's names with it.
+    let subs = n.ok("nvmf_get_subsystems", json!({}));
+    assert!(
+        subs.as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["nqn"] == FRONT_NQN),
+        "{subs}"
+    );
+    let stats = client(&["verify", &addr]);
+    assert!(stats["ns_write_ops"].as_u64().unwrap() >= 1, "{stats}");
+    n.restart();
+    let addr = opi_addr(&n);
+    let after = client(&["verify", &addr]);
+    assert_eq!(after["tcp_port"].as_u64().unwrap() as u16, port, "{after}");
+
+    client(&["delete", &addr]);
+    let subs = n.ok("nvmf_get_subsystems", json!({}));
+    assert!(
+        subs.as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s["nqn"] != FRONT_NQN),
+        "{subs}"
+    );
+    assert_eq!(n.ok("remote_list", json!({})), json!([]));
+    assert_eq!(n.ok("vhost_blk_list", json!({})), json!([]));
+}
