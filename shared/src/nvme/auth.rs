@@ -16,8 +16,7 @@ pub const SECP_NVME_AUTH: u8 = 0xE9;
 /// SPSP0/SPSP1 for the authentication protocol messages (§6.2: SPSP = 0101h).
 pub const SPSP_AUTH: u8 = 0x01;
 
-/// Connect response Dword 0 bits 31:16 are AUTHREQ (NVMe Base 2.0 §6.3, Connect
-/// response): bit 17 ATR,
+/// Connect response Dword 0 bits 31:16 are AUTHREQ (NVMe Base 2.0 §6.3): bit 17 ATR,
 /// "authentication transaction required"; bit 18 ASCR, "authentication for a secure channel
 /// required" (TLS concatenation, not supported here).
 pub const CONNECT_AUTHREQ_ATR: u32 = 1 << 17;
