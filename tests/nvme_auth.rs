@@ -261,7 +261,12 @@ fn shelf_scenario(n: &Nacred, dir: &Path, digest: &str, dhgroup: &str, hmac: &st
         "{e}"
     );
 
+    let t = Instant::now();
     let r = attach(n, "uni", spdk.port, &host, None).unwrap();
+    eprintln!(
+        "{digest}/{dhgroup}: unidirectional attach (admin + 2 I/O queues) took {:?}",
+        t.elapsed()
+    );
     assert_eq!(
         (r["state"].as_str(), r["dhchap"].as_str()),
         (Some("live"), Some("unidirectional"))
@@ -279,7 +284,12 @@ fn shelf_scenario(n: &Nacred, dir: &Path, digest: &str, dhgroup: &str, hmac: &st
         .to_string();
     assert!(e.contains("requires DH-HMAC-CHAP authentication"), "{e}");
 
+    let t = Instant::now();
     let r = attach(n, "bidi", spdk.port, &host, Some(&ctrl)).unwrap();
+    eprintln!(
+        "{digest}/{dhgroup}: bidirectional attach (admin + 2 I/O queues) took {:?}",
+        t.elapsed()
+    );
     assert_eq!(
         (r["state"].as_str(), r["dhchap"].as_str()),
         (Some("live"), Some("bidirectional"))
@@ -313,6 +323,8 @@ fn initiator_authenticates_to_spdk() {
     // and an untransformed key.
     shelf_scenario(&n, tmp.path(), "sha256", "null", "1", 10);
     shelf_scenario(&n, tmp.path(), "sha512", "ffdhe4096", "0", 20);
+    // SHA-384 with the largest group (1024-byte DH values) and a SHA-384-transformed key.
+    shelf_scenario(&n, tmp.path(), "sha384", "ffdhe8192", "2", 30);
 }
 
 #[test]
