@@ -221,6 +221,26 @@ fn data_round_trip(n: &Nacred, remote: &str, seed: u64) {
     n.ok("volume_delete", json!({"name": vol}));
 }
 
+/// The shelf drops the connections (its listener goes away and comes back): nacred
+/// reconnects, authenticating every queue again, and data flows.
+fn reconnect_authenticates(n: &Nacred, spdk: &Spdk, seed: u64) {
+    let port = spdk.port.to_string();
+    let listener = ["-t", "tcp", "-a", "127.0.0.1", "-s", port.as_str()];
+    spdk.rpc(&[&["nvmf_subsystem_remove_listener", SUBNQN][..], &listener].concat());
+    std::thread::sleep(Duration::from_millis(500));
+    spdk.rpc(&[&["nvmf_subsystem_add_listener", SUBNQN][..], &listener].concat());
+    let t = Instant::now();
+    loop {
+        let l = n.ok("remote_list", json!({"name": "bidi"}));
+        if l[0]["state"] == "live" && l[0]["resets"].as_u64() >= Some(1) {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(15), "no reconnect: {l}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    data_round_trip(n, "bidi", seed);
+}
+
 /// Secret bytes (the base64 body of each representation) must not appear anywhere.
 fn assert_no_secret(what: &str, text: &str, keys: &[&str]) {
     for k in keys {
@@ -296,6 +316,9 @@ fn shelf_scenario(n: &Nacred, dir: &Path, digest: &str, dhgroup: &str, hmac: &st
     );
     assert_eq!(r["io_queues"], 2);
     data_round_trip(n, "bidi", seed + 1);
+    if seed == 10 {
+        reconnect_authenticates(n, &spdk, seed + 2);
+    }
 
     // No secret in the state document, the log, or --json output.
     let list = n.cli(&["--json", "remote", "list"]);
