@@ -9,6 +9,9 @@
 //! * [`chap`] — [`chap::HostAuth`] (the host: Negotiate, Reply, Success2) and
 //!   [`chap::CtrlAuth`] (the controller: Challenge, Success1), with the HMAC inputs the
 //!   protocol fixes.
+//! * [`queue`] — the controller role at the level of a target's queue: Connect's AUTHREQ,
+//!   Authentication Send/Receive commands, and the gate that holds I/O until the host has
+//!   authenticated (the hooks nacred's target will call).
 //!
 //! The messages' byte layouts are in `nacre_shared::nvme::auth`. Secrets, transformed keys,
 //! DH private values and shared secrets are zeroized when dropped, and no `Debug` form here
@@ -17,6 +20,7 @@
 pub mod chap;
 pub mod dh;
 mod ffdhe;
+pub mod queue;
 pub mod secret;
 
 pub use chap::{AuthFailure, CtrlAuth, CtrlAuthConfig, HostAuth, HostAuthConfig};
