@@ -267,6 +267,7 @@ fn shelf_scenario(n: &Nacred, dir: &Path, digest: &str, dhgroup: &str, hmac: &st
 
     let t = Instant::now();
     let e = attach(n, "bad", spdk.port, &wrong, None).unwrap_err();
+    eprintln!("wrong host key: {e}");
     assert!(
         e.contains("DH-HMAC-CHAP authentication failed on queue 0")
             && e.contains("authentication failed (reason code explanation 0x01)")
@@ -276,6 +277,7 @@ fn shelf_scenario(n: &Nacred, dir: &Path, digest: &str, dhgroup: &str, hmac: &st
     // Refused at once, not after a loop of retries until ctrl_loss_timeout.
     assert!(t.elapsed() < Duration::from_secs(4), "{:?}", t.elapsed());
     let e = attach(n, "bad", spdk.port, &host, Some(&wrong)).unwrap_err();
+    eprintln!("wrong controller key: {e}");
     assert!(
         e.contains("the controller's response does not verify") && !e.contains('\n'),
         "{e}"
