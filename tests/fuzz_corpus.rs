@@ -16,12 +16,13 @@ use std::time::Duration;
 
 use nacre_tests::fuzz::{count_panics, env_u64, panics};
 
-const TARGETS: [&str; 5] = [
+const TARGETS: [&str; 6] = [
     "virtqueue",
     "nvmf_target",
     "nvme_commands",
     "nvmf_initiator",
     "json_rpc",
+    "nvme_auth",
 ];
 
 fn fuzz_dir() -> PathBuf {
@@ -105,6 +106,11 @@ fn corpus_replays_nvmf_initiator() {
 #[test]
 fn corpus_replays_json_rpc() {
     replay("json_rpc", nacre_dpu::fuzzing::json_rpc);
+}
+
+#[test]
+fn corpus_replays_nvme_auth() {
+    replay("nvme_auth", nacre_dpu::fuzzing::nvme_auth);
 }
 
 /// Found by the virtqueue target: a driver that set avail->idx more than the queue size

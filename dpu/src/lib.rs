@@ -10,6 +10,7 @@
 //! Each layer is a module with the small [`volume::BlockDevice`] trait between it and the
 //! next, so a new transport or frontend is one new module.
 
+pub mod auth;
 pub mod cli;
 pub mod config;
 pub mod control;

@@ -154,6 +154,14 @@ pub fn run(cli: Cli) -> Result<()> {
     if let Command::Cert(c) = cli.command {
         return cert::run(c);
     }
+    if let Command::Nvmf(c) = &cli.command {
+        if c.is_local() {
+            let Command::Nvmf(c) = cli.command else {
+                unreachable!("matched above")
+            };
+            return nvmf::run_local(c, cli.json);
+        }
+    }
     let path = cli
         .rpc
         .clone()

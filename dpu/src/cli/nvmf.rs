@@ -137,6 +137,126 @@ pub enum NvmfCmd {
         after_help = "Idle polls are the busy-poll's cost: empty looks for work. Deep sleeps are sleeps the\nadaptive policy took at once because a host keeps 8 or more commands in flight\n(nacred --nvmf-poll adaptive|always|off sets the policy).\n\nExamples:\n  nacre nvmf stats\n  nacre --json nvmf stats"
     )]
     Stats,
+    /// Generate a DH-HMAC-CHAP secret (NVMe in-band authentication), as `nvme
+    /// gen-dhchap-key` does; no daemon needed.
+    #[command(
+        name = "gen-dhchap-key",
+        after_help = "The secret is printed in the NVMe representation DHHC-1:XX:<base64>: that Linux\n(nvme connect --dhchap-secret), SPDK (keyring_file_add_key) and nacre read. With --hmac 1-3\nthe stored key is the random secret already transformed with --nqn (nvme-cli does the\nsame), and --key-length must be that hash's length (32, 48, 64).\n\nExamples:\n  nacre nvmf gen-dhchap-key --output /etc/nacre/keys/shelf1.key\n  nacre nvmf gen-dhchap-key --hmac 2 --key-length 48 --nqn nqn.2014-08.org.nvmexpress:uuid:... \\\n      --output /etc/nacre/keys/host.key\n  nacre remote attach shelf1 ... --dhchap-secret /etc/nacre/keys/shelf1.key"
+    )]
+    GenDhchapKey {
+        /// Transformation hash: 0 none, 1 SHA-256, 2 SHA-384, 3 SHA-512.
+        #[arg(long, short = 'm', default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
+        hmac: u8,
+        /// Key length in bytes: 32, 48 or 64 [default: the hash's length, 32 without one].
+        #[arg(long, short = 'l', value_parser = ["32", "48", "64"])]
+        key_length: Option<String>,
+        /// The NQN the key belongs to (needed with --hmac 1-3).
+        #[arg(long, short = 'n')]
+        nqn: Option<String>,
+        /// Use this secret (hexadecimal) instead of a random one (known-answer checks).
+        #[arg(long, short = 's')]
+        secret: Option<String>,
+        /// Write the secret to this file (created mode 0600) instead of printing it.
+        #[arg(long, short = 'o')]
+        output: Option<std::path::PathBuf>,
+    },
+    /// Check a DH-HMAC-CHAP secret's representation and CRC; prints its hash and length,
+    /// never the key.
+    #[command(
+        name = "check-dhchap-key",
+        after_help = "Examples:\n  nacre nvmf check-dhchap-key --file /etc/nacre/keys/shelf1.key\n  nacre nvmf check-dhchap-key DHHC-1:00:...:"
+    )]
+    CheckDhchapKey {
+        /// The secret, DHHC-1:XX:...: (or give --file).
+        #[arg(required_unless_present = "file", conflicts_with = "file")]
+        key: Option<String>,
+        /// Read the secret from this file (must not be readable by group or others).
+        #[arg(long)]
+        file: Option<std::path::PathBuf>,
+    },
+}
+
+impl NvmfCmd {
+    /// Commands that need no daemon.
+    pub fn is_local(&self) -> bool {
+        matches!(
+            self,
+            NvmfCmd::GenDhchapKey { .. } | NvmfCmd::CheckDhchapKey { .. }
+        )
+    }
+}
+
+/// The commands [`NvmfCmd::is_local`] names.
+pub fn run_local(cmd: NvmfCmd, json: bool) -> Result<()> {
+    use crate::auth::{write_secret_file, Secret};
+    match cmd {
+        NvmfCmd::GenDhchapKey {
+            hmac,
+            key_length,
+            nqn,
+            secret,
+            output,
+        } => {
+            let key_len = match key_length {
+                Some(l) => l.parse().unwrap_or(32),
+                None => [32, 32, 48, 64][hmac as usize],
+            };
+            let raw = match &secret {
+                None => None,
+                Some(h) => Some(zeroize::Zeroizing::new(parse_hex(h)?)),
+            };
+            let s = Secret::generate(
+                hmac,
+                key_len,
+                nqn.as_deref(),
+                raw.as_deref().map(|v| &v[..]),
+            )?;
+            match output {
+                Some(path) => {
+                    write_secret_file(&path, &s)?;
+                    let v = json!({"path": path, "hmac": hmac, "key_length": key_len});
+                    if json {
+                        println!("{}", serde_json::to_string_pretty(&v)?);
+                    } else {
+                        println!(
+                            "wrote a {key_len}-byte DH-HMAC-CHAP secret (hmac {hmac}) to {} (mode 0600)",
+                            path.display()
+                        );
+                    }
+                }
+                None if json => anyhow::bail!(
+                    "--json never prints a secret: give --output FILE to write it to a file"
+                ),
+                None => println!("{}", &*s.to_representation()),
+            }
+        }
+        NvmfCmd::CheckDhchapKey { key, file } => {
+            let s = match (&key, &file) {
+                (_, Some(f)) => Secret::load(f)?,
+                (Some(k), None) => Secret::parse(k)?,
+                (None, None) => anyhow::bail!("give a key or --file"),
+            };
+            let v = json!({"valid": true, "hmac": s.hash(), "key_length": s.key_len()});
+            if json {
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            } else {
+                println!("Key is valid (HMAC {}, length {})", s.hash(), s.key_len());
+            }
+        }
+        _ => anyhow::bail!("this command needs nacred"),
+    }
+    Ok(())
+}
+
+fn parse_hex(h: &str) -> Result<Vec<u8>> {
+    let h = h.trim();
+    if h.len() % 2 != 0 || !h.bytes().all(|b| b.is_ascii_hexdigit()) {
+        anyhow::bail!("--secret must be hexadecimal digits, two per byte");
+    }
+    Ok((0..h.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&h[i..i + 2], 16).unwrap_or(0))
+        .collect())
 }
 
 pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
@@ -291,6 +411,9 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
                 }
                 t.print();
             });
+        }
+        c @ (NvmfCmd::GenDhchapKey { .. } | NvmfCmd::CheckDhchapKey { .. }) => {
+            run_local(c, ctx.json)?;
         }
         NvmfCmd::Stats => {
             let v = ctx.call("nvmf_get_stats", Value::Null)?;

@@ -14,7 +14,7 @@ pub enum RemoteCmd {
     /// Connect to a remote NVMe-oF controller over TCP or RDMA (SPDK:
     /// bdev_nvme_attach_controller).
     #[command(
-        after_help = "Examples:\n  nacre remote attach shelf1 --address 10.0.0.5 --subnqn nqn.2024-01.com.example:shelf1\n  nacre remote attach shelf1r --transport rdma --address 192.0.2.5 \\\n      --subnqn nqn.2024-01.com.example:shelf1\n  nacre remote attach shelf1b --address 10.0.1.5 --subnqn nqn.2024-01.com.example:shelf1 \\\n      --reconnect-delay-sec 2 --ctrl-loss-timeout-sec 60 --fast-io-fail-timeout-sec 10\n\nRDMA (RoCEv2) needs an RDMA device with a route to the address (a RoCE NIC, or soft-RoCE:\n  rdma link add rxe0 type rxe netdev eth0); digests are NVMe/TCP only."
+        after_help = "Examples:\n  nacre remote attach shelf1 --address 10.0.0.5 --subnqn nqn.2024-01.com.example:shelf1\n  nacre remote attach shelf1r --transport rdma --address 192.0.2.5 \\\n      --subnqn nqn.2024-01.com.example:shelf1\n  nacre remote attach shelf1b --address 10.0.1.5 --subnqn nqn.2024-01.com.example:shelf1 \\\n      --reconnect-delay-sec 2 --ctrl-loss-timeout-sec 60 --fast-io-fail-timeout-sec 10\n  nacre remote attach shelf2 --address 10.0.0.6 --subnqn nqn.2024-01.com.example:shelf2 \\\n      --dhchap-secret /etc/nacre/keys/host.key --dhchap-ctrl-secret /etc/nacre/keys/shelf2.key\n\nRDMA (RoCEv2) needs an RDMA device with a route to the address (a RoCE NIC, or soft-RoCE:\n  rdma link add rxe0 type rxe netdev eth0); digests are NVMe/TCP only."
     )]
     Attach(AttachArgs),
     /// Disconnect a remote controller that no volume uses.
@@ -102,6 +102,14 @@ pub struct AttachArgs {
     /// Wait this long after a connection loss before resending its commands [default: 1000].
     #[arg(long)]
     pub quiesce_time_ms: Option<u32>,
+    /// DH-HMAC-CHAP: a file (mode 0600) holding this host's secret, DHHC-1:XX:...: (see
+    /// `nacre nvmf gen-dhchap-key`). Authenticates every queue when the shelf asks.
+    #[arg(long, value_name = "FILE")]
+    pub dhchap_secret: Option<std::path::PathBuf>,
+    /// A file (mode 0600) holding the shelf's secret: nacre then also checks the shelf, on
+    /// every queue, whether the shelf asks for authentication or not.
+    #[arg(long, value_name = "FILE", requires = "dhchap_secret")]
+    pub dhchap_ctrl_secret: Option<std::path::PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -146,6 +154,17 @@ pub fn run(ctx: &mut Ctx, cmd: RemoteCmd) -> Result<()> {
                 }
             };
             opt(&mut p, "hostnqn", a.hostnqn.map(|v| json!(v)));
+            // nacred reads the files itself: send absolute paths, never the secrets.
+            for (k, path) in [
+                ("dhchap_secret", &a.dhchap_secret),
+                ("dhchap_ctrl_secret", &a.dhchap_ctrl_secret),
+            ] {
+                if let Some(path) = path {
+                    let abs = std::fs::canonicalize(path)
+                        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+                    p[k] = json!(abs);
+                }
+            }
             opt(&mut p, "io_queues", a.io_queues.map(|v| json!(v)));
             opt(&mut p, "queue_depth", a.queue_depth.map(|v| json!(v)));
             opt(

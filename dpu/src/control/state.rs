@@ -152,6 +152,12 @@ pub struct RemoteRecord {
     pub fast_io_fail_timeout_sec: u32,
     pub io_timeout_sec: u32,
     pub quiesce_time_ms: u32,
+    /// DH-HMAC-CHAP: the paths of the files (mode 0600) holding the host's and the
+    /// controller's secrets; the secrets themselves are never in the state document.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_secret: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_ctrl_secret: Option<String>,
     /// The namespaces found at attach: a reconnect that finds other identities fails the
     /// controller instead of writing to a different namespace.
     #[serde(default)]

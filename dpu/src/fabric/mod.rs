@@ -15,7 +15,8 @@
 //!   serve every NVMe/TCP queue through epoll.
 //! * [`rdma`] — one NVMe/RDMA queue: RDMA CM with the NVMe RDMA private data, SEND capsules,
 //!   a pre-posted RECV ring, keyed SGLs into registered slot buffers.
-//! * [`controller`] — bring-up (Property Get/Set, CC.EN, Identify), keep-alive, and the
+//! * [`controller`] — bring-up (Connect, DH-HMAC-CHAP authentication when the shelf asks
+//!   or a controller key is given, Property Get/Set, CC.EN, Identify), keep-alive, and the
 //!   reconnect knobs `reconnect_delay`, `ctrl_loss_timeout`, `fast_io_fail_timeout`: the
 //!   same for both transports.
 //! * [`namespace`] — a remote namespace as a [`crate::volume::BlockDevice`].
@@ -67,6 +68,11 @@ pub enum FabricError {
     /// than risk writing to the wrong namespace.
     #[error("{0}")]
     IdentityChanged(String),
+    /// DH-HMAC-CHAP authentication failed (NVMe Base 2.0 §8.13), or the controller requires
+    /// authentication nacre cannot give: the controller is failed, not retried (a wrong key
+    /// does not become right by trying again, and a retry loop would hammer the shelf).
+    #[error("{0}")]
+    Auth(String),
     /// The first connection attempt of a controller failed: that attempt's error, as it was
     /// reported (already saying whether it was the connect, a refusal or a timeout).
     #[error("{0}")]

@@ -4,7 +4,7 @@
 //!
 //! Each entry point takes the raw bytes of one input, drives the real code with them the
 //! way a peer would (a guest's descriptor chains, a host's or a controller's NVMe/TCP byte
-//! stream, an RPC client's bytes), and panics when an invariant breaks. A panic anywhere
+//! stream, an RPC client's bytes, a peer's authentication messages), and panics when an invariant breaks. A panic anywhere
 //! inside — even one the code under test catches, like the NVMe/TCP target's per-connection
 //! `catch_unwind` — is a finding: libFuzzer's panic hook aborts on it, and the replay test
 //! counts panics.
@@ -22,12 +22,14 @@ use std::os::unix::net::UnixStream;
 // One file per harness family; what the fuzz targets, the replay test and the seed generator
 // use is re-exported here, at the paths they name.
 mod json_rpc;
+mod nvme_auth;
 mod nvmf_initiator;
 mod nvmf_target;
 pub mod seed;
 mod virtqueue;
 
 pub use json_rpc::{json_rpc, rpc_root, RPC_DIR, RPC_SKIPPED};
+pub use nvme_auth::nvme_auth;
 pub use nvmf_initiator::{init_flags, nvmf_initiator, INIT_CIDS, INIT_CNTLID, INIT_READ};
 pub use nvmf_target::{
     nvme_commands, nvmf_target, parse_cmd_records, CmdRecord, ADMIN_WRITES, IO_WRITES,

@@ -67,6 +67,13 @@ pub struct RemoteAttach {
     /// controller's Command Quiesce Time). Default 1000.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quiesce_time_ms: Option<u32>,
+    /// DH-HMAC-CHAP (NVMe in-band authentication): the absolute path of a file, mode 0600,
+    /// holding the host's secret (`DHHC-1:XX:...:`). Only the path is sent and persisted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_secret: Option<String>,
+    /// The file of the controller's secret: every queue then also authenticates the shelf.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_ctrl_secret: Option<String>,
 }
 
 fn default_transport() -> String {
@@ -137,6 +144,10 @@ pub struct RemoteInfo {
     pub port: u16,
     pub subnqn: String,
     pub hostnqn: String,
+    /// DH-HMAC-CHAP: `unidirectional` (the shelf checks this host) or `bidirectional` (each
+    /// checks the other); absent without authentication.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap: Option<String>,
     /// `connecting`, `live`, `failed` or `closed`.
     pub state: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]

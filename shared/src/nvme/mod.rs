@@ -13,10 +13,13 @@
 //! * [`dsm`] — Dataset Management and its ranges (NVM Command Set 1.0 §3.2.3).
 //! * [`fabrics`] — NVMe over Fabrics 1.1 commands: Connect, Property Get/Set (§3.3, §3.4, §3.5).
 //! * [`discovery`] — the discovery log page (NVMe-oF 1.1 §5.3).
+//! * [`auth`] — in-band authentication: Authentication Send/Receive and the DH-HMAC-CHAP
+//!   messages (NVMe Base 2.0 §8.13).
 //!
 //! Everything is little-endian on the wire; encoders write into caller-provided buffers
 //! and decoders take slices, so no structure depends on Rust's memory layout.
 
+pub mod auth;
 pub mod command;
 pub mod completion;
 pub mod discovery;

@@ -128,5 +128,7 @@ pub(super) fn config(rec: &RemoteRecord) -> ControllerConfig {
         n => Some(Duration::from_secs(n as u64)),
     };
     c.quiesce_time = Duration::from_millis(rec.quiesce_time_ms as u64);
+    c.dhchap_secret = rec.dhchap_secret.as_ref().map(Into::into);
+    c.dhchap_ctrl_secret = rec.dhchap_ctrl_secret.as_ref().map(Into::into);
     c
 }

@@ -231,6 +231,11 @@ impl Registry {
             port: rec.port,
             subnqn: rec.subnqn.clone(),
             hostnqn: rec.hostnqn.clone(),
+            dhchap: match (&rec.dhchap_secret, &rec.dhchap_ctrl_secret) {
+                (None, _) => None,
+                (Some(_), None) => Some("unidirectional".into()),
+                (Some(_), Some(_)) => Some("bidirectional".into()),
+            },
             state: phase_name(st.as_ref().map(|s| s.phase)).into(),
             model: info.as_ref().map(|i| i.model.clone()),
             serial: info.as_ref().map(|i| i.serial.clone()),
@@ -385,6 +390,28 @@ fn new_record(state: &State, p: &RemoteAttach) -> Result<RemoteRecord, RpcError>
     let fast = p.fast_io_fail_timeout_sec.unwrap_or(0);
     check_knobs(reconnect, loss, fast).map_err(RpcError::invalid_params)?;
     let (hostnqn, hostid) = host_identity(state, p.hostnqn.as_deref());
+    if p.dhchap_ctrl_secret.is_some() && p.dhchap_secret.is_none() {
+        return Err(RpcError::invalid_params(
+            "dhchap_ctrl_secret needs dhchap_secret: the host authenticates itself first",
+        ));
+    }
+    // Checked now for a clear error at attach; read again at each connection.
+    for (what, path) in [
+        ("dhchap_secret", &p.dhchap_secret),
+        ("dhchap_ctrl_secret", &p.dhchap_ctrl_secret),
+    ] {
+        if let Some(path) = path {
+            let path = std::path::Path::new(path);
+            if !path.is_absolute() {
+                return Err(RpcError::invalid_params(format!(
+                    "{what} must be an absolute path (got {})",
+                    path.display()
+                )));
+            }
+            crate::auth::Secret::load(path)
+                .map_err(|e| RpcError::invalid_params(format!("{what}: {e}")))?;
+        }
+    }
     Ok(RemoteRecord {
         name: p.name.clone(),
         transport: p.transport.clone(),
@@ -404,6 +431,8 @@ fn new_record(state: &State, p: &RemoteAttach) -> Result<RemoteRecord, RpcError>
         fast_io_fail_timeout_sec: fast,
         io_timeout_sec: p.io_timeout_sec.unwrap_or(30),
         quiesce_time_ms: p.quiesce_time_ms.unwrap_or(1000),
+        dhchap_secret: p.dhchap_secret.clone(),
+        dhchap_ctrl_secret: p.dhchap_ctrl_secret.clone(),
         namespaces: Vec::new(),
     })
 }

@@ -1,10 +1,12 @@
 //! Bringing a controller up with admin commands.
 //!
 //! ## Bringing a controller up (NVMe-oF 1.1 §3.3, NVMe Base 2.0 §3.5.1)
-//! Admin queue Connect (dynamic controller, KATO) → Property Get CAP → Property Set CC
+//! Admin queue Connect (dynamic controller, KATO) → DH-HMAC-CHAP when the controller asks
+//! or a controller key is configured (`super::auth`) → Property Get CAP → Property Set CC
 //! (EN, 64-byte SQEs, 16-byte CQEs) → poll CSTS.RDY within CAP.TO → Identify Controller →
 //! Set Features Number of Queues → Identify active namespace list, each namespace and its
-//! identification descriptors (NGUID/UUID/EUI-64) → Connect each I/O queue with the CNTLID.
+//! identification descriptors (NGUID/UUID/EUI-64) → Connect each I/O queue with the CNTLID
+//! (and authenticate it like the admin queue).
 //!
 
 use std::time::{Duration, Instant};

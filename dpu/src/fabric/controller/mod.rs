@@ -5,6 +5,8 @@
 //!
 //! * [`admin`] — bringing a controller up: the admin commands (Property Get/Set, CC.EN,
 //!   Identify, Set Features Number of Queues) and the namespace identity check.
+//! * [`auth`] — DH-HMAC-CHAP on each queue after its Connect ([`crate::auth::chap::HostAuth`]
+//!   driven with Authentication Send/Receive).
 //! * [`session`] — a session (admin queue + I/O queues), losing it, reconnecting per
 //!   `reconnect_delay`/`ctrl_loss_timeout`/`fast_io_fail_timeout`, keep-alive, teardown.
 //! * this module — configuration, what is known about a controller, and the I/O submit
@@ -25,6 +27,7 @@ use super::FabricError;
 use crate::volume::IoError;
 
 mod admin;
+mod auth;
 mod session;
 
 pub(crate) use admin::{admin_cmd, enable};
@@ -76,6 +79,14 @@ pub struct ControllerConfig {
     pub io_timeout: Option<Duration>,
     /// Bound on the graceful shutdown at teardown.
     pub shutdown_timeout: Duration,
+    /// DH-HMAC-CHAP (NVMe Base 2.0 §8.13): the file holding the host's secret
+    /// (`DHHC-1:...`, mode 0600). Read at each connection and never kept here, so the config
+    /// (and its Debug form) holds only the path.
+    pub dhchap_secret: Option<std::path::PathBuf>,
+    /// The file holding the controller's secret: with it every queue also authenticates
+    /// the controller (bidirectional), whether or not the controller asks for
+    /// authentication.
+    pub dhchap_ctrl_secret: Option<std::path::PathBuf>,
 }
 
 impl ControllerConfig {
@@ -102,6 +113,8 @@ impl ControllerConfig {
             io_timeout: Some(Duration::from_secs(30)),
             quiesce_time: Duration::from_secs(1),
             shutdown_timeout: Duration::from_millis(500),
+            dhchap_secret: None,
+            dhchap_ctrl_secret: None,
         }
     }
 
@@ -371,6 +384,8 @@ pub struct Ctrl {
     bounced: Arc<AtomicU64>,
     /// Bytes moved directly by ended sessions (see [`ControllerStatus::direct_bytes`]).
     direct: Arc<AtomicU64>,
+    /// The next DH-HMAC-CHAP transaction identifier (one per queue authentication).
+    auth_t_id: std::sync::atomic::AtomicU16,
 }
 
 /// The owner's handle: dropping it closes the controller.
@@ -413,6 +428,7 @@ impl Controller {
             submitted: AtomicU64::new(0),
             bounced: Arc::new(AtomicU64::new(0)),
             direct: Arc::new(AtomicU64::new(0)),
+            auth_t_id: std::sync::atomic::AtomicU16::new(0),
             cfg,
         });
         let c = core.clone();
@@ -477,6 +493,11 @@ impl Drop for Controller {
 }
 
 impl Ctrl {
+    /// A fresh DH-HMAC-CHAP transaction identifier.
+    fn next_t_id(&self) -> u16 {
+        self.auth_t_id.fetch_add(1, Ordering::Relaxed)
+    }
+
     fn lock(&self) -> MutexGuard<'_, St> {
         self.st.lock().unwrap_or_else(|p| p.into_inner())
     }

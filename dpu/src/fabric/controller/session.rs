@@ -51,6 +51,7 @@ use nacre_shared::nvme::{admin_opcode, Command};
 use tracing::{info, warn};
 
 use super::admin::{bring_up, check_identity, property_set, queue_entry_sizes, set_queue_count};
+use super::auth;
 use super::{ControllerConfig, ControllerInfo, Ctrl, NamespaceInfo, Phase, Session, St};
 use crate::fabric::cmd::{AdminWait, Cmd, Dir, Target};
 use crate::fabric::queue::{self, Queue, QueueOwner, QueueParams, Transport, MAX_DEPTH};
@@ -277,7 +278,7 @@ impl Ctrl {
                     }
                     self.notify();
                 }
-                Err(FabricError::IdentityChanged(msg)) => {
+                Err(FabricError::IdentityChanged(msg) | FabricError::Auth(msg)) => {
                     st.phase = Phase::Failed;
                     st.last_error = Some(msg.clone());
                     let held: Vec<_> = st.held.drain(..).collect();
@@ -351,9 +352,11 @@ impl Ctrl {
             icd_max: 0,
             timeout: cfg.connect_timeout,
         };
+        let keys = auth::load_keys(cfg)?;
         let (admin, cqe) = queue::open(cfg, params, &cd, id, owner.clone())?;
         let guard = ShutdownGuard(vec![admin.clone()]);
         let mut guard = guard;
+        auth::authenticate(&*admin, cqe.dw0, keys.as_ref(), self.next_t_id(), deadline)?;
         let cntlid = cqe.dw0 as u16;
         let info = bring_up(&*admin, cfg, deadline)?;
         if let Some(exp) = expected {
@@ -380,8 +383,9 @@ impl Ctrl {
                 icd_max: info_icd(cfg, &info),
                 timeout: cfg.connect_timeout,
             };
-            let (q, _) = queue::open(cfg, p, &cd, id, owner.clone())?;
+            let (q, cqe) = queue::open(cfg, p, &cd, id, owner.clone())?;
             guard.0.push(q.clone());
+            auth::authenticate(&*q, cqe.dw0, keys.as_ref(), self.next_t_id(), deadline)?;
             io.push(q);
         }
         info.io_queues = granted;
