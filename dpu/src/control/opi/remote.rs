@@ -261,6 +261,9 @@ fn create_path(
         fast_io_fail_timeout_sec: None,
         io_timeout_sec: None,
         quiesce_time_ms: None,
+        // OPI's pinned storage API carries no DH-HMAC-CHAP secrets for a remote controller.
+        dhchap_secret: None,
+        dhchap_ctrl_secret: None,
     })
     .map_err(status)?;
     if let Err(e) = r.bind_opi(
