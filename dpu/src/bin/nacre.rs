@@ -13,7 +13,7 @@ use clap::{CommandFactory, FromArgMatches};
 
 /// What the command line asks for.
 enum Request {
-    Run(nacre_dpu::cli::Cli),
+    Run(Box<nacre_dpu::cli::Cli>),
     GenerateDocs(PathBuf),
 }
 
@@ -27,13 +27,13 @@ fn parse() -> Result<Request, clap::Error> {
                 .cloned()
                 .expect("clap requires --out"),
         )),
-        _ => nacre_dpu::cli::Cli::from_arg_matches(&m).map(Request::Run),
+        _ => nacre_dpu::cli::Cli::from_arg_matches(&m).map(|c| Request::Run(Box::new(c))),
     }
 }
 
 fn main() {
     let result = match parse() {
-        Ok(Request::Run(cli)) => nacre_dpu::cli::run(cli),
+        Ok(Request::Run(cli)) => nacre_dpu::cli::run(*cli),
         Ok(Request::GenerateDocs(out)) => generate_docs::run(&out),
         Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {
             e.exit()
