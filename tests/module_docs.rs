@@ -6,7 +6,8 @@
 //! `images/` and fails on:
 //! * a backticked path with a `/`, or a file name ending in `.rs` or `.md` (backticked or
 //!   not), that resolves nowhere: not from the repository root, a crate's `src/`, the
-//!   file's own directory or its parent;
+//!   file's own directory or its parent (a directory part with a capital letter is a
+//!   placeholder or an API resource name, not a path);
 //! * a backticked thread name (`nvmf-reactor-N`, `fabric-tcp-0`, …) in a paragraph that
 //!   speaks of threads, when no `thread::Builder::name` in the code makes such a name.
 
@@ -159,6 +160,13 @@ fn path_like(span: &str) -> bool {
     if span.starts_with("target/") || span.starts_with("../") || span.contains("://") {
         return false;
     }
+    // The repository's directories are lower-case: a directory part with a capital is a
+    // placeholder (`DIR/cntrl`) or an API resource name (`nvmeSubsystems/s`), not a path;
+    // `…/x` elides one.
+    let mut dirs = span.trim_end_matches('/').split('/').rev().skip(1);
+    if span.contains('…') || dirs.any(|d| d.chars().any(|c| c.is_ascii_uppercase())) {
+        return false;
+    }
     span.contains('/')
         && span
             .split('/')
@@ -235,6 +243,8 @@ fn the_checker_flags_a_missing_file_and_a_gone_thread() {
     assert!(path_like("fabric/tcp/rxbuf.rs") && resolves("fabric/tcp/rxbuf.rs", &me));
     assert!(path_like("plug.rs") && resolves("plug.rs", &me));
     assert!(!path_like("/run/nacre") && !path_like("<state-dir>/tls"));
+    assert!(!path_like("DIR/cntrl") && !path_like("nvmeSubsystems/s") && !path_like("…/x/y"));
+    assert!(path_like("dpu/Cargo.toml") && resolves("dpu/Cargo.toml", &me));
     assert!(looks_like_thread("nvmf-q0-rx") && !thread_exists("nvmf-q0-rx", &names));
     assert!(looks_like_thread("nvmf-q*") && !thread_exists("nvmf-q*", &names));
     assert!(thread_exists("fabric-tcp-0", &names) && thread_exists("nvmf-reactor-N", &names));

@@ -15,7 +15,7 @@
 //! Delete, `update_mask`, and `page_size`/`page_token` on List.
 //!
 //! One submodule per OPI service. The `.proto` files are in `proto/opi/storage/v1`
-//! (compiled by `build.rs`); docs/opi.md is the operator's view.
+//! (compiled by `dpu/build.rs`); docs/opi.md is the operator's view.
 
 mod encryption;
 mod frontend_nvme;

@@ -6,7 +6,7 @@
 //!   queue joining the controller it names.
 //! * Property Get and Set (§3.4, §3.5): the controller's registers, through the admin queue.
 //!
-//! NVMe/TCP (`command.rs`) and NVMe/RDMA (`frontend::nvmf_rdma::queue`) each bring what only
+//! NVMe/TCP (`frontend/nvmf_tcp/command.rs`) and NVMe/RDMA (`frontend::nvmf_rdma::queue`) each bring what only
 //! they know: where the queue arrived, and the limits the transport sets on the queue's
 //! QID and SQSIZE (an RDMA queue was sized by its CM request already). What they do once
 //! connected (slots, flow control) stays with them.
