@@ -3,7 +3,8 @@
 //! test time: the services listed through server reflection; the sequence of OPI's
 //! `godpu storage create`, data written through what it made and read back, `godpu storage
 //! delete`; Create/Get/List/Update/Delete/Stats and the AIP rules per service; bad input;
-//! and the gRPC and JSON-RPC APIs seeing one state, replayed by a restart.
+//! and the gRPC and JSON-RPC APIs seeing one state, replayed by a restart; an encrypted
+//! volume with the client's key, its ciphertext at rest checked by Python `cryptography`.
 //!
 //! The NVMe/TCP target the backend connects to is a second nacred.
 
@@ -15,6 +16,7 @@ use std::time::{Duration, Instant};
 use nacre_tests::blkio_client::{read, write, BlkioClient, ClientOptions};
 use nacre_tests::daemon::Nacred;
 use nacre_tests::nvmf_host::{HostOptions, NvmfHost};
+use nacre_tests::xts_oracle::{python_cryptography_available, python_decrypt_file, to_hex};
 use serde_json::{json, Value};
 
 const TARGET_NQN: &str = "nqn.2024-01.io.nacre:opi-shelf";
@@ -222,4 +224,124 @@ fn godpu_create_data_path_restart_delete() {
     );
     assert_eq!(n.ok("remote_list", json!({})), json!([]));
     assert_eq!(n.ok("vhost_blk_list", json!({})), json!([]));
+}
+
+fn random(n: usize) -> Vec<u8> {
+    use std::io::Read;
+    let mut b = vec![0; n];
+    std::fs::File::open("/dev/urandom")
+        .unwrap()
+        .read_exact(&mut b)
+        .unwrap();
+    b
+}
+
+/// Whether any 12-byte window of `secret` is in `hay`, raw or as hex.
+fn leaks(hay: &[u8], secret: &[u8]) -> bool {
+    let lower = hay.to_ascii_lowercase();
+    secret.windows(12).any(|w| {
+        let hex = to_hex(w);
+        hay.windows(12).any(|h| h == w) || lower.windows(hex.len()).any(|h| h == hex.as_bytes())
+    })
+}
+
+#[test]
+fn encrypted_volume_with_the_clients_key() {
+    assert!(
+        python_cryptography_available(),
+        "needs python3 with cryptography (apt-get install python3-cryptography)"
+    );
+    const ENC_NQN: &str = "nqn.2024-01.io.nacre:opi-enc";
+    let mut n = Nacred::start_args(&[
+        "--no-default",
+        "--opi-listen",
+        "127.0.0.1:0",
+        "--opi-tenant",
+        "opi",
+    ]);
+    let dir = tempfile::tempdir().unwrap();
+    let kek = dir.path().join("opi.kek");
+    std::fs::write(&kek, random(32)).unwrap();
+    n.ok(
+        "tenant_create",
+        json!({"name": "opi", "kek": {"key_file": kek.to_str().unwrap()}}),
+    );
+    // The base: an AIO volume over a file of 1 MiB of zeros.
+    let file = dir.path().join("base.img");
+    std::fs::write(&file, vec![0u8; 1 << 20]).unwrap();
+    let key = random(64);
+    let addr = opi_addr(&n);
+    let made = client(&[
+        "encrypt",
+        &addr,
+        file.to_str().unwrap(),
+        &to_hex(&key),
+        ENC_NQN,
+    ]);
+    let port = made["tcp_port"].as_u64().unwrap() as u16;
+    let nsid = made["nsid"].as_u64().unwrap() as u32;
+    let front = SocketAddr::from(([127, 0, 0, 1], port));
+
+    // Written through the encrypted volume's NVMe/TCP controller …
+    let bs = 512;
+    let lba = 40;
+    let data: Vec<u8> = (0..16 * bs).map(|i| (i * 13 + 5) as u8).collect();
+    let mut host = NvmfHost::connect(front, ENC_NQN, HostOptions::default())
+        .expect("connect to the OPI-made controller");
+    host.write(0, nsid, lba, &data, bs).expect("write");
+    assert_eq!(host.read(0, nsid, lba, 16, bs).unwrap(), data);
+    drop(host);
+    // … lies in the base's file as AES-XTS under the client's key: one data unit per
+    // 512-byte block, tweak = LBA (little-endian), decrypted by an independent oracle.
+    let at_rest = std::fs::read(&file).unwrap();
+    let off = lba as usize * bs;
+    assert_ne!(
+        &at_rest[off..off + data.len()],
+        &data[..],
+        "stored in the clear"
+    );
+    let pt = python_decrypt_file(&file, &key, bs, "plain64", off as u64, data.len(), lba).unwrap();
+    assert!(
+        pt == data,
+        "the oracle does not decrypt the base to what was written"
+    );
+
+    // A restart replays the layer over its base; the plaintext reads back.
+    n.restart();
+    let addr = opi_addr(&n);
+    let mut host =
+        NvmfHost::connect(front, ENC_NQN, HostOptions::default()).expect("connect after restart");
+    assert_eq!(host.read(0, nsid, lba, 16, bs).unwrap(), data);
+    drop(host);
+    let vols = n.ok("volume_list", json!({}));
+    let layer = vols
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "enc-1")
+        .unwrap_or_else(|| panic!("{vols}"));
+    assert_eq!(layer["over"], "base", "{layer}");
+    assert_eq!(layer["encrypted"], true, "{layer}");
+
+    // The state holds the key wrapped, never in the clear.
+    let state = std::fs::read(n.state_dir.join("state.json")).unwrap();
+    assert!(!leaks(&state, &key), "the data key is in state.json");
+    assert!(String::from_utf8_lossy(&state).contains("\"enc-1\""));
+
+    let stats = client(&["unencrypt", &addr]);
+    // (Counters start again at a restart: the read since.)
+    assert!(stats["read_ops"].as_u64().unwrap() >= 1, "{stats}");
+    // The layer is gone, its key with it; the base and its (cipher) data stay.
+    let t = n.ok("tenant_list", json!({}));
+    assert!(!t.to_string().contains("enc-1"), "{t}");
+    assert_eq!(std::fs::read(&file).unwrap(), at_rest);
+
+    // No byte of the key in the state or the log.
+    n.stop();
+    let state = std::fs::read(n.state_dir.join("state.json")).unwrap();
+    assert!(!leaks(&state, &key), "the data key is in state.json");
+    assert!(
+        !leaks(&std::fs::read(&n.log).unwrap(), &key),
+        "the data key is in the log"
+    );
 }
