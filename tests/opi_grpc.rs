@@ -181,6 +181,35 @@ fn godpu_create_data_path_restart_delete() {
     );
     drop(back);
 
+    // ResetNvmeRemoteController: the path's session ends and comes back; the data with it.
+    let remote = || {
+        let l = n.ok("remote_list", json!({}));
+        l.as_array().unwrap()[0].clone()
+    };
+    assert_eq!(remote()["resets"], 0, "{}", remote());
+    client(&["reset", &addr]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !(remote()["resets"] == 1 && remote()["state"] == "live") {
+        assert!(
+            Instant::now() < deadline,
+            "not reconnected after the reset: {}",
+            remote()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut front = NvmfHost::connect(
+        SocketAddr::from(([127, 0, 0, 1], port)),
+        FRONT_NQN,
+        HostOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        front.read(0, nsid, 16, 8, bs).unwrap(),
+        data,
+        "after the reset"
+    );
+    drop(front);
+
     // The virtio-blk device, through libblkio on its vhost-user socket.
     let sock = n.run_dir.join("vhost-vblk-1.sock");
     {

@@ -12,6 +12,7 @@ object on its last line; any failed expectation raises (exit status 1).
   opi_client.py tls      ADDR TLS_DIR       (the CA made by `nacre cert init`)
   opi_client.py encrypt  ADDR FILE KEY_HEX FRONT_NQN   (--opi-tenant set and unlocked)
   opi_client.py unencrypt ADDR
+  opi_client.py reset    ADDR              (after create)
   opi_client.py bench    ADDR CYCLES        (scripts/bench-opi)
 """
 
@@ -627,11 +628,22 @@ def unencrypt(addr):
     return {"write_ops": st.write_ops_count, "read_ops": st.read_ops_count}
 
 
+def reset(addr):
+    """ResetNvmeRemoteController on create's controller; a missing one is NOT_FOUND."""
+    c = Client(addr)
+    c.be.ResetNvmeRemoteController(be.ResetNvmeRemoteControllerRequest(name=FE_CTRL))
+    expect(grpc.StatusCode.NOT_FOUND, c.be.ResetNvmeRemoteController,
+           be.ResetNvmeRemoteControllerRequest(name="nvmeRemoteControllers/none"))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, c.be.ResetNvmeRemoteController,
+           be.ResetNvmeRemoteControllerRequest(name="nvmeSubsystems/x"))
+    return {"reset": True}
+
+
 def main():
     cmd, args = sys.argv[1], sys.argv[2:]
     out = {"services": services, "create": create, "verify": verify, "delete": delete,
            "crud": crud, "bench": bench, "tls": tls, "encrypt": encrypt,
-           "unencrypt": unencrypt}[cmd](*args)
+           "unencrypt": unencrypt, "reset": reset}[cmd](*args)
     print(json.dumps(out))
 
 
