@@ -6,10 +6,13 @@
 //! and the gRPC and JSON-RPC APIs seeing one state, replayed by a restart; an encrypted
 //! volume with the client's key, its ciphertext at rest checked by Python `cryptography`.
 //!
-//! The NVMe/TCP target the backend connects to is a second nacred.
+//! The NVMe/TCP target the backend connects to is a second nacred; SPDK's own NVMe host
+//! (`spdk_nvme_identify`, `spdk_nvme_perf`, from `$SPDK_DIR` or the team's
+//! `../shared/tools/spdk`) also drives the OPI-made NVMe/TCP controller, and without it the
+//! test fails saying so.
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -59,6 +62,41 @@ fn opi_addr(n: &Nacred) -> String {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// An SPDK v25.09 binary: from `$SPDK_DIR` or the team's `../shared/tools/spdk`.
+fn spdk_bin(name: &str) -> PathBuf {
+    let dir = std::env::var_os("SPDK_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/tools/spdk"));
+    let p = dir.join("bin").join(name);
+    assert!(
+        p.is_file(),
+        "SPDK's {name} is missing at {} (set SPDK_DIR to an SPDK v25.09 build)",
+        p.display()
+    );
+    p
+}
+
+/// Run an SPDK tool without hugepages (`--no-huge -s 1024`); its output, which it must
+/// end successfully.
+fn run_spdk(name: &str, args: &[&str]) -> String {
+    let out = Command::new(spdk_bin(name))
+        .args(["--no-huge", "-s", "1024"])
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run SPDK's {name}: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "{name} {args:?} failed ({}):\n{text}",
+        out.status
+    );
+    text
 }
 
 fn opi_daemon() -> Nacred {
@@ -209,6 +247,86 @@ fn godpu_create_data_path_restart_delete() {
         "after the reset"
     );
     drop(front);
+
+    // SPDK's NVMe host against the OPI-made NVMe/TCP controller: what it identifies is
+    // the OPI spec, and what it writes reaches the shelf block for block.
+    let trid = format!("trtype:TCP adrfam:IPv4 traddr:127.0.0.1 trsvcid:{port} subnqn:{FRONT_NQN}");
+    let id = run_spdk("spdk_nvme_identify", &["-r", &trid]);
+    let field = |name: &str| {
+        id.lines()
+            .find(|l| l.trim_start().starts_with(name))
+            .map(|l| l.split_once(':').map_or("", |x| x.1).trim().to_string())
+            .unwrap_or_else(|| panic!("no {name} in:\n{id}"))
+    };
+    assert_eq!(field("Serial Number"), "OPI0001", "{id}");
+    assert_eq!(field("Model Number"), "nacre-opi", "{id}");
+    assert_eq!(field("Subsystem NQN"), FRONT_NQN, "{id}");
+    assert!(id.contains("Namespace ID:1"), "{id}");
+    assert!(
+        field("Size (in LBAs)").starts_with("32768 "),
+        "16 MiB of 512-byte blocks: {id}"
+    );
+    // The first MiB gets a pattern that differs in every 512-byte block; spdk_nvme_perf's
+    // writes (its buffers hold zeros or what it read elsewhere) leave their mark on it.
+    let pattern = |lba: u64| -> Vec<u8> {
+        (0..128 * bs)
+            .map(|i| ((lba as usize * bs + i) % 253 + 1) as u8)
+            .collect()
+    };
+    let mut front = NvmfHost::connect(
+        SocketAddr::from(([127, 0, 0, 1], port)),
+        FRONT_NQN,
+        HostOptions::default(),
+    )
+    .unwrap();
+    for lba in (0..2048u64).step_by(128) {
+        front.write(0, nsid, lba, &pattern(lba), bs).unwrap();
+    }
+    drop(front);
+    let perf = run_spdk(
+        "spdk_nvme_perf",
+        &[
+            "-q", "8", "-o", "4096", "-w", "randrw", "-M", "50", "-t", "1", "-r", &trid,
+        ],
+    );
+    let total = perf
+        .lines()
+        .find(|l| l.trim_start().starts_with("Total"))
+        .unwrap_or_else(|| panic!("no Total in:\n{perf}"));
+    let iops: f64 = total
+        .split(':')
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no IOPS in {total:?}"));
+    assert!(iops > 0.0, "{perf}");
+    // What SPDK wrote through the frontend is what the shelf holds (the first MiB).
+    let mut front = NvmfHost::connect(
+        SocketAddr::from(([127, 0, 0, 1], port)),
+        FRONT_NQN,
+        HostOptions::default(),
+    )
+    .unwrap();
+    let mut back = NvmfHost::connect(target, TARGET_NQN, HostOptions::default()).unwrap();
+    let mut differs = 0;
+    let mut written = 0;
+    for lba in (0..2048u64).step_by(128) {
+        let f = front.read(0, nsid, lba, 128, bs).unwrap();
+        let b = back.read(0, 1, lba, 128, bs).unwrap();
+        differs += usize::from(f != b);
+        let p = pattern(lba);
+        written += f
+            .chunks(bs)
+            .zip(p.chunks(bs))
+            .filter(|(a, b)| a != b)
+            .count();
+    }
+    assert_eq!(
+        differs, 0,
+        "the frontend and the shelf disagree after spdk_nvme_perf"
+    );
+    assert!(written > 0, "spdk_nvme_perf wrote nothing in the first MiB");
+    drop((front, back));
 
     // The virtio-blk device, through libblkio on its vhost-user socket.
     let sock = n.run_dir.join("vhost-vblk-1.sock");
