@@ -3,7 +3,7 @@
 //! of 16 or 32 bytes that differ), wrapped at once under the KEK of the `--opi-tenant`
 //! tenant (which must exist and be unlocked) like nacre's own data keys, stored only
 //! wrapped, and every copy of it in the request is zeroized. The layer is a nacre volume
-//! named by the resource id (`encryptedVolumes/e` is volume `e`), which frontends name in
+//! named by the resource id (the id is the volume's name), which frontends name in
 //! `volume_name_ref`; its binding keeps the client's spec without the key. Deleting it
 //! leaves the base volume and its (cipher) data.
 
