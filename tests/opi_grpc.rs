@@ -3,18 +3,23 @@
 //! test time: the services listed through server reflection; the sequence of OPI's
 //! `godpu storage create`, data written through what it made and read back, `godpu storage
 //! delete`; Create/Get/List/Update/Delete/Stats and the AIP rules per service; bad input;
-//! and the gRPC and JSON-RPC APIs seeing one state, replayed by a restart.
+//! and the gRPC and JSON-RPC APIs seeing one state, replayed by a restart; an encrypted
+//! volume with the client's key, its ciphertext at rest checked by Python `cryptography`.
 //!
-//! The NVMe/TCP target the backend connects to is a second nacred.
+//! The NVMe/TCP target the backend connects to is a second nacred; SPDK's own NVMe host
+//! (`spdk_nvme_identify`, `spdk_nvme_perf`, from `$SPDK_DIR` or the team's
+//! `../shared/tools/spdk`) also drives the OPI-made NVMe/TCP controller, and without it the
+//! test fails saying so.
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use nacre_tests::blkio_client::{read, write, BlkioClient, ClientOptions};
 use nacre_tests::daemon::Nacred;
 use nacre_tests::nvmf_host::{HostOptions, NvmfHost};
+use nacre_tests::xts_oracle::{python_cryptography_available, python_decrypt_file, to_hex};
 use serde_json::{json, Value};
 
 const TARGET_NQN: &str = "nqn.2024-01.io.nacre:opi-shelf";
@@ -57,6 +62,41 @@ fn opi_addr(n: &Nacred) -> String {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// An SPDK v25.09 binary: from `$SPDK_DIR` or the team's `../shared/tools/spdk`.
+fn spdk_bin(name: &str) -> PathBuf {
+    let dir = std::env::var_os("SPDK_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/tools/spdk"));
+    let p = dir.join("bin").join(name);
+    assert!(
+        p.is_file(),
+        "SPDK's {name} is missing at {} (set SPDK_DIR to an SPDK v25.09 build)",
+        p.display()
+    );
+    p
+}
+
+/// Run an SPDK tool without hugepages (`--no-huge -s 1024`); its output, which it must
+/// end successfully.
+fn run_spdk(name: &str, args: &[&str]) -> String {
+    let out = Command::new(spdk_bin(name))
+        .args(["--no-huge", "-s", "1024"])
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run SPDK's {name}: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "{name} {args:?} failed ({}):\n{text}",
+        out.status
+    );
+    text
 }
 
 fn opi_daemon() -> Nacred {
@@ -179,6 +219,115 @@ fn godpu_create_data_path_restart_delete() {
     );
     drop(back);
 
+    // ResetNvmeRemoteController: the path's session ends and comes back; the data with it.
+    let remote = || {
+        let l = n.ok("remote_list", json!({}));
+        l.as_array().unwrap()[0].clone()
+    };
+    assert_eq!(remote()["resets"], 0, "{}", remote());
+    client(&["reset", &addr]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !(remote()["resets"] == 1 && remote()["state"] == "live") {
+        assert!(
+            Instant::now() < deadline,
+            "not reconnected after the reset: {}",
+            remote()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut front = NvmfHost::connect(
+        SocketAddr::from(([127, 0, 0, 1], port)),
+        FRONT_NQN,
+        HostOptions::default(),
+    )
+    .unwrap();
+    assert_eq!(
+        front.read(0, nsid, 16, 8, bs).unwrap(),
+        data,
+        "after the reset"
+    );
+    drop(front);
+
+    // SPDK's NVMe host against the OPI-made NVMe/TCP controller: what it identifies is
+    // the OPI spec, and what it writes reaches the shelf block for block.
+    let trid = format!("trtype:TCP adrfam:IPv4 traddr:127.0.0.1 trsvcid:{port} subnqn:{FRONT_NQN}");
+    let id = run_spdk("spdk_nvme_identify", &["-r", &trid]);
+    let field = |name: &str| {
+        id.lines()
+            .find(|l| l.trim_start().starts_with(name))
+            .map(|l| l.split_once(':').map_or("", |x| x.1).trim().to_string())
+            .unwrap_or_else(|| panic!("no {name} in:\n{id}"))
+    };
+    assert_eq!(field("Serial Number"), "OPI0001", "{id}");
+    assert_eq!(field("Model Number"), "nacre-opi", "{id}");
+    assert_eq!(field("Subsystem NQN"), FRONT_NQN, "{id}");
+    assert!(id.contains("Namespace ID:1"), "{id}");
+    assert!(
+        field("Size (in LBAs)").starts_with("32768 "),
+        "16 MiB of 512-byte blocks: {id}"
+    );
+    // The first MiB gets a pattern that differs in every 512-byte block; spdk_nvme_perf's
+    // writes (its buffers hold zeros or what it read elsewhere) leave their mark on it.
+    let pattern = |lba: u64| -> Vec<u8> {
+        (0..128 * bs)
+            .map(|i| ((lba as usize * bs + i) % 253 + 1) as u8)
+            .collect()
+    };
+    let mut front = NvmfHost::connect(
+        SocketAddr::from(([127, 0, 0, 1], port)),
+        FRONT_NQN,
+        HostOptions::default(),
+    )
+    .unwrap();
+    for lba in (0..2048u64).step_by(128) {
+        front.write(0, nsid, lba, &pattern(lba), bs).unwrap();
+    }
+    drop(front);
+    let perf = run_spdk(
+        "spdk_nvme_perf",
+        &[
+            "-q", "8", "-o", "4096", "-w", "randrw", "-M", "50", "-t", "1", "-r", &trid,
+        ],
+    );
+    let total = perf
+        .lines()
+        .find(|l| l.trim_start().starts_with("Total"))
+        .unwrap_or_else(|| panic!("no Total in:\n{perf}"));
+    let iops: f64 = total
+        .split(':')
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no IOPS in {total:?}"));
+    assert!(iops > 0.0, "{perf}");
+    // What SPDK wrote through the frontend is what the shelf holds (the first MiB).
+    let mut front = NvmfHost::connect(
+        SocketAddr::from(([127, 0, 0, 1], port)),
+        FRONT_NQN,
+        HostOptions::default(),
+    )
+    .unwrap();
+    let mut back = NvmfHost::connect(target, TARGET_NQN, HostOptions::default()).unwrap();
+    let mut differs = 0;
+    let mut written = 0;
+    for lba in (0..2048u64).step_by(128) {
+        let f = front.read(0, nsid, lba, 128, bs).unwrap();
+        let b = back.read(0, 1, lba, 128, bs).unwrap();
+        differs += usize::from(f != b);
+        let p = pattern(lba);
+        written += f
+            .chunks(bs)
+            .zip(p.chunks(bs))
+            .filter(|(a, b)| a != b)
+            .count();
+    }
+    assert_eq!(
+        differs, 0,
+        "the frontend and the shelf disagree after spdk_nvme_perf"
+    );
+    assert!(written > 0, "spdk_nvme_perf wrote nothing in the first MiB");
+    drop((front, back));
+
     // The virtio-blk device, through libblkio on its vhost-user socket.
     let sock = n.run_dir.join("vhost-vblk-1.sock");
     {
@@ -222,4 +371,124 @@ fn godpu_create_data_path_restart_delete() {
     );
     assert_eq!(n.ok("remote_list", json!({})), json!([]));
     assert_eq!(n.ok("vhost_blk_list", json!({})), json!([]));
+}
+
+fn random(n: usize) -> Vec<u8> {
+    use std::io::Read;
+    let mut b = vec![0; n];
+    std::fs::File::open("/dev/urandom")
+        .unwrap()
+        .read_exact(&mut b)
+        .unwrap();
+    b
+}
+
+/// Whether any 12-byte window of `secret` is in `hay`, raw or as hex.
+fn leaks(hay: &[u8], secret: &[u8]) -> bool {
+    let lower = hay.to_ascii_lowercase();
+    secret.windows(12).any(|w| {
+        let hex = to_hex(w);
+        hay.windows(12).any(|h| h == w) || lower.windows(hex.len()).any(|h| h == hex.as_bytes())
+    })
+}
+
+#[test]
+fn encrypted_volume_with_the_clients_key() {
+    assert!(
+        python_cryptography_available(),
+        "needs python3 with cryptography (apt-get install python3-cryptography)"
+    );
+    const ENC_NQN: &str = "nqn.2024-01.io.nacre:opi-enc";
+    let mut n = Nacred::start_args(&[
+        "--no-default",
+        "--opi-listen",
+        "127.0.0.1:0",
+        "--opi-tenant",
+        "opi",
+    ]);
+    let dir = tempfile::tempdir().unwrap();
+    let kek = dir.path().join("opi.kek");
+    std::fs::write(&kek, random(32)).unwrap();
+    n.ok(
+        "tenant_create",
+        json!({"name": "opi", "kek": {"key_file": kek.to_str().unwrap()}}),
+    );
+    // The base: an AIO volume over a file of 1 MiB of zeros.
+    let file = dir.path().join("base.img");
+    std::fs::write(&file, vec![0u8; 1 << 20]).unwrap();
+    let key = random(64);
+    let addr = opi_addr(&n);
+    let made = client(&[
+        "encrypt",
+        &addr,
+        file.to_str().unwrap(),
+        &to_hex(&key),
+        ENC_NQN,
+    ]);
+    let port = made["tcp_port"].as_u64().unwrap() as u16;
+    let nsid = made["nsid"].as_u64().unwrap() as u32;
+    let front = SocketAddr::from(([127, 0, 0, 1], port));
+
+    // Written through the encrypted volume's NVMe/TCP controller …
+    let bs = 512;
+    let lba = 40;
+    let data: Vec<u8> = (0..16 * bs).map(|i| (i * 13 + 5) as u8).collect();
+    let mut host = NvmfHost::connect(front, ENC_NQN, HostOptions::default())
+        .expect("connect to the OPI-made controller");
+    host.write(0, nsid, lba, &data, bs).expect("write");
+    assert_eq!(host.read(0, nsid, lba, 16, bs).unwrap(), data);
+    drop(host);
+    // … lies in the base's file as AES-XTS under the client's key: one data unit per
+    // 512-byte block, tweak = LBA (little-endian), decrypted by an independent oracle.
+    let at_rest = std::fs::read(&file).unwrap();
+    let off = lba as usize * bs;
+    assert_ne!(
+        &at_rest[off..off + data.len()],
+        &data[..],
+        "stored in the clear"
+    );
+    let pt = python_decrypt_file(&file, &key, bs, "plain64", off as u64, data.len(), lba).unwrap();
+    assert!(
+        pt == data,
+        "the oracle does not decrypt the base to what was written"
+    );
+
+    // A restart replays the layer over its base; the plaintext reads back.
+    n.restart();
+    let addr = opi_addr(&n);
+    let mut host =
+        NvmfHost::connect(front, ENC_NQN, HostOptions::default()).expect("connect after restart");
+    assert_eq!(host.read(0, nsid, lba, 16, bs).unwrap(), data);
+    drop(host);
+    let vols = n.ok("volume_list", json!({}));
+    let layer = vols
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "enc-1")
+        .unwrap_or_else(|| panic!("{vols}"));
+    assert_eq!(layer["over"], "base", "{layer}");
+    assert_eq!(layer["encrypted"], true, "{layer}");
+
+    // The state holds the key wrapped, never in the clear.
+    let state = std::fs::read(n.state_dir.join("state.json")).unwrap();
+    assert!(!leaks(&state, &key), "the data key is in state.json");
+    assert!(String::from_utf8_lossy(&state).contains("\"enc-1\""));
+
+    let stats = client(&["unencrypt", &addr]);
+    // (Counters start again at a restart: the read since.)
+    assert!(stats["read_ops"].as_u64().unwrap() >= 1, "{stats}");
+    // The layer is gone, its key with it; the base and its (cipher) data stay.
+    let t = n.ok("tenant_list", json!({}));
+    assert!(!t.to_string().contains("enc-1"), "{t}");
+    assert_eq!(std::fs::read(&file).unwrap(), at_rest);
+
+    // No byte of the key in the state or the log.
+    n.stop();
+    let state = std::fs::read(n.state_dir.join("state.json")).unwrap();
+    assert!(!leaks(&state, &key), "the data key is in state.json");
+    assert!(
+        !leaks(&std::fs::read(&n.log).unwrap(), &key),
+        "the data key is in the log"
+    );
 }

@@ -10,6 +10,9 @@ object on its last line; any failed expectation raises (exit status 1).
   opi_client.py delete   ADDR
   opi_client.py crud     ADDR RPC_SOCKET
   opi_client.py tls      ADDR TLS_DIR       (the CA made by `nacre cert init`)
+  opi_client.py encrypt  ADDR FILE KEY_HEX FRONT_NQN   (--opi-tenant set and unlocked)
+  opi_client.py unencrypt ADDR
+  opi_client.py reset    ADDR              (after create)
   opi_client.py bench    ADDR CYCLES        (scripts/bench-opi)
 """
 
@@ -538,11 +541,109 @@ def tls(addr, tls_dir):
         raise AssertionError(f"{what}: served: {r}")
     return {"served": True, "refused": refused}
 
+ENC = "encryptedVolumes/enc-1"
+
+
+def encrypt(addr, path, key_hex, front_nqn):
+    """An encrypted volume over an AIO volume serving FILE, with the client's key, exported
+    through a subsystem, a namespace and an NVMe/TCP controller."""
+    c = Client(addr)
+    G = grpc.StatusCode
+    key = bytes.fromhex(key_hex)
+    base = c.aio.CreateAioVolume(aio.CreateAioVolumeRequest(
+        aio_volume_id="base", aio_volume=aio.AioVolume(block_size=512, filename=path)))
+    cipher = common.ENCRYPTION_TYPE_AES_XTS_256 if len(key) == 64 else common.ENCRYPTION_TYPE_AES_XTS_128
+
+    def req(k, ci=cipher, ref=base.name, vid="enc-1"):
+        return enc.CreateEncryptedVolumeRequest(
+            encrypted_volume_id=vid,
+            encrypted_volume=enc.EncryptedVolume(volume_name_ref=ref, key=k, cipher=ci))
+
+    # Bad keys and ciphers, and a missing base: nothing is made.
+    half = len(key) // 2
+    expect(G.INVALID_ARGUMENT, c.enc.CreateEncryptedVolume, req(key[:half] * 2))
+    expect(G.INVALID_ARGUMENT, c.enc.CreateEncryptedVolume, req(key[:-1]))
+    expect(G.INVALID_ARGUMENT, c.enc.CreateEncryptedVolume, req(key, ci=common.ENCRYPTION_TYPE_AES_CBC_256))
+    expect(G.INVALID_ARGUMENT, c.enc.CreateEncryptedVolume,
+           req(key, ci=common.ENCRYPTION_TYPE_AES_XTS_128 if len(key) == 64 else common.ENCRYPTION_TYPE_AES_XTS_256))
+    expect(G.NOT_FOUND, c.enc.CreateEncryptedVolume, req(key, ref="aioVolumes/none"))
+    assert not c.enc.ListEncryptedVolumes(enc.ListEncryptedVolumesRequest()).encrypted_volumes
+
+    ev = c.enc.CreateEncryptedVolume(req(key))
+    assert ev.name == ENC and ev.volume_name_ref == base.name and not ev.key, ev
+    # The same again is the same resource; another key under the same id is not.
+    assert c.enc.CreateEncryptedVolume(req(key)) == ev
+    other = bytes(reversed(key))
+    expect(G.ALREADY_EXISTS, c.enc.CreateEncryptedVolume, req(other))
+    assert c.enc.GetEncryptedVolume(enc.GetEncryptedVolumeRequest(name=ENC)) == ev
+    listed = c.enc.ListEncryptedVolumes(enc.ListEncryptedVolumesRequest()).encrypted_volumes
+    assert [v.name for v in listed] == [ENC], listed
+    # The layer is not an AIO volume, and its base cannot go from under it.
+    assert [v.name for v in c.aio.ListAioVolumes(aio.ListAioVolumesRequest()).aio_volumes] \
+        == [base.name]
+    expect(G.FAILED_PRECONDITION, c.aio.DeleteAioVolume,
+           aio.DeleteAioVolumeRequest(name=base.name))
+    # Nothing about it changes in place; the same spec is no change.
+    mask = field_mask_pb2.FieldMask
+    assert c.enc.UpdateEncryptedVolume(enc.UpdateEncryptedVolumeRequest(
+        encrypted_volume=enc.EncryptedVolume(name=ENC, volume_name_ref=base.name, key=key,
+                                             cipher=cipher))) == ev
+    expect(G.INVALID_ARGUMENT, c.enc.UpdateEncryptedVolume, enc.UpdateEncryptedVolumeRequest(
+        encrypted_volume=enc.EncryptedVolume(name=ENC, key=other, cipher=cipher),
+        update_mask=mask(paths=["key"])))
+
+    sub = c.fe.CreateNvmeSubsystem(fe.CreateNvmeSubsystemRequest(
+        nvme_subsystem_id="enc-sub", nvme_subsystem=fe.NvmeSubsystem(
+            spec=fe.NvmeSubsystemSpec(nqn=front_nqn))))
+    ns = c.fe.CreateNvmeNamespace(fe.CreateNvmeNamespaceRequest(
+        parent=sub.name, nvme_namespace_id="enc-ns",
+        nvme_namespace=fe.NvmeNamespace(spec=fe.NvmeNamespaceSpec(volume_name_ref=ENC))))
+    ctl = c.fe.CreateNvmeController(fe.CreateNvmeControllerRequest(
+        parent=sub.name, nvme_controller_id="enc-ctrl",
+        nvme_controller=fe.NvmeController(spec=fe.NvmeControllerSpec(
+            trtype=common.NVME_TRANSPORT_TYPE_TCP,
+            fabrics_id=common.FabricsEndpoint(traddr="127.0.0.1", trsvcid="0",
+                                              adrfam=common.NVME_ADDRESS_FAMILY_IPV4)))))
+    return {"tcp_port": int(ctl.spec.fabrics_id.trsvcid), "nsid": ns.spec.host_nsid}
+
+
+def unencrypt(addr):
+    """Take the export and the encrypted volume down; the AIO volume (and file) stay."""
+    c = Client(addr)
+    G = grpc.StatusCode
+    assert c.enc.GetEncryptedVolume(enc.GetEncryptedVolumeRequest(name=ENC)).name == ENC
+    st = c.enc.StatsEncryptedVolume(enc.StatsEncryptedVolumeRequest(name=ENC)).stats
+    sub = "nvmeSubsystems/enc-sub"
+    # Exported: the layer stays.
+    expect(G.FAILED_PRECONDITION, c.enc.DeleteEncryptedVolume,
+           enc.DeleteEncryptedVolumeRequest(name=ENC))
+    c.fe.DeleteNvmeController(fe.DeleteNvmeControllerRequest(name=sub + "/nvmeControllers/enc-ctrl"))
+    c.fe.DeleteNvmeNamespace(fe.DeleteNvmeNamespaceRequest(name=sub + "/nvmeNamespaces/enc-ns"))
+    c.fe.DeleteNvmeSubsystem(fe.DeleteNvmeSubsystemRequest(name=sub))
+    c.enc.DeleteEncryptedVolume(enc.DeleteEncryptedVolumeRequest(name=ENC))
+    expect(G.NOT_FOUND, c.enc.GetEncryptedVolume, enc.GetEncryptedVolumeRequest(name=ENC))
+    expect(G.NOT_FOUND, c.enc.DeleteEncryptedVolume, enc.DeleteEncryptedVolumeRequest(name=ENC))
+    c.enc.DeleteEncryptedVolume(enc.DeleteEncryptedVolumeRequest(name=ENC, allow_missing=True))
+    assert c.aio.GetAioVolume(aio.GetAioVolumeRequest(name="aioVolumes/base")).name
+    return {"write_ops": st.write_ops_count, "read_ops": st.read_ops_count}
+
+
+def reset(addr):
+    """ResetNvmeRemoteController on create's controller; a missing one is NOT_FOUND."""
+    c = Client(addr)
+    c.be.ResetNvmeRemoteController(be.ResetNvmeRemoteControllerRequest(name=FE_CTRL))
+    expect(grpc.StatusCode.NOT_FOUND, c.be.ResetNvmeRemoteController,
+           be.ResetNvmeRemoteControllerRequest(name="nvmeRemoteControllers/none"))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, c.be.ResetNvmeRemoteController,
+           be.ResetNvmeRemoteControllerRequest(name="nvmeSubsystems/x"))
+    return {"reset": True}
+
 
 def main():
     cmd, args = sys.argv[1], sys.argv[2:]
     out = {"services": services, "create": create, "verify": verify, "delete": delete,
-           "crud": crud, "bench": bench, "tls": tls}[cmd](*args)
+           "crud": crud, "bench": bench, "tls": tls, "encrypt": encrypt,
+           "unencrypt": unencrypt, "reset": reset}[cmd](*args)
     print(json.dumps(out))
 
 

@@ -84,6 +84,10 @@ pub struct VolumeRecord {
     /// Layout of a `remote` volume.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote: Option<nacre_shared::api::remote::RemoteLayout>,
+    /// An encryption layer's base: this volume is the encrypted view of that volume's
+    /// blocks (its own backend, path and remote are unused), opened after the base.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub over: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -249,6 +253,7 @@ pub(crate) mod fixtures {
             tenant: None,
             encrypted: false,
             remote: None,
+            over: None,
         }
     }
 

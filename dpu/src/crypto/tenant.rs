@@ -175,12 +175,58 @@ impl TenantRecord {
         }
         self.policy.check_volume(block_size)?;
         let key = XtsKey::generate(self.policy.cipher.key_len())?;
-        let wrapped = wrap_key(&kek.kek, &key, self.ctx(volume, 1, kek.generation))?;
+        let next = self.with_volume_key(volume, &key, self.policy, kek)?;
+        Ok((next, key))
+    }
+
+    /// Record a data key the caller supplies (an encryption layer over an existing volume,
+    /// whose key an outside API hands over) for `volume`, written with `policy`: wrapped
+    /// under the KEK exactly like [`Self::add_volume`]'s own keys. Returns the updated
+    /// record to persist; the plaintext key stays the caller's (and is zeroized with it).
+    pub fn add_volume_with_key(
+        &self,
+        volume: &str,
+        key: &XtsKey,
+        policy: EncryptionPolicy,
+        kek: &UnlockedKek,
+    ) -> Result<TenantRecord, CryptoError> {
+        check_name("volume", volume)?;
+        if self.volumes.contains_key(volume) {
+            return Err(CryptoError::Refused(format!(
+                "volume {volume} already has a key in tenant {}",
+                self.name
+            )));
+        }
+        if kek.generation != self.kek.generation || self.pending_kek.is_some() {
+            return Err(CryptoError::Refused(format!(
+                "tenant {} is in the middle of a KEK rotation: finish it first (tenant_rotate_kek)",
+                self.name
+            )));
+        }
+        policy.validate()?;
+        if key.len() != policy.cipher.key_len() {
+            return Err(CryptoError::Refused(format!(
+                "a {}-byte key does not fit cipher {}",
+                key.len(),
+                policy.cipher.as_str()
+            )));
+        }
+        self.with_volume_key(volume, key, policy, kek)
+    }
+
+    fn with_volume_key(
+        &self,
+        volume: &str,
+        key: &XtsKey,
+        policy: EncryptionPolicy,
+        kek: &UnlockedKek,
+    ) -> Result<TenantRecord, CryptoError> {
+        let wrapped = wrap_key(&kek.kek, key, self.ctx(volume, 1, kek.generation))?;
         let mut next = self.clone();
         next.volumes.insert(
             volume.to_string(),
             VolumeKeyRecord {
-                policy: self.policy,
+                policy,
                 key_version: 1,
                 wrapped: vec![WrappedEntry {
                     kek_generation: kek.generation,
@@ -189,7 +235,7 @@ impl TenantRecord {
                 erased: false,
             },
         );
-        Ok((next, key))
+        Ok(next)
     }
 
     /// Unwrap a volume's data key for opening it; also returns the layout it was written with.
@@ -386,6 +432,7 @@ mod test {
 
     use super::*;
     use crate::crypto::kek::{Argon2Params, KeyFileKek, PassphraseKek};
+    use crate::crypto::policy::CipherKind;
     use crate::crypto::wrap::hex_bytes;
 
     const FAST: Argon2Params = Argon2Params {
@@ -426,6 +473,31 @@ mod test {
         let e = t.unlock(&key_file(dir.path(), "other")).unwrap_err();
         assert!(matches!(e, CryptoError::WrongKek { .. }), "{e}");
         assert!(e.to_string().contains("wrong key-encryption key"));
+    }
+
+    /// A key the caller gives is wrapped like the tenant's own and opens with its policy;
+    /// one that does not fit the cipher, or a name that has a key, is refused.
+    #[test]
+    fn a_given_key_is_wrapped_like_a_made_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (t, kek, _) = tenant_with_volumes(dir.path(), &["v1"]);
+        let given = XtsKey::from_bytes(&(0..32).collect::<Vec<u8>>()).unwrap();
+        let policy = EncryptionPolicy {
+            cipher: CipherKind::AesXts128,
+            data_unit: 512,
+            ..EncryptionPolicy::default()
+        };
+        let next = t.add_volume_with_key("l1", &given, policy, &kek).unwrap();
+        let wrapped = &next.volumes["l1"].wrapped[0].wrapped.0;
+        assert!(!wrapped.windows(32).any(|w| w == given.as_bytes()));
+        let (k, pol) = next.open_volume("l1", &kek).unwrap();
+        assert_eq!(k.as_bytes(), given.as_bytes());
+        assert_eq!(pol, policy);
+        let wide = EncryptionPolicy::default();
+        assert!(t.add_volume_with_key("l2", &given, wide, &kek).is_err());
+        assert!(next
+            .add_volume_with_key("l1", &given, policy, &kek)
+            .is_err());
     }
 
     #[test]

@@ -117,6 +117,9 @@ pub struct VolumeInfo {
     pub exported_by: Vec<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote: Option<RemoteLayout>,
+    /// For an encryption layer: the volume whose blocks it encrypts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub over: Option<String>,
     /// `online`, or `failed` when nacred could not open it (see `reason`): I/O to a failed
     /// volume gets errors, never data it does not have.
     #[serde(default)]

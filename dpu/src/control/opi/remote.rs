@@ -423,12 +423,14 @@ impl NvmeRemoteControllerService for Service {
         &self,
         req: Request<pb::ResetNvmeRemoteControllerRequest>,
     ) -> Result<Response<()>, Status> {
+        // Every path of the controller is disconnected and connects again; I/O in flight
+        // is held and resent.
         run!(self, req, |r, q| {
             controller(&r, &q.name)?;
-            Err(Status::unimplemented(
-                "resetting a remote controller on request is not available yet (nacre resets \
-                 it itself when a path fails)",
-            ))
+            for (_, _, remote) in paths(&r, &q.name) {
+                r.reset_remote(&remote).map_err(status)?;
+            }
+            Ok(Response::new(()))
         })
     }
 

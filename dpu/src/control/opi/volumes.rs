@@ -57,7 +57,7 @@ fn find(r: &Registry, k: Kind, id: &str) -> Option<VolumeInfo> {
     r.volumes(Some(id))
         .ok()
         .and_then(|v| v.into_iter().next())
-        .filter(|v| v.backend == k.backend)
+        .filter(|v| v.backend == k.backend && v.over.is_none())
 }
 
 /// The same spec, as far as the client set it (uuid and, for AIO, the sizes are optional).
@@ -135,7 +135,7 @@ fn list(
         .volumes(None)
         .map_err(status)?
         .into_iter()
-        .filter(|v| v.backend == k.backend)
+        .filter(|v| v.backend == k.backend && v.over.is_none())
         .map(|v| {
             let n = format!("{}/{}", k.collection, v.name);
             (n.clone(), (n, spec_of(&v)))

@@ -171,7 +171,16 @@ pub(super) fn open_existing(
     let t = tenant_of(&inner.state, tname)?.clone();
     let kek = unlocked(inner, &t)?;
     let (key, policy) = t.open_volume(&rec.name, &kek).map_err(rpc_err)?;
-    let raw = open_backend(reg, rec)?;
+    let raw = match &rec.over {
+        // An encryption layer: the base volume's live device (opened before it).
+        Some(base) => inner.live.volumes.get(base).cloned().ok_or_else(|| {
+            RpcError::failed(format!(
+                "volume {:?} is an encryption layer over {base:?}, which is not open",
+                rec.name
+            ))
+        })?,
+        None => open_backend(reg, rec)?,
+    };
     let dev = EncryptedVolume::new(raw, &key, policy).map_err(rpc_err)?;
     Ok(gated(inner, &rec.name, Arc::new(dev)))
 }

@@ -16,6 +16,8 @@ pub enum Exporter {
     VhostBlk(String),
     /// An NVMe-oF namespace: subsystem NQN and NSID.
     Nvmf { nqn: String, nsid: u32 },
+    /// An encryption layer over the volume, by name.
+    Layer(String),
 }
 
 /// As `volume_list`'s `exported_by` and the refusals show them: `vhost-blk:NAME`,
@@ -25,12 +27,13 @@ impl fmt::Display for Exporter {
         match self {
             Exporter::VhostBlk(name) => write!(f, "vhost-blk:{name}"),
             Exporter::Nvmf { nqn, nsid } => write!(f, "nvmf:{nqn}/{nsid}"),
+            Exporter::Layer(name) => write!(f, "encrypted-volume:{name}"),
         }
     }
 }
 
 /// The frontends serving `volume`: vhost-user-blk devices first, then NVMe-oF namespaces
-/// (by NQN, then NSID).
+/// (by NQN, then NSID), then the encryption layers over it.
 pub fn exporters(state: &State, volume: &str) -> Vec<Exporter> {
     let vhost = state
         .vhost_blk
@@ -46,7 +49,12 @@ pub fn exporters(state: &State, volume: &str) -> Vec<Exporter> {
                 nsid,
             })
     });
-    vhost.chain(nvmf).collect()
+    let layers = state
+        .volumes
+        .values()
+        .filter(|v| v.over.as_deref() == Some(volume))
+        .map(|v| Exporter::Layer(v.name.clone()));
+    vhost.chain(nvmf).chain(layers).collect()
 }
 
 /// [`exporters`] as the strings `volume_list` reports.

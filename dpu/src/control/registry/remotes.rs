@@ -129,6 +129,25 @@ impl Registry {
         })
     }
 
+    /// Reset a remote: disconnect the remote's queues and connect again through the
+    /// reconnect machinery (I/O in flight is held and resent, not failed). Returns at once;
+    /// `remote_list` shows the controller connecting, then live.
+    pub fn reset_remote(&self, name: &str) -> Result<(), RpcError> {
+        self.with(|inner| {
+            if !inner.state.remotes.contains_key(name) {
+                return Err(RpcError::not_found("remote", name));
+            }
+            let c = self
+                .controllers
+                .get(name)
+                .ok_or_else(|| RpcError::failed(format!("remote {name:?} is not started")))?;
+            c.reset()
+                .map_err(|e| RpcError::failed(format!("cannot reset remote {name:?}: {e}")))?;
+            info!(remote = %name, "remote reset");
+            Ok(())
+        })
+    }
+
     /// `remote_list`: every remote, or the one named.
     pub fn remotes(&self, name: Option<&str>) -> Result<Vec<RemoteInfo>, RpcError> {
         self.with(|inner| {

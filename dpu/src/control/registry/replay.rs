@@ -12,7 +12,7 @@ use crate::crypto::kek::KekSpec;
 
 impl Registry {
     /// Replay the persisted state, in dependency order: QoS limits, remote controllers
-    /// (started in the background), volumes (over them), vhost-user-blk devices and NVMe-oF
+    /// (started in the background), volumes (over them; encryption layers over their bases), vhost-user-blk devices and NVMe-oF
     /// subsystems (over the volumes). An object that fails to come back is logged and left
     /// in the state (so a missing backing file does not silently drop its configuration);
     /// the other objects still start. KMS tenants are unlocked first, each by its key
@@ -24,7 +24,10 @@ impl Registry {
         remotes::replay(self, &state);
         self.unlock_kms_tenants(&state);
         let mut inner = self.lock();
-        for rec in state.volumes.values() {
+        // Encryption layers after the volumes they lie over.
+        let (layers, bases): (Vec<_>, Vec<_>) =
+            state.volumes.values().partition(|r| r.over.is_some());
+        for rec in bases.into_iter().chain(layers) {
             compose::reopen(self, &mut inner, rec);
         }
         crate::crypto::keys::scrub_stack();

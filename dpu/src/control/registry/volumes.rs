@@ -6,12 +6,17 @@ use nacre_shared::api::validate_name;
 use nacre_shared::api::volume::{BackendKind, VolumeCreate, VolumeInfo, VolumeState, BLOCK_SIZES};
 use tracing::info;
 
-use super::compose::{create_backing_file, default_volume_path, open_for_create, with_qos};
+use super::compose::{create_backing_file, default_volume_path, gated, open_for_create, with_qos};
 use super::exporters::{exporter_names, refuse_if_exported};
+use super::keys::{rpc_err, tenant_of, unlocked};
 use super::remote_volume;
 use super::store::{Inner, Registry};
 use crate::control::error::RpcError;
 use crate::control::state::{serial_from_uuid, VolumeRecord};
+use crate::crypto::keys::{ct_eq, XtsKey, XTS_128_KEY_LEN};
+use crate::crypto::policy::{CipherKind, EncryptionPolicy};
+use crate::crypto::volume::EncryptedVolume;
+use crate::crypto::xts::TweakMode;
 
 impl Registry {
     /// Where a file volume lives unless told otherwise.
@@ -135,6 +140,96 @@ impl Registry {
             tenant: p.tenant.clone(),
             encrypted: p.encrypt,
             remote: p.remote.clone(),
+            over: None,
+        })
+    }
+
+    /// An encryption layer over an existing volume with a data key the caller gives (OPI's
+    /// `CreateEncryptedVolume`): a new volume `name`, the XTS view of `base`'s blocks (one
+    /// data unit per block, tweak = LBA, little-endian: SPDK's crypto bdev layout). The key
+    /// is wrapped under `tenant`'s KEK at once, exactly like nacre's own data keys, and
+    /// stored only wrapped; the layer is persisted and replayed after its base. Deleting it
+    /// (`delete_volume`) leaves the base and its data; the base cannot be deleted under it.
+    pub fn create_encrypted_layer(
+        &self,
+        name: &str,
+        base: &str,
+        tenant: &str,
+        key: &XtsKey,
+    ) -> Result<VolumeInfo, RpcError> {
+        validate_name("volume", name).map_err(RpcError::invalid_params)?;
+        self.with(|inner| {
+            if inner.state.volumes.contains_key(name) {
+                return Err(RpcError::exists("volume", name));
+            }
+            let b = inner.volume(base)?.clone();
+            if inner.live.failed.contains_key(base) {
+                return Err(RpcError::refused(format!(
+                    "volume {base:?} is failed; an encryption layer needs it online"
+                )));
+            }
+            let base_dev = inner
+                .live
+                .volumes
+                .get(base)
+                .cloned()
+                .ok_or_else(|| RpcError::failed(format!("volume {base:?} is not open")))?;
+            let t = tenant_of(&inner.state, tenant)?.clone();
+            let kek = unlocked(inner, &t)?;
+            let policy = EncryptionPolicy {
+                cipher: if key.len() == XTS_128_KEY_LEN {
+                    CipherKind::AesXts128
+                } else {
+                    CipherKind::AesXts256
+                },
+                data_unit: b.block_size,
+                tweak: TweakMode::Plain64,
+                require_encryption: false,
+            };
+            let next_tenant = t
+                .add_volume_with_key(name, key, policy, &kek)
+                .map_err(rpc_err)?;
+            let dev = EncryptedVolume::new(base_dev, key, policy).map_err(rpc_err)?;
+            let uuid = uuid::Uuid::new_v4();
+            let rec = VolumeRecord {
+                name: name.to_string(),
+                size: b.size,
+                block_size: b.block_size,
+                backend: b.backend,
+                path: None,
+                uuid: uuid.to_string(),
+                serial: serial_from_uuid(&uuid),
+                tenant: Some(t.name.clone()),
+                encrypted: true,
+                remote: None,
+                over: Some(base.to_string()),
+            };
+            let mut next = inner.state.clone();
+            next.volumes.insert(rec.name.clone(), rec.clone());
+            next.tenants.insert(t.name.clone(), next_tenant);
+            self.persist(&next)?;
+            inner.state = next;
+            let dev = gated(inner, name, std::sync::Arc::new(dev));
+            let dev = with_qos(self, &rec, dev);
+            inner.live.volumes.insert(rec.name.clone(), dev);
+            info!(volume = %name, base = %base, tenant = %t.name, cipher = policy.cipher.as_str(),
+                  "encryption layer created");
+            Ok(volume_info(inner, &rec))
+        })
+    }
+
+    /// Whether `key` is the data key of encrypted volume `name` (compared in constant time
+    /// after unwrapping): an idempotent create with the same key is the same resource.
+    pub fn volume_key_is(&self, name: &str, key: &XtsKey) -> Result<bool, RpcError> {
+        self.with(|inner| {
+            let rec = inner.volume(name)?.clone();
+            let Some(tname) = rec.tenant.as_ref().filter(|_| rec.encrypted) else {
+                return Ok(false);
+            };
+            let t = tenant_of(&inner.state, tname)?.clone();
+            let kek = unlocked(inner, &t)?;
+            let (have, _) = t.open_volume(name, &kek).map_err(rpc_err)?;
+            Ok(ct_eq(have.as_bytes(), key.as_bytes()))
         })
     }
 
@@ -222,7 +317,7 @@ impl Registry {
     }
 }
 
-fn volume_info(inner: &Inner, rec: &VolumeRecord) -> VolumeInfo {
+pub(super) fn volume_info(inner: &Inner, rec: &VolumeRecord) -> VolumeInfo {
     VolumeInfo {
         name: rec.name.clone(),
         size: rec.size,
@@ -235,6 +330,7 @@ fn volume_info(inner: &Inner, rec: &VolumeRecord) -> VolumeInfo {
         encrypted: rec.encrypted,
         exported_by: exporter_names(&inner.state, &rec.name),
         remote: rec.remote.clone(),
+        over: rec.over.clone(),
         state: if inner.live.failed.contains_key(&rec.name) {
             VolumeState::Failed
         } else {

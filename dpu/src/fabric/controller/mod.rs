@@ -480,6 +480,11 @@ impl Controller {
         }
     }
 
+    /// Disconnect and reconnect (see [`Ctrl::reset`]).
+    pub fn reset(&self) -> Result<(), FabricError> {
+        self.core.reset()
+    }
+
     /// Close: bounded, never waits for a dead controller.
     pub fn close(&self) {
         self.core.close();

@@ -94,6 +94,46 @@ impl Ctrl {
         self.notify();
     }
 
+    /// Reset on request (OPI's `ResetNvmeRemoteController`): end the live session and
+    /// connect again, as when a session is lost (its commands in flight are held and resent
+    /// on the new session, after the quiesce time), with one difference: the controller
+    /// gets at least one attempt even under `ctrl_loss_timeout` 0, which would fail it on a
+    /// loss. A controller that is connecting tries at once; a failed one starts connecting
+    /// again (the loss timeout counted from now). A closed one is an error.
+    pub(super) fn reset(&self) -> Result<(), FabricError> {
+        let mut st = self.lock();
+        let now = Instant::now();
+        let session = match st.phase {
+            Phase::Closed => return Err(FabricError::Failed("controller is closed".into())),
+            Phase::Live => {
+                let s = st.session.take();
+                self.publish(&st, None);
+                st.resets += 1;
+                s
+            }
+            Phase::Connecting | Phase::Failed => None,
+        };
+        let was_live = session.is_some();
+        st.phase = Phase::Connecting;
+        st.last_error = Some("reset on request".into());
+        st.since = now;
+        st.fail_fast = false;
+        // The loss timeout gives up only after an attempt (see `supervise`): the reset's.
+        st.attempts = 0;
+        st.next_attempt = if was_live {
+            self.quiesce_deadline(&st)
+        } else {
+            now
+        };
+        drop(st);
+        info!(controller = %self.name, "controller reset on request; reconnecting");
+        if let Some(s) = session {
+            s.shutdown();
+        }
+        self.notify();
+        Ok(())
+    }
+
     pub(super) fn close(&self) {
         let mut st = self.lock();
         if st.phase == Phase::Closed {
