@@ -8,8 +8,8 @@
 //!
 //! The NVMe/TCP target the backend connects to is a second nacred; SPDK's own NVMe host
 //! (`spdk_nvme_identify`, `spdk_nvme_perf`, from `$SPDK_DIR` or the team's
-//! `../shared/tools/spdk`) also drives the OPI-made NVMe/TCP controller, and without it the
-//! test fails saying so.
+//! `../shared/tools/spdk`) also drives the OPI-made NVMe/TCP controller and, over
+//! `trtype:VFIOUSER`, the OPI-made PCIe controller; without it the tests fail saying so.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -179,6 +179,40 @@ fn crud_aip_rules_bad_input_and_both_apis() {
     let n = opi_daemon();
     let out = client(&["crud", &opi_addr(&n), n.rpc.to_str().unwrap()]);
     assert_eq!(out["checks"], 6, "{out}");
+}
+
+/// A controller with a PCIe endpoint is a vfio-user listener in
+/// `<run-dir>/vfio-user/<port>-<pf>-<vf>`: SPDK's NVMe driver identifies it, a restart
+/// replays it, and deleting it removes the socket.
+#[test]
+fn pcie_controller_is_a_vfio_user_listener_spdk_identifies() {
+    const NQN: &str = "nqn.2024-01.io.nacre:opi-pcie";
+    let mut n = opi_daemon();
+    let made = client(&["pcie", &opi_addr(&n), NQN]);
+    assert_eq!(made["nsid"], 1, "{made}");
+    let dir = n.run_dir.join("vfio-user/0-0-1");
+    let sock = dir.join("cntrl");
+    assert!(sock.exists(), "no vfio-user socket at {}", sock.display());
+    let identify = || {
+        let trid = format!("trtype:VFIOUSER traddr:{} subnqn:{NQN}", dir.display());
+        let id = run_spdk("spdk_nvme_identify", &["-r", &trid]);
+        assert!(
+            id.lines()
+                .any(|l| l.starts_with("Model Number:") && l.ends_with(" nacre")),
+            "model is not nacre:\n{id}"
+        );
+        assert!(
+            id.contains("Serial Number:                         OPIPCIE1"),
+            "{id}"
+        );
+        assert!(id.contains("Namespace ID:1"), "{id}");
+    };
+    identify();
+    n.restart();
+    identify();
+    client(&["pcie-delete", &opi_addr(&n)]);
+    assert!(!sock.exists(), "{} is still there", sock.display());
+    assert!(!dir.exists(), "{} is still there", dir.display());
 }
 
 #[test]

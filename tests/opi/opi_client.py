@@ -27,7 +27,7 @@ try:
     import grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
     from grpc_tools import protoc
-    from google.protobuf import field_mask_pb2
+    from google.protobuf import field_mask_pb2, wrappers_pb2 as wrap
 except ImportError as e:  # the test must fail, saying what is missing
     sys.exit(f"opi_client.py: {e}: run scripts/setup --test "
              "(pip install grpcio grpcio-tools grpcio-reflection protobuf)")
@@ -391,10 +391,9 @@ def crud(addr, sock):
     expect(G.ALREADY_EXISTS, c.fe.CreateNvmeSubsystem, fe.CreateNvmeSubsystemRequest(
         nvme_subsystem_id="sub-y", nvme_subsystem=fe.NvmeSubsystem(
             spec=fe.NvmeSubsystemSpec(nqn="nqn.2024-01.io.nacre:opi-x"))))
-    expect(G.FAILED_PRECONDITION, c.fe.CreateNvmeController, fe.CreateNvmeControllerRequest(
+    expect(G.INVALID_ARGUMENT, c.fe.CreateNvmeController, fe.CreateNvmeControllerRequest(
         parent=sub.name, nvme_controller_id="pcie-0", nvme_controller=fe.NvmeController(
-            spec=fe.NvmeControllerSpec(trtype=common.NVME_TRANSPORT_TYPE_PCIE,
-                                       pcie_id=common.PciEndpoint()))))
+            spec=fe.NvmeControllerSpec(trtype=common.NVME_TRANSPORT_TYPE_PCIE))))
     ns = c.fe.CreateNvmeNamespace(fe.CreateNvmeNamespaceRequest(
         parent=sub.name, nvme_namespace_id="ns-x",
         nvme_namespace=fe.NvmeNamespace(spec=fe.NvmeNamespaceSpec(volume_name_ref="null-a", host_nsid=7))))
@@ -430,6 +429,60 @@ def crud(addr, sock):
     expect(G.NOT_FOUND, c.null.DeleteNullVolume, nul.DeleteNullVolumeRequest(name="nullVolumes/null-new"))
     checks += 1
     return {"checks": checks}
+
+
+PCIE_SUB = "nvmeSubsystems/pcie-sub"
+PCIE_CTRL = PCIE_SUB + "/nvmeControllers/pcie-1"
+
+
+def pcie(addr, nqn):
+    """A PCIe controller: a subsystem, a namespace, and a controller on pcie_id 0/0/1."""
+    c = Client(addr)
+    G = grpc.StatusCode
+    c.null.CreateNullVolume(nul.CreateNullVolumeRequest(
+        null_volume_id="pcie-v", null_volume=nul.NullVolume(block_size=512, blocks_count=2048)))
+    sub = c.fe.CreateNvmeSubsystem(fe.CreateNvmeSubsystemRequest(
+        nvme_subsystem_id="pcie-sub", nvme_subsystem=fe.NvmeSubsystem(
+            spec=fe.NvmeSubsystemSpec(nqn=nqn, serial_number="OPIPCIE1"))))
+    ns = c.fe.CreateNvmeNamespace(fe.CreateNvmeNamespaceRequest(
+        parent=sub.name, nvme_namespace_id="ns-1",
+        nvme_namespace=fe.NvmeNamespace(spec=fe.NvmeNamespaceSpec(volume_name_ref="pcie-v"))))
+    ep = lambda vf: common.PciEndpoint(port_id=wrap.Int32Value(value=0),  # noqa: E731
+                                       physical_function=wrap.Int32Value(value=0),
+                                       virtual_function=wrap.Int32Value(value=vf))
+    req = lambda cid, vf, parent=sub.name: fe.CreateNvmeControllerRequest(  # noqa: E731
+        parent=parent, nvme_controller_id=cid, nvme_controller=fe.NvmeController(
+            spec=fe.NvmeControllerSpec(trtype=common.NVME_TRANSPORT_TYPE_PCIE,
+                                       pcie_id=ep(vf))))
+    ctl = c.fe.CreateNvmeController(req("pcie-1", 1))
+    assert ctl.name == PCIE_CTRL and ctl.spec.pcie_id.virtual_function.value == 1, ctl
+    # Idempotent; another endpoint under the same id, or the same endpoint twice, is not.
+    assert c.fe.CreateNvmeController(req("pcie-1", 1)).name == ctl.name
+    expect(G.ALREADY_EXISTS, c.fe.CreateNvmeController, req("pcie-1", 2))
+    expect(G.ALREADY_EXISTS, c.fe.CreateNvmeController, req("pcie-2", 1))
+    other = c.fe.CreateNvmeSubsystem(fe.CreateNvmeSubsystemRequest(
+        nvme_subsystem_id="pcie-other", nvme_subsystem=fe.NvmeSubsystem(
+            spec=fe.NvmeSubsystemSpec(nqn=nqn + "-other"))))
+    expect(G.ALREADY_EXISTS, c.fe.CreateNvmeController, req("pcie-3", 1, other.name))
+    c.fe.DeleteNvmeSubsystem(fe.DeleteNvmeSubsystemRequest(name=other.name))
+    expect(G.INVALID_ARGUMENT, c.fe.CreateNvmeController, fe.CreateNvmeControllerRequest(
+        parent=sub.name, nvme_controller_id="pcie-4", nvme_controller=fe.NvmeController(
+            spec=fe.NvmeControllerSpec(trtype=common.NVME_TRANSPORT_TYPE_PCIE))))
+    got = c.fe.GetNvmeController(fe.GetNvmeControllerRequest(name=PCIE_CTRL))
+    assert got.spec.trtype == common.NVME_TRANSPORT_TYPE_PCIE, got
+    listed = c.fe.ListNvmeControllers(fe.ListNvmeControllersRequest(parent=sub.name))
+    assert [x.name for x in listed.nvme_controllers] == [PCIE_CTRL], listed
+    c.fe.StatsNvmeController(fe.StatsNvmeControllerRequest(name=PCIE_CTRL))
+    return {"nsid": ns.spec.host_nsid}
+
+
+def pcie_delete(addr):
+    c = Client(addr)
+    assert c.fe.GetNvmeController(fe.GetNvmeControllerRequest(name=PCIE_CTRL)).name == PCIE_CTRL
+    c.fe.DeleteNvmeController(fe.DeleteNvmeControllerRequest(name=PCIE_CTRL))
+    expect(grpc.StatusCode.NOT_FOUND, c.fe.GetNvmeController,
+           fe.GetNvmeControllerRequest(name=PCIE_CTRL))
+    return {"deleted": True}
 
 
 def bench(addr, cycles):
@@ -642,7 +695,7 @@ def reset(addr):
 def main():
     cmd, args = sys.argv[1], sys.argv[2:]
     out = {"services": services, "create": create, "verify": verify, "delete": delete,
-           "crud": crud, "bench": bench, "tls": tls, "encrypt": encrypt,
+           "crud": crud, "pcie": pcie, "pcie-delete": pcie_delete, "bench": bench, "tls": tls, "encrypt": encrypt,
            "unencrypt": unencrypt, "reset": reset}[cmd](*args)
     print(json.dumps(out))
 

@@ -1,15 +1,17 @@
 //! FrontendNvmeService: NVMe-oF subsystems, their namespaces, and their controllers — a
-//! controller with a TCP or RDMA endpoint is a listener of the subsystem on that address.
-//! Controllers with a PCIe endpoint are FAILED_PRECONDITION until nacre emulates NVMe over
-//! PCIe.
+//! controller with a TCP or RDMA endpoint is a listener of the subsystem on that address; a
+//! controller with a PCIe endpoint (`pcie_id`) is a PCIe NVMe controller served over
+//! vfio-user (`frontend::nvme_pcie`), its socket `cntrl` in
+//! `<run-dir>/vfio-user/<port>-<pf>-<vf>`, a directory made on Create and removed on Delete.
 //!
 //! Names bound in the registry: `nvmeSubsystems/s` → the NQN; `…/nvmeNamespaces/n` →
-//! `NQN NSID`; `…/nvmeControllers/c` → `NQN tcp|rdma ADDR`. Objects made through JSON-RPC
-//! have no binding and are listed under derived ids: the NQN, the NSID, and
-//! `tcp-ADDR-PORT` / `rdma-ADDR-PORT`.
+//! `NQN NSID`; `…/nvmeControllers/c` → `NQN tcp|rdma ADDR` or `NQN vfio-user DIR`. Objects
+//! made through JSON-RPC have no binding and are listed under derived ids: the NQN, the
+//! NSID, and `tcp-ADDR-PORT` / `rdma-ADDR-PORT` / `vfio-user-DIR` (`/` as `.`).
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use nacre_shared::api::nvmf::NvmfSubsystemCreate;
@@ -24,6 +26,9 @@ use crate::control::registry::{ListenerTransport, Registry};
 use crate::control::state::{NvmfSubsystemRecord, OpiBinding};
 
 const SUBSYSTEMS: &str = "nvmeSubsystems";
+
+/// Under the run directory: one directory per PCIe endpoint, holding its vfio-user socket.
+const VFIO_USER_DIR: &str = "vfio-user";
 
 pub struct Service(pub Arc<Registry>);
 
@@ -47,9 +52,36 @@ struct Ns {
 struct Ctrl {
     name: String,
     nqn: String,
-    addr: SocketAddr,
-    transport: ListenerTransport,
+    at: At,
     spec: pb::NvmeControllerSpec,
+}
+
+/// Where a controller listens: a fabric address, or a vfio-user directory (PCIe).
+#[derive(Clone, PartialEq, Eq)]
+enum At {
+    Fabric(ListenerTransport, SocketAddr),
+    VfioUser(PathBuf),
+}
+
+impl At {
+    /// Whether `want` (a request's endpoint, port 0: any) names this listener.
+    fn matches(&self, want: &At) -> bool {
+        match (self, want) {
+            (At::Fabric(t, a), At::Fabric(wt, w)) => {
+                t == wt && a.ip() == w.ip() && (w.port() == 0 || w.port() == a.port())
+            }
+            (At::VfioUser(d), At::VfioUser(w)) => d == w,
+            _ => false,
+        }
+    }
+}
+
+/// Remove a controller's listener from subsystem `nqn`.
+fn remove_listener(r: &Registry, nqn: &str, at: &At) -> Result<(), crate::control::RpcError> {
+    match at {
+        At::Fabric(t, a) => r.remove_listener(nqn, *a, *t),
+        At::VfioUser(d) => r.remove_vfio_user_listener(nqn, d),
+    }
 }
 
 fn records(r: &Registry) -> BTreeMap<String, NvmfSubsystemRecord> {
@@ -166,27 +198,34 @@ fn ns_to_pb(n: &Ns) -> pb::NvmeNamespace {
     }
 }
 
-fn listener_key(t: ListenerTransport, a: &SocketAddr) -> String {
-    let t = match t {
-        ListenerTransport::Tcp => "tcp",
-        ListenerTransport::Rdma => "rdma",
-    };
-    format!("{t} {a}")
+fn listener_key(at: &At) -> String {
+    match at {
+        At::Fabric(ListenerTransport::Tcp, a) => format!("tcp {a}"),
+        At::Fabric(ListenerTransport::Rdma, a) => format!("rdma {a}"),
+        At::VfioUser(d) => format!("vfio-user {}", d.display()),
+    }
 }
 
 fn controllers(r: &Registry, sub: &Sub) -> Vec<Ctrl> {
-    let mut left: BTreeMap<String, (ListenerTransport, SocketAddr)> = sub
+    let mut left: BTreeMap<String, At> = sub
         .rec
         .listeners
         .iter()
-        .map(|a| (ListenerTransport::Tcp, *a))
+        .map(|a| At::Fabric(ListenerTransport::Tcp, *a))
         .chain(
             sub.rec
                 .rdma_listeners
                 .iter()
-                .map(|a| (ListenerTransport::Rdma, *a)),
+                .map(|a| At::Fabric(ListenerTransport::Rdma, *a)),
         )
-        .map(|(t, a)| (listener_key(t, &a), (t, a)))
+        .chain(
+            sub.rec
+                .vfio_user_listeners
+                .iter()
+                .cloned()
+                .map(At::VfioUser),
+        )
+        .map(|at| (listener_key(&at), at))
         .collect();
     let mut out = Vec::new();
     for (name, b) in r.opi_bindings(&format!("{}/nvmeControllers/", sub.name)) {
@@ -196,43 +235,53 @@ fn controllers(r: &Registry, sub: &Sub) -> Vec<Ctrl> {
         if nqn != sub.rec.nqn {
             continue;
         }
-        if let Some((transport, addr)) = left.remove(key) {
+        if let Some(at) = left.remove(key) {
             out.push(Ctrl {
                 name,
                 nqn: nqn.to_string(),
-                addr,
-                transport,
+                at,
                 spec: decode(&b.spec),
             });
         }
     }
-    out.extend(left.into_values().map(|(transport, addr)| {
-        let t = match transport {
-            ListenerTransport::Tcp => pb::NvmeTransportType::Tcp,
-            ListenerTransport::Rdma => pb::NvmeTransportType::Rdma,
+    out.extend(left.into_values().map(|at| {
+        let (id, spec) = match &at {
+            At::Fabric(transport, addr) => {
+                let (t, prefix) = match transport {
+                    ListenerTransport::Tcp => (pb::NvmeTransportType::Tcp, "tcp"),
+                    ListenerTransport::Rdma => (pb::NvmeTransportType::Rdma, "rdma"),
+                };
+                let id = format!(
+                    "{prefix}-{}-{}",
+                    addr.ip().to_string().replace(':', "."),
+                    addr.port()
+                );
+                let spec = pb::NvmeControllerSpec {
+                    trtype: t as i32,
+                    endpoint: Some(pb::nvme_controller_spec::Endpoint::FabricsId(fabrics_of(
+                        addr,
+                    ))),
+                    ..Default::default()
+                };
+                (id, spec)
+            }
+            At::VfioUser(d) => {
+                let id = format!(
+                    "vfio-user-{}",
+                    d.display().to_string().trim_matches('/').replace('/', ".")
+                );
+                let spec = pb::NvmeControllerSpec {
+                    trtype: pb::NvmeTransportType::Pcie as i32,
+                    ..Default::default()
+                };
+                (id, spec)
+            }
         };
-        let id = format!(
-            "{}-{}-{}",
-            if t == pb::NvmeTransportType::Tcp {
-                "tcp"
-            } else {
-                "rdma"
-            },
-            addr.ip().to_string().replace(':', "."),
-            addr.port()
-        );
         Ctrl {
             name: format!("{}/nvmeControllers/{id}", sub.name),
             nqn: sub.rec.nqn.clone(),
-            addr,
-            transport,
-            spec: pb::NvmeControllerSpec {
-                trtype: t as i32,
-                endpoint: Some(pb::nvme_controller_spec::Endpoint::FabricsId(fabrics_of(
-                    &addr,
-                ))),
-                ..Default::default()
-            },
+            at,
+            spec,
         }
     }));
     out
@@ -400,15 +449,33 @@ fn create_namespace(
         .ok_or_else(|| not_found(&name))
 }
 
-/// A controller's listener: its transport and address (port 0: any free port).
-fn endpoint(spec: &pb::NvmeControllerSpec) -> Result<(ListenerTransport, SocketAddr), Status> {
+/// A controller's listener: its transport and address (port 0: any free port), or for a
+/// PCIe endpoint its vfio-user directory `<run_dir>/vfio-user/<port>-<pf>-<vf>`.
+fn endpoint(spec: &pb::NvmeControllerSpec, run_dir: &Path) -> Result<At, Status> {
     use pb::nvme_controller_spec::Endpoint;
-    let pcie = matches!(spec.endpoint, Some(Endpoint::PcieId(_)))
-        || spec.trtype == pb::NvmeTransportType::Pcie as i32;
-    if pcie {
-        return Err(Status::failed_precondition(
-            "PCIe controllers are not available yet: use an NVMe/TCP or NVMe/RDMA endpoint",
+    let pcie = spec.trtype == pb::NvmeTransportType::Pcie as i32;
+    if let Some(Endpoint::PcieId(p)) = &spec.endpoint {
+        if !pcie && spec.trtype != pb::NvmeTransportType::Unspecified as i32 {
+            return Err(invalid(format!(
+                "trtype {} does not go with spec.pcie_id: use NVME_TRANSPORT_TYPE_PCIE",
+                spec.trtype
+            )));
+        }
+        let field = |v: Option<i32>, what: &str| {
+            let v = v.unwrap_or(0);
+            u32::try_from(v).map_err(|_| invalid(format!("pcie_id.{what} {v} is negative")))
+        };
+        let port = field(p.port_id, "port_id")?;
+        let pf = field(p.physical_function, "physical_function")?;
+        let vf = field(p.virtual_function, "virtual_function")?;
+        return Ok(At::VfioUser(
+            run_dir
+                .join(VFIO_USER_DIR)
+                .join(format!("{port}-{pf}-{vf}")),
         ));
+    }
+    if pcie {
+        return Err(invalid("spec.pcie_id is required for PCIe controllers"));
     }
     let transport = match pb::NvmeTransportType::try_from(spec.trtype) {
         Ok(pb::NvmeTransportType::Tcp) => ListenerTransport::Tcp,
@@ -436,7 +503,7 @@ fn endpoint(spec: &pb::NvmeControllerSpec) -> Result<(ListenerTransport, SocketA
             .parse()
             .map_err(|_| invalid(format!("trsvcid {:?} is not a port", f.trsvcid)))?
     };
-    Ok((transport, SocketAddr::new(ip, port)))
+    Ok(At::Fabric(transport, SocketAddr::new(ip, port)))
 }
 
 fn create_controller(
@@ -452,33 +519,52 @@ fn create_controller(
         .spec
         .clone()
         .ok_or_else(|| invalid("nvme_controller.spec is required"))?;
-    let (transport, addr) = endpoint(&spec)?;
+    let want = endpoint(&spec, r.run_dir())?;
     if let Some(c) = controllers(r, &sub).into_iter().find(|c| c.name == name) {
-        let same = c.transport == transport
-            && c.addr.ip() == addr.ip()
-            && (addr.port() == 0 || addr.port() == c.addr.port());
-        return if same {
+        return if c.at.matches(&want) {
             Ok(ctrl_to_pb(&c, sub.rec.namespaces.is_empty()))
         } else {
             Err(exists_differently(&name))
         };
     }
-    let bound = r
-        .add_listener(&sub.rec.nqn, addr, transport)
-        .map_err(status)?;
-    spec.endpoint = Some(pb::nvme_controller_spec::Endpoint::FabricsId(fabrics_of(
-        &bound,
-    )));
     let nqn = sub.rec.nqn.clone();
+    let bound = match want {
+        At::Fabric(transport, addr) => {
+            let bound = r.add_listener(&nqn, addr, transport).map_err(status)?;
+            spec.endpoint = Some(pb::nvme_controller_spec::Endpoint::FabricsId(fabrics_of(
+                &bound,
+            )));
+            At::Fabric(transport, bound)
+        }
+        At::VfioUser(dir) => {
+            let owner = records(r)
+                .into_values()
+                .find(|s| s.vfio_user_listeners.contains(&dir));
+            if let Some(owner) = owner {
+                return Err(Status::already_exists(format!(
+                    "the PCIe endpoint {} is already a controller of {}",
+                    dir.display(),
+                    owner.nqn
+                )));
+            }
+            std::fs::create_dir_all(&dir)
+                .map_err(|e| Status::unavailable(format!("cannot make {}: {e}", dir.display())))?;
+            if let Err(e) = r.add_vfio_user_listener(&nqn, &dir) {
+                let _ = std::fs::remove_dir(&dir);
+                return Err(status(e));
+            }
+            At::VfioUser(dir)
+        }
+    };
     bind_or_undo(
         r,
         &name,
         OpiBinding {
-            object: format!("{nqn} {}", listener_key(transport, &bound)),
+            object: format!("{nqn} {}", listener_key(&bound)),
             spec: encode(&spec),
         },
         || {
-            let _ = r.remove_listener(&nqn, bound, transport);
+            let _ = remove_listener(r, &nqn, &bound);
         },
     )?;
     Ok(pb::NvmeController {
@@ -693,9 +779,14 @@ impl FrontendNvmeService for Service {
                     Err(not_found(&q.name))
                 };
             };
-            r.remove_listener(&c.nqn, c.addr, c.transport)
-                .map_err(status)?;
+            remove_listener(&r, &c.nqn, &c.at).map_err(status)?;
             r.unbind_opi(&q.name).map_err(status)?;
+            if let At::VfioUser(d) = &c.at {
+                // Only the directory this module made, and only when empty.
+                if d.parent() == Some(&r.run_dir().join(VFIO_USER_DIR)) {
+                    let _ = std::fs::remove_dir(d);
+                }
+            }
             Ok(Response::new(()))
         })
     }
@@ -720,12 +811,8 @@ impl FrontendNvmeService for Service {
             let want = m.spec.clone().unwrap_or_default();
             let paths = mask_paths(&q.update_mask, &["spec"])?;
             if !paths.is_empty() {
-                let (t, a) = endpoint(&want)?;
-                no_change(paths, &m.name, |_| {
-                    t != c.transport
-                        || a.ip() != c.addr.ip()
-                        || (a.port() != 0 && a.port() != c.addr.port())
-                })?;
+                let at = endpoint(&want, r.run_dir())?;
+                no_change(paths, &m.name, |_| !c.at.matches(&at))?;
             }
             Ok(Response::new(ctrl_to_pb(&c, active(&r, &c.nqn))))
         })
