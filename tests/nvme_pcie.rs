@@ -634,6 +634,16 @@ fn nacred_serves_a_vfio_user_listener_added_by_the_cli_and_replays_it() {
         out.contains("Model Number:                          nacre"),
         "{out}"
     );
+    // A reboot empties /run: the listener's directory is made again at start.
+    assert!(n.stop(), "{}", n.log_text());
+    std::fs::remove_dir_all(dir.path()).unwrap();
+    n.spawn_again();
+    let out = identify();
+    assert!(
+        out.contains("Model Number:                          nacre"),
+        "{out}\n{}",
+        n.log_text()
+    );
     let out = n.cli(&[
         "nvmf",
         "remove-listener",

@@ -463,6 +463,11 @@ fn start_subsystem(
     }
     for d in &rec.vfio_user_listeners {
         let ports = vfio_user_ports(inner);
+        // The directory existed when the listener was added; one under /run is gone after a
+        // reboot, and the operator asked for the controller to stay: make it again.
+        if let Err(e) = std::fs::create_dir_all(d) {
+            warn!(nqn = %rec.nqn, dir = %d.display(), "cannot make the vfio-user directory: {e}");
+        }
         if let Err(e) = ports.add_listener(&rec.nqn, d) {
             // Not retried: reported by nvmf_get_subsystems until it is re-added.
             warn!(nqn = %rec.nqn, dir = %d.display(), "vfio-user listener not restored: {e}");
