@@ -19,8 +19,8 @@ use tonic::{Request, Response, Status};
 
 use super::pb::{self, frontend_nvme_service_server::FrontendNvmeService};
 use super::{
-    blocking, decode, encode, exists_differently, invalid, mask_paths, new_id, not_found, page,
-    paginate, status, sum_stats, volume_ref, volume_stats,
+    decode, encode, exists_differently, invalid, mask_paths, new_id, not_found, page, paginate,
+    status, sum_stats, volume_ref, volume_stats,
 };
 use crate::control::registry::{ListenerTransport, Registry};
 use crate::control::state::{NvmfSubsystemRecord, OpiBinding};
@@ -590,14 +590,6 @@ fn no_change(paths: Vec<String>, name: &str, differs: impl Fn(&str) -> bool) -> 
         }
     }
     Ok(())
-}
-
-macro_rules! run {
-    ($self:ident, $req:ident, |$r:ident, $q:ident| $body:expr) => {{
-        let $r = $self.0.clone();
-        let $q = $req.into_inner();
-        blocking(move || $body).await
-    }};
 }
 
 #[tonic::async_trait]

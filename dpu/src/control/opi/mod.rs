@@ -17,6 +17,16 @@
 //! One submodule per OPI service. The `.proto` files are in `proto/opi/storage/v1`
 //! (compiled by `dpu/build.rs`); docs/opi.md is the operator's view.
 
+/// One gRPC method body: the registry handle and the request's message, then `$body` (a
+/// registry call, which may block) run by [`blocking`].
+macro_rules! run {
+    ($self:ident, $req:ident, |$r:ident, $q:ident| $body:expr) => {{
+        let $r = $self.0.clone();
+        let $q = $req.into_inner();
+        $crate::control::opi::blocking(move || $body).await
+    }};
+}
+
 mod encryption;
 mod frontend_nvme;
 mod qos;

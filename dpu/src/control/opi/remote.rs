@@ -15,8 +15,8 @@ use tonic::{Request, Response, Status};
 
 use super::pb::{self, nvme_remote_controller_service_server::NvmeRemoteControllerService};
 use super::{
-    blocking, check_id, decode, encode, exists_differently, id_in, invalid, mask_paths, new_id,
-    not_found, page, paginate, status, sum_stats, volume_stats,
+    check_id, decode, encode, exists_differently, id_in, invalid, mask_paths, new_id, not_found,
+    page, paginate, status, sum_stats, volume_stats,
 };
 use crate::control::registry::Registry;
 use crate::control::state::OpiBinding;
@@ -297,14 +297,6 @@ fn ctrl_stats(r: &Registry, ctrl: &str) -> Result<pb::VolumeStats, Status> {
         .map(|v| volume_stats(r, v))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(sum_stats(&all))
-}
-
-macro_rules! run {
-    ($self:ident, $req:ident, |$r:ident, $q:ident| $body:expr) => {{
-        let $r = $self.0.clone();
-        let $q = $req.into_inner();
-        blocking(move || $body).await
-    }};
 }
 
 #[tonic::async_trait]
