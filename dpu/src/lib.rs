@@ -11,7 +11,6 @@
 //! next, so a new transport or frontend is one new module.
 
 pub mod auth;
-pub mod cli;
 pub mod config;
 pub mod control;
 pub mod crypto;

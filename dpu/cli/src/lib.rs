@@ -165,7 +165,7 @@ pub fn run(cli: Cli) -> Result<()> {
     let path = cli
         .rpc
         .clone()
-        .unwrap_or_else(crate::config::default_rpc_path);
+        .unwrap_or_else(nacre_dpu::config::default_rpc_path);
     let mut ctx = Ctx {
         client: Client::connect(&path)?,
         json: cli.json,

@@ -16,7 +16,7 @@ use zeroize::Zeroizing;
 
 use super::table::Table;
 use super::Ctx;
-use crate::crypto::kek::PassphraseKek;
+use nacre_dpu::crypto::kek::PassphraseKek;
 
 const TENANT_EXAMPLES: &str = "\
 Examples:
