@@ -16,6 +16,7 @@ pub mod control;
 pub mod crypto;
 pub mod fabric;
 pub mod frontend;
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod telemetry;
