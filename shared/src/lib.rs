@@ -7,6 +7,7 @@
 //! * `channel` (feature `channel`) — the host ↔ DPU channel: JSON-RPC inside mutual TLS, and
 //!   the certificates.
 //! * [`size`] — human-readable sizes (`1G`, `512M`, `4096`) as operators write them.
+//! * [`table`] — the aligned text tables the `nacre` and `nacre-host` commands print.
 
 pub mod api;
 #[cfg(feature = "channel")]
@@ -15,3 +16,4 @@ pub mod nvme;
 pub mod nvme_tcp;
 pub mod rpc;
 pub mod size;
+pub mod table;
