@@ -18,8 +18,9 @@ use nacre_tests::testbed::repo_root;
 
 const TREES: [&str; 4] = ["dpu", "host", "shared", "images"];
 /// Crate source roots a path in a comment may be relative to.
-const SRC_ROOTS: [&str; 5] = [
+const SRC_ROOTS: [&str; 6] = [
     "dpu/src",
+    "dpu/cli/src",
     "host/src",
     "shared/src",
     "images/bfb/src",

@@ -11,12 +11,12 @@
 //! next, so a new transport or frontend is one new module.
 
 pub mod auth;
-pub mod cli;
 pub mod config;
 pub mod control;
 pub mod crypto;
 pub mod fabric;
 pub mod frontend;
+#[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod telemetry;

@@ -3,6 +3,7 @@
 use anyhow::Result;
 use nacre_shared::api::host::{DeviceMatch, MatchedVolume, SeenDevice};
 use nacre_shared::size::format_size;
+use nacre_shared::table::Table;
 use serde::Serialize;
 use serde_json::json;
 
@@ -82,7 +83,7 @@ pub fn render(list: &[Listed], matched: bool) -> String {
         "ENCRYPTED",
         "PATHS",
     ];
-    let mut rows = vec![header.iter().map(|s| s.to_string()).collect::<Vec<_>>()];
+    let mut t = Table::new(&header);
     for l in list {
         let d = &l.disk;
         let ident = d
@@ -108,7 +109,7 @@ pub fn render(list: &[Listed], matched: bool) -> String {
                 .collect::<Vec<_>>()
                 .join(",")
         };
-        rows.push(vec![
+        t.row(vec![
             d.name.clone(),
             format_size(d.size),
             d.transport.clone(),
@@ -119,22 +120,7 @@ pub fn render(list: &[Listed], matched: bool) -> String {
             paths,
         ]);
     }
-    let mut widths = vec![0; header.len()];
-    for r in &rows {
-        for (w, c) in widths.iter_mut().zip(r) {
-            *w = (*w).max(c.len());
-        }
-    }
-    rows.iter()
-        .map(|r| {
-            let mut s = String::new();
-            for (c, w) in r.iter().zip(&widths) {
-                s.push_str(&format!("{c:<w$}  "));
-            }
-            s.trim_end().to_string()
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
+    t.render()
 }
 
 pub fn run(g: &Global, _a: Args) -> Result<()> {

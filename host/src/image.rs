@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use nacre_bfb::{ids, Bundle, ImageId};
+use nacre_shared::table::Table;
 
 const EXAMPLES: &str = "\
 Examples:
@@ -217,23 +218,29 @@ fn inspect(a: &InspectArgs, json: bool) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
-    println!(
-        "{:>10}  {:>3}  {:<14} {:>3}  {:>12}  {:<8}  DESCRIPTION",
-        "OFFSET", "ID", "NAME", "VER", "LENGTH", "CRC32"
-    );
+    let mut t = Table::new(&[
+        "OFFSET",
+        "ID",
+        "NAME",
+        "VER",
+        "LENGTH",
+        "CRC32",
+        "DESCRIPTION",
+    ])
+    .right(&[0, 1, 3, 4]);
     for e in &entries {
         let id = ImageId(e.header.image_id);
-        println!(
-            "{:>10}  {:>3}  {:<14} {:>3}  {:>12}  {:08x}  {}",
-            e.offset,
-            id.0,
+        t.row(vec![
+            e.offset.to_string(),
+            id.0.to_string(),
             label(id),
-            e.header.cur_img_ver,
-            e.header.image_len,
-            e.header.image_crc,
-            id.name()
-        );
+            e.header.cur_img_ver.to_string(),
+            e.header.image_len.to_string(),
+            format!("{:08x}", e.header.image_crc),
+            id.name().to_string(),
+        ]);
     }
+    t.print();
     println!(
         "{} images, {} bytes, every CRC-32 verified",
         entries.len(),
@@ -255,8 +262,10 @@ fn verify(a: &VerifyArgs) -> Result<()> {
 fn extract(a: &ExtractArgs) -> Result<()> {
     let b = open(&a.file)?;
     let files = b.extract(&a.output, &a.prefix)?;
+    let mut t = Table::new(&[]).right(&[0]);
     for (f, img) in files.iter().zip(&b.images) {
-        println!("{:>12}  {}", img.data.len(), f.display());
+        t.row(vec![img.data.len().to_string(), f.display().to_string()]);
     }
+    t.print();
     Ok(())
 }

@@ -25,7 +25,7 @@ use serde_json::Value;
 use time::{Duration, OffsetDateTime};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
 
-use crate::rpc::{Request, Response};
+use crate::rpc::{Calls, ClientError};
 
 /// The DNS name in every nacred server certificate, and the name the host verifies.
 pub const DPU_SERVER_NAME: &str = "nacred";
@@ -82,6 +82,20 @@ pub enum ChannelError {
     BadReply(String),
     #[error("{message}")]
     Rpc { code: i64, message: String },
+}
+
+impl From<ClientError> for ChannelError {
+    fn from(e: ClientError) -> Self {
+        match e {
+            ClientError::Rpc { code, message } => ChannelError::Rpc { code, message },
+            ClientError::BadReply(r) => ChannelError::BadReply(r),
+            ClientError::Io(e) => ChannelError::Io(e),
+            ClientError::Connect { path, source } => ChannelError::Io(std::io::Error::new(
+                source.kind(),
+                format!("cannot reach nacred at {path}: {source}"),
+            )),
+        }
+    }
 }
 
 fn cert_err(what: &str) -> impl Fn(rcgen::Error) -> ChannelError + '_ {
@@ -327,11 +341,12 @@ pub async fn connect(
     Ok(RpcClient::new(tls))
 }
 
-/// A JSON-RPC client over any byte stream (one request, one newline-terminated reply).
+/// A JSON-RPC client over any byte stream (one request, one newline-terminated reply): the
+/// Unix socket's [`rpc::Client`](crate::rpc::Client), asynchronous, on the same [`Calls`].
 pub struct RpcClient<S> {
     reader: BufReader<tokio::io::ReadHalf<S>>,
     writer: tokio::io::WriteHalf<S>,
-    next_id: u64,
+    calls: Calls,
 }
 
 impl<S: AsyncRead + AsyncWrite> RpcClient<S> {
@@ -340,17 +355,12 @@ impl<S: AsyncRead + AsyncWrite> RpcClient<S> {
         RpcClient {
             reader: BufReader::new(r),
             writer: w,
-            next_id: 1,
+            calls: Calls::default(),
         }
     }
 
     pub async fn call(&mut self, method: &str, params: Value) -> Result<Value, ChannelError> {
-        let id = self.next_id;
-        self.next_id += 1;
-        let params = (!params.is_null()).then_some(params);
-        let mut line = serde_json::to_vec(&Request::new(method, params, id))
-            .map_err(|e| ChannelError::BadReply(e.to_string()))?;
-        line.push(b'\n');
+        let (id, line) = self.calls.encode(method, params)?;
         self.writer.write_all(&line).await?;
         self.writer.flush().await?;
         let mut reply = String::new();
@@ -359,22 +369,7 @@ impl<S: AsyncRead + AsyncWrite> RpcClient<S> {
                 "nacred closed the connection (was the certificate refused?)".into(),
             ));
         }
-        let r: Response =
-            serde_json::from_str(&reply).map_err(|e| ChannelError::BadReply(e.to_string()))?;
-        if r.id != id {
-            return Err(ChannelError::BadReply(format!(
-                "reply id {} for request {id}",
-                r.id
-            )));
-        }
-        match (r.result, r.error) {
-            (_, Some(e)) => Err(ChannelError::Rpc {
-                code: e.code,
-                message: e.message,
-            }),
-            (Some(v), None) => Ok(v),
-            (None, None) => Err(ChannelError::BadReply("neither result nor error".into())),
-        }
+        Ok(Calls::decode(id, &reply)?)
     }
 
     /// Close the write side so nacred sees the end of the channel.

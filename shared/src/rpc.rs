@@ -100,7 +100,7 @@ impl Response {
 pub struct Client {
     reader: std::io::BufReader<std::os::unix::net::UnixStream>,
     writer: std::os::unix::net::UnixStream,
-    next_id: u64,
+    calls: Calls,
 }
 
 /// Why a call failed: the transport, or an error object from nacred.
@@ -130,37 +130,70 @@ impl Client {
         Ok(Client {
             reader: std::io::BufReader::new(s.try_clone()?),
             writer: s,
-            next_id: 1,
+            calls: Calls::default(),
         })
     }
 
     /// Call `method` and return its result, or nacred's error.
     pub fn call(&mut self, method: &str, params: Value) -> Result<Value, ClientError> {
         use std::io::{BufRead, Write};
-        let id = self.next_id;
-        self.next_id += 1;
-        let params = (!params.is_null()).then_some(params);
-        let mut req = Request::new(method, params, id);
-        // Params may carry a passphrase: serialize into a buffer of the exact size (a growing
-        // Vec would free copies as it reallocates) that is zeroed when dropped, and scrub the
-        // params once sent.
-        let mut size = ByteCount(0);
-        serde_json::to_writer(&mut size, &req).map_err(|e| ClientError::BadReply(e.to_string()))?;
-        let mut line = zeroize::Zeroizing::new(Vec::with_capacity(size.0 + 1));
-        serde_json::to_writer(&mut *line, &req)
-            .map_err(|e| ClientError::BadReply(e.to_string()))?;
-        line.push(b'\n');
-        let sent = self.writer.write_all(&line);
-        if let Some(p) = req.params.as_mut() {
-            scrub(p);
-        }
-        sent?;
+        let (id, line) = self.calls.encode(method, params)?;
+        self.writer.write_all(&line)?;
         let mut reply = String::new();
         if self.reader.read_line(&mut reply)? == 0 {
             return Err(ClientError::BadReply("connection closed".into()));
         }
+        Calls::decode(id, &reply)
+    }
+}
+
+/// What every nacre JSON-RPC client does whatever carries its bytes (the Unix socket's
+/// [`Client`], the host channel's TLS client): it numbers requests, encodes each as one line,
+/// and takes the result or the error object out of the reply to it.
+#[derive(Debug)]
+pub struct Calls {
+    next_id: u64,
+}
+
+impl Default for Calls {
+    fn default() -> Self {
+        Calls { next_id: 1 }
+    }
+}
+
+impl Calls {
+    /// A call to `method` as one newline-terminated line, and its id. `Null` params are left
+    /// out. Params may carry a passphrase: the line is serialized into a buffer of the exact
+    /// size (a growing Vec would free copies as it reallocates) that is zeroed when dropped,
+    /// and the params are scrubbed once encoded.
+    pub fn encode(
+        &mut self,
+        method: &str,
+        params: Value,
+    ) -> Result<(u64, zeroize::Zeroizing<Vec<u8>>), ClientError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let params = (!params.is_null()).then_some(params);
+        let mut req = Request::new(method, params, id);
+        let mut size = ByteCount(0);
+        let encoded = serde_json::to_writer(&mut size, &req).and_then(|()| {
+            let mut line = zeroize::Zeroizing::new(Vec::with_capacity(size.0 + 1));
+            serde_json::to_writer(&mut *line, &req)?;
+            line.push(b'\n');
+            Ok(line)
+        });
+        if let Some(p) = req.params.as_mut() {
+            scrub(p);
+        }
+        let line = encoded.map_err(|e| ClientError::BadReply(e.to_string()))?;
+        Ok((id, line))
+    }
+
+    /// The result of request `id` from the reply line `reply`, or the error object it carries
+    /// as [`ClientError::Rpc`].
+    pub fn decode(id: u64, reply: &str) -> Result<Value, ClientError> {
         let r: Response =
-            serde_json::from_str(&reply).map_err(|e| ClientError::BadReply(e.to_string()))?;
+            serde_json::from_str(reply).map_err(|e| ClientError::BadReply(e.to_string()))?;
         if r.id != id {
             return Err(ClientError::BadReply(format!(
                 "reply id {} for request {id}",

@@ -1,6 +1,6 @@
 //! Run the real `nacred` and `nacre` binaries in tests.
 //!
-//! The binaries belong to the nacre-dpu package, so they are found next to the test
+//! The binaries belong to the nacre-dpu and nacre-cli packages, so they are found next to the test
 //! executable's `deps/` directory (`target/<profile>/nacred`); the README's test command
 //! builds them first (`cargo build --workspace --bins`).
 

@@ -2,7 +2,7 @@
 //!
 //! The host reads its disks' identifiers from sysfs and sends them; nacred answers, for each
 //! one, the volume behind it. The host learns nothing about volumes it does not see, and a
-//! host credential (see [`crate::channel`]) only matches its own tenant's volumes.
+//! host credential (see `channel.rs`) only matches its own tenant's volumes.
 //!
 //! What identifies a nacre volume on the host:
 //! * NVMe namespace: its NGUID and UUID (NVMe Base 2.0 §4.1.5.3 Namespace Identification

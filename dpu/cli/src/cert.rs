@@ -61,9 +61,9 @@ pub enum CertCmd {
 }
 
 fn default_dir() -> PathBuf {
-    std::env::var_os(crate::config::ENV_STATE_DIR)
+    std::env::var_os(nacre_dpu::config::ENV_STATE_DIR)
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(crate::config::DEFAULT_STATE_DIR))
+        .unwrap_or_else(|| PathBuf::from(nacre_dpu::config::DEFAULT_STATE_DIR))
         .join("tls")
 }
 

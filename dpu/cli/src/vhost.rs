@@ -4,8 +4,8 @@ use anyhow::Result;
 use clap::Subcommand;
 use serde_json::{json, Value};
 
-use super::table::Table;
 use super::Ctx;
+use nacre_shared::table::Table;
 
 #[derive(Subcommand, Debug)]
 pub enum VhostBlkCmd {

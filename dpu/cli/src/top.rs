@@ -10,8 +10,8 @@ use nacre_shared::api::qos::VolumeStats;
 use nacre_shared::size::format_size;
 
 use super::stats::{fetch, us};
-use super::table::Table;
 use super::Ctx;
+use nacre_shared::table::Table;
 
 #[derive(Args, Debug)]
 #[command(

@@ -6,8 +6,8 @@ use nacre_shared::api::peer::PeerWindowInfo;
 use nacre_shared::size::format_size;
 use serde_json::json;
 
-use super::table::Table;
 use super::Ctx;
+use nacre_shared::table::Table;
 
 #[derive(Subcommand, Debug)]
 pub enum PeerCmd {

@@ -6,8 +6,8 @@ use nacre_shared::api::volume::BackendKind;
 use nacre_shared::size::{format_size, parse_size};
 use serde_json::{json, Value};
 
-use super::table::Table;
 use super::Ctx;
+use nacre_shared::table::Table;
 
 #[derive(Subcommand, Debug)]
 pub enum VolumeCmd {

@@ -1,8 +1,8 @@
 //! nacre: the operator CLI for nacred.
 
-#[path = "nacre/generate_docs.rs"]
 mod generate_docs;
-#[path = "nacred/args.rs"]
+// nacred's command line, compiled here as well for its man page and completions only.
+#[path = "../../src/bin/nacred/args.rs"]
 #[allow(dead_code)] // only its clap definition is read here (nacred's man page, completions)
 mod nacred_args;
 
@@ -13,12 +13,12 @@ use clap::{CommandFactory, FromArgMatches};
 
 /// What the command line asks for.
 enum Request {
-    Run(Box<nacre_dpu::cli::Cli>),
+    Run(Box<nacre_cli::Cli>),
     GenerateDocs(PathBuf),
 }
 
 fn parse() -> Result<Request, clap::Error> {
-    let m = nacre_dpu::cli::Cli::command()
+    let m = nacre_cli::Cli::command()
         .subcommand(generate_docs::command())
         .try_get_matches()?;
     match m.subcommand() {
@@ -27,20 +27,20 @@ fn parse() -> Result<Request, clap::Error> {
                 .cloned()
                 .expect("clap requires --out"),
         )),
-        _ => nacre_dpu::cli::Cli::from_arg_matches(&m).map(|c| Request::Run(Box::new(c))),
+        _ => nacre_cli::Cli::from_arg_matches(&m).map(|c| Request::Run(Box::new(c))),
     }
 }
 
 fn main() {
     let result = match parse() {
-        Ok(Request::Run(cli)) => nacre_dpu::cli::run(*cli),
+        Ok(Request::Run(cli)) => nacre_cli::run(*cli),
         Ok(Request::GenerateDocs(out)) => generate_docs::run(&out),
         Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {
             e.exit()
         }
         Err(e) => {
             // A malformed command line: one line, exit status 2.
-            eprintln!("{}", nacre_dpu::cli::usage_error_line(&e));
+            eprintln!("{}", nacre_cli::usage_error_line(&e));
             std::process::exit(2);
         }
     };

@@ -14,9 +14,9 @@ use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 use zeroize::Zeroizing;
 
-use super::table::Table;
 use super::Ctx;
-use crate::crypto::kek::PassphraseKek;
+use nacre_dpu::crypto::kek::PassphraseKek;
+use nacre_shared::table::Table;
 
 const TENANT_EXAMPLES: &str = "\
 Examples:

@@ -5,8 +5,8 @@ use clap::{Args, Subcommand};
 use nacre_shared::size::format_size;
 use serde_json::{json, Map, Value};
 
-use super::table::Table;
 use super::Ctx;
+use nacre_shared::table::Table;
 
 /// Exactly one of --volume, --tenant, --global.
 #[derive(Args, Debug)]
@@ -186,5 +186,5 @@ fn print_table(rows: &[Value]) {
             n(&l["weight"]),
         ]);
     }
-    println!("{}", t.render());
+    t.print();
 }

@@ -5,9 +5,9 @@ use clap::{Args, Subcommand};
 use nacre_shared::size::format_size;
 use serde_json::{json, Value};
 
-use super::table::Table;
 use super::volume::size_arg;
 use super::Ctx;
+use nacre_shared::table::Table;
 
 #[derive(Subcommand, Debug)]
 pub enum RemoteCmd {

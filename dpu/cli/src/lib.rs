@@ -11,7 +11,6 @@ pub mod peer;
 pub mod qos;
 pub mod remote;
 pub mod stats;
-pub mod table;
 pub mod tenant;
 pub mod top;
 pub mod vhost;
@@ -165,7 +164,7 @@ pub fn run(cli: Cli) -> Result<()> {
     let path = cli
         .rpc
         .clone()
-        .unwrap_or_else(crate::config::default_rpc_path);
+        .unwrap_or_else(nacre_dpu::config::default_rpc_path);
     let mut ctx = Ctx {
         client: Client::connect(&path)?,
         json: cli.json,
@@ -203,21 +202,14 @@ pub fn run(cli: Cli) -> Result<()> {
 /// `nacre methods`: every method with its whole line of help, the names in one column as wide
 /// as the longest (nothing is cut; a terminal narrower than a line wraps it).
 fn print_methods(v: &Value) {
-    let methods: Vec<(&str, &str)> = v
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|m| {
-            (
-                m["name"].as_str().unwrap_or(""),
-                m["help"].as_str().unwrap_or(""),
-            )
-        })
-        .collect();
-    let width = methods.iter().map(|(n, _)| n.len()).max().unwrap_or(0);
-    for (name, help) in methods {
-        println!("{name:<width$}  {help}");
+    let mut t = nacre_shared::table::Table::new(&[]);
+    for m in v.as_array().into_iter().flatten() {
+        t.row(vec![
+            m["name"].as_str().unwrap_or("").to_string(),
+            m["help"].as_str().unwrap_or("").to_string(),
+        ]);
     }
+    t.print();
 }
 
 /// A command-line error as one line: `nacre: error: WHAT (tip: ...); see 'nacre ... --help'`,

@@ -4,8 +4,8 @@ use anyhow::Result;
 use clap::Subcommand;
 use serde_json::{json, Value};
 
-use super::table::Table;
 use super::Ctx;
+use nacre_shared::table::Table;
 
 #[derive(Subcommand, Debug)]
 pub enum NvmfCmd {
@@ -188,7 +188,7 @@ impl NvmfCmd {
 
 /// The commands [`NvmfCmd::is_local`] names.
 pub fn run_local(cmd: NvmfCmd, json: bool) -> Result<()> {
-    use crate::auth::{write_secret_file, Secret};
+    use nacre_dpu::auth::{write_secret_file, Secret};
     match cmd {
         NvmfCmd::GenDhchapKey {
             hmac,

@@ -1,7 +1,8 @@
 //! `nacre generate-docs --out DIR` (hidden): the man pages and the bash, zsh and fish
-//! completions of the two programs of this crate, `nacre` and `nacred`, rendered from their clap
-//! definitions by clap_mangen and clap_complete. `scripts/package` runs it and installs what it
-//! writes. It lives in the CLI, not in nacred, so the daemon links neither generator.
+//! completions of `nacre` and of `nacred` (whose command line, `dpu/src/bin/nacred/args.rs`,
+//! is compiled into this binary for that), rendered from their clap definitions by clap_mangen
+//! and clap_complete. `scripts/package` runs it and installs what it writes. It lives in the
+//! CLI, not in nacred, so the daemon links neither generator.
 //!
 //! Layout of DIR: `man/<page>.<section>` (one page per command and subcommand, e.g.
 //! `nacre-volume-create.1`; nacred's in section 8, the daemons' section), and
@@ -33,7 +34,7 @@ pub(crate) fn command() -> clap::Command {
 }
 
 pub(crate) fn run(out: &Path) -> Result<()> {
-    write(nacre_dpu::cli::Cli::command(), "1", out)?;
+    write(nacre_cli::Cli::command(), "1", out)?;
     write(crate::nacred_args::Args::command(), "8", out)
 }
 
