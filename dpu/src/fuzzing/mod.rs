@@ -26,6 +26,8 @@ mod nvme_auth;
 mod nvmf_initiator;
 mod nvmf_target;
 pub mod seed;
+#[cfg(feature = "fuzzing")]
+mod vfio_user;
 mod virtqueue;
 
 pub use json_rpc::{json_rpc, rpc_root, RPC_DIR, RPC_SKIPPED};
@@ -34,6 +36,8 @@ pub use nvmf_initiator::{init_flags, nvmf_initiator, INIT_CIDS, INIT_CNTLID, INI
 pub use nvmf_target::{
     nvme_commands, nvmf_target, parse_cmd_records, CmdRecord, ADMIN_WRITES, IO_WRITES,
 };
+#[cfg(feature = "fuzzing")]
+pub use vfio_user::{vfio_user, vfio_user_session, PCIE_MAX_PAGES, PCIE_NQN};
 pub use virtqueue::{
     virtqueue, VQ_AVAIL, VQ_DATA, VQ_DESC, VQ_REGIONS, VQ_SIZE, VQ_USED, VQ_VOLUME,
 };

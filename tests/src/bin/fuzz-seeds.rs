@@ -32,11 +32,12 @@ fn main() -> Result<()> {
         .get(3)
         .map_or(Ok(0x6e61_6372_6566_757a), |s| s.parse())?;
     let mut r = Rng::new(seed);
-    let gens: [(&str, Generator); 4] = [
+    let gens: [(&str, Generator); 5] = [
         ("virtqueue", virtqueue),
         ("nvmf_target", nvmf_target),
         ("nvme_commands", nvme_commands),
         ("nvmf_initiator", nvmf_initiator),
+        ("vfio_user", vfio_user),
     ];
     for (name, g) in gens {
         write_all(out, name, (0..n).map(|_| g(&mut r)))?;
@@ -53,6 +54,214 @@ fn write_all(out: &Path, target: &str, seeds: impl Iterator<Item = Vec<u8>>) -> 
         std::fs::write(dir.join(format!("seed-{i:04}")), s)?;
     }
     Ok(())
+}
+
+// ---- vfio_user ----
+
+/// vfio-user commands (vfio-user protocol 0.1, §"Commands").
+const VFU_VERSION: u16 = 1;
+const VFU_DMA_UNMAP: u16 = 3;
+const VFU_GET_INFO: u16 = 4;
+const VFU_GET_REGION_INFO: u16 = 5;
+const VFU_GET_IRQ_INFO: u16 = 7;
+const VFU_SET_IRQS: u16 = 8;
+const VFU_REGION_READ: u16 = 9;
+const VFU_REGION_WRITE: u16 = 10;
+const VFU_RESET: u16 = 13;
+/// Region indexes: BAR0 and the configuration space.
+const VFU_BAR0: u32 = 0;
+const VFU_CONFIG: u32 = 7;
+
+/// One vfio-user message: the 16-byte header (id, command, size, flags 0, error 0), then
+/// the payload.
+fn vfu_msg(out: &mut Vec<u8>, id: u16, command: u16, payload: &[u8]) {
+    out.extend_from_slice(&id.to_le_bytes());
+    out.extend_from_slice(&command.to_le_bytes());
+    out.extend_from_slice(&(16 + payload.len() as u32).to_le_bytes());
+    out.extend_from_slice(&[0; 8]);
+    out.extend_from_slice(payload);
+}
+
+/// A region write of `data` at `offset` of region `region`.
+fn vfu_write(out: &mut Vec<u8>, id: u16, region: u32, offset: u64, data: &[u8]) {
+    let mut p = offset.to_le_bytes().to_vec();
+    p.extend_from_slice(&region.to_le_bytes());
+    p.extend_from_slice(&(data.len() as u32).to_le_bytes());
+    p.extend_from_slice(data);
+    vfu_msg(out, id, VFU_REGION_WRITE, &p);
+}
+
+/// A submission queue entry: opcode, command id, namespace, PRP1, PRP2, CDW10..12.
+fn vfu_sqe(op: u8, cid: u16, nsid: u32, prp: (u64, u64), cdw: [u32; 3]) -> [u8; 64] {
+    let mut e = [0u8; 64];
+    e[0] = op;
+    e[2..4].copy_from_slice(&cid.to_le_bytes());
+    e[4..8].copy_from_slice(&nsid.to_le_bytes());
+    e[24..32].copy_from_slice(&prp.0.to_le_bytes());
+    e[32..40].copy_from_slice(&prp.1.to_le_bytes());
+    for (i, d) in cdw.iter().enumerate() {
+        e[40 + 4 * i..44 + 4 * i].copy_from_slice(&d.to_le_bytes());
+    }
+    e
+}
+
+/// A guest address for the fuzzer's PRPs: mostly page 5 or 6 (data), sometimes unaligned,
+/// beyond the memory, or zero.
+fn vfu_prp(r: &mut Rng) -> u64 {
+    match r.below(8) {
+        0 => r.next_u64(),
+        1 => 0x5000 + r.below(0x1000),
+        2 => 0x8000 + 0x1000 * r.below(4),
+        _ => 0x5000 + 0x1000 * r.below(2),
+    }
+}
+
+/// A session the way an NVMe driver starts one (guest memory: admin SQ at 0, I/O SQ at
+/// 0x1000, admin CQ at 0x2000, I/O CQ at 0x3000, identify data at 0x4000, data at 0x5000
+/// and 0x6000; only the two submission queues are in the input's memory image): the version and device queries, bus mastering, the admin queue registers, CC.EN,
+/// Identify, an I/O queue pair, reads, writes and flushes; then some mischief — a stray
+/// message, a doorbell beyond the queue, a reset, an unmap — and random bytes now and then.
+fn vfio_user(r: &mut Rng) -> Vec<u8> {
+    let pages = 8u8;
+    let mut mem = vec![0u8; 0x1200];
+    let admin = [
+        vfu_sqe(0x06, 1, 0, (0x4000, 0), [1, 0, 0]),
+        vfu_sqe(0x06, 2, 1, (0x4000, 0), [0, 0, 0]),
+        // Create I/O CQ 1 (16 entries, contiguous, interrupts off), then I/O SQ 1 on it.
+        vfu_sqe(0x05, 3, 0, (0x3000, 0), [15 << 16 | 1, 1, 0]),
+        vfu_sqe(0x01, 4, 0, (0x1000, 0), [15 << 16 | 1, 1 << 16 | 1, 0]),
+    ];
+    let n_admin = 1 + r.below(admin.len() as u64) as usize;
+    for (i, e) in admin.iter().take(n_admin).enumerate() {
+        mem[i * 64..(i + 1) * 64].copy_from_slice(e);
+    }
+    let n_io = r.below(8) as usize;
+    for i in 0..n_io {
+        let any = r.below(256) as u8;
+        let op = r.pick(&[0x01u8, 0x02, 0x00, 0x08, 0x09, any]);
+        let far = r.next_u64();
+        let slba = r.pick(&[0u64, 1, 127, 128, far]);
+        let many = r.below(1 << 16) as u32;
+        let nlb = r.pick(&[0u32, 7, 15, many]);
+        let e = vfu_sqe(
+            op,
+            100 + i as u16,
+            r.pick(&[1u32, 1, 0, 2, u32::MAX]),
+            (vfu_prp(r), vfu_prp(r)),
+            [slba as u32, (slba >> 32) as u32, nlb],
+        );
+        mem[0x1000 + i * 64..0x1000 + (i + 1) * 64].copy_from_slice(&e);
+    }
+    let mut s = Vec::new();
+    let mut id = 0u16;
+    let mut next = || {
+        id = id.wrapping_add(1);
+        id
+    };
+    vfu_msg(&mut s, next(), VFU_VERSION, &[0, 0, 1, 0]);
+    vfu_msg(
+        &mut s,
+        next(),
+        VFU_GET_INFO,
+        &[16, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+    );
+    let mut info = vec![0u8; 32];
+    info[0] = 64;
+    info[8] = r.pick(&[0u8, 4, 7, 9]);
+    vfu_msg(&mut s, next(), VFU_GET_REGION_INFO, &info);
+    let mut irq = vec![0u8; 16];
+    irq[0] = 16;
+    irq[8] = r.below(5) as u8;
+    vfu_msg(&mut s, next(), VFU_GET_IRQ_INFO, &irq);
+    // PCI Command: memory space and bus master.
+    vfu_write(&mut s, next(), VFU_CONFIG, 4, &6u16.to_le_bytes());
+    // AQA (16 entries each), ASQ 0, ACQ 0x2000, CC: IOCQES 4, IOSQES 6, EN.
+    vfu_write(
+        &mut s,
+        next(),
+        VFU_BAR0,
+        0x24,
+        &(15u32 << 16 | 15).to_le_bytes(),
+    );
+    vfu_write(&mut s, next(), VFU_BAR0, 0x28, &0u64.to_le_bytes());
+    vfu_write(&mut s, next(), VFU_BAR0, 0x30, &0x2000u64.to_le_bytes());
+    vfu_write(
+        &mut s,
+        next(),
+        VFU_BAR0,
+        0x14,
+        &0x0046_0001u32.to_le_bytes(),
+    );
+    let mut read = 0x1cu64.to_le_bytes().to_vec();
+    read.extend_from_slice(&VFU_BAR0.to_le_bytes());
+    read.extend_from_slice(&4u32.to_le_bytes());
+    vfu_msg(&mut s, next(), VFU_REGION_READ, &read);
+    // Admin SQ 0 tail (doorbell page at BAR0 0x1000; stride 4 bytes).
+    vfu_write(
+        &mut s,
+        next(),
+        VFU_BAR0,
+        0x1000,
+        &(n_admin as u32).to_le_bytes(),
+    );
+    if n_io > 0 {
+        let tail = if r.chance(6) { 40 } else { n_io as u32 };
+        vfu_write(&mut s, next(), VFU_BAR0, 0x1008, &tail.to_le_bytes());
+        vfu_write(
+            &mut s,
+            next(),
+            VFU_BAR0,
+            0x100c,
+            &(n_io as u32).to_le_bytes(),
+        );
+    }
+    vfu_write(
+        &mut s,
+        next(),
+        VFU_BAR0,
+        0x1004,
+        &(n_admin as u32).to_le_bytes(),
+    );
+    match r.below(6) {
+        0 => vfu_msg(&mut s, next(), VFU_RESET, &[]),
+        1 => {
+            let mut p = vec![0u8; 24];
+            p[0] = 24;
+            p[4] = 2; // VFIO_DMA_UNMAP_FLAG_ALL
+            vfu_msg(&mut s, next(), VFU_DMA_UNMAP, &p);
+            vfu_write(&mut s, next(), VFU_BAR0, 0x1000, &0u32.to_le_bytes());
+        }
+        2 => {
+            let mut p = vec![0u8; 20];
+            p[0] = 20;
+            p[8] = 2;
+            p[16] = 4;
+            vfu_msg(&mut s, next(), VFU_SET_IRQS, &p);
+        }
+        3 => vfu_write(
+            &mut s,
+            next(),
+            VFU_BAR0,
+            0x14,
+            &0x0046_4001u32.to_le_bytes(),
+        ),
+        4 => {
+            let n = r.below(64) as usize;
+            let junk = r.bytes(n);
+            vfu_msg(&mut s, next(), r.below(20) as u16, &junk);
+        }
+        _ => {}
+    }
+    if r.chance(8) {
+        let n = r.below(48) as usize;
+        let junk = r.bytes(n);
+        s.extend_from_slice(&junk);
+    }
+    let mut input = vec![pages - 1];
+    input.extend_from_slice(&(mem.len() as u16).to_le_bytes());
+    input.extend_from_slice(&mem);
+    input.extend_from_slice(&s);
+    input
 }
 
 // ---- virtqueue ----

@@ -55,6 +55,8 @@ use tracing::{info, warn};
 use crate::frontend::nvme::{lock, NvmfError, TargetInner};
 use crate::frontend::nvmf_tcp::NvmfTarget;
 use ctrl::PcieController;
+#[cfg(feature = "fuzzing")]
+pub use server::FUZZ_MAX_STREAM;
 
 /// The socket's name in the listener directory (SPDK's and libvfio-user's).
 pub const SOCKET_NAME: &str = "cntrl";
@@ -241,4 +243,55 @@ fn remove_stale_socket(path: &Path) -> Result<(), String> {
             std::fs::remove_file(path).map_err(|e| e.to_string())
         }
     }
+}
+
+/// One session of a hostile vfio-user client against a fresh controller of subsystem `nqn`,
+/// for the fuzzers (`crate::fuzzing::vfio_user`): `memory` is the client's guest memory,
+/// DMA-mapped at guest address 0 from a memfd of its size (whole pages), and `messages` the
+/// bytes the client sends on the socket. The controller serves them as it serves a real
+/// client (the same message checks, register and doorbell handling, queues, PRP walks and
+/// I/O), polling its queues after each message. Returns the guest memory as the session
+/// left it.
+#[cfg(feature = "fuzzing")]
+pub fn fuzz_session(
+    target: &NvmfTarget,
+    nqn: &str,
+    memory: &[u8],
+    messages: &[u8],
+) -> std::io::Result<Vec<u8>> {
+    use std::io::{Read, Seek, Write};
+    let subsys = target
+        .inner()
+        .subsystem(nqn)
+        .map_err(std::io::Error::other)?;
+    let bar0 = Arc::new(server::Bar0::new()?);
+    // SAFETY: the doorbell page lies in `bar0`'s mapping, which the controller holds.
+    let dev = unsafe {
+        PcieController::new(
+            target.inner().clone(),
+            subsys,
+            "nqn.2024-01.io.nacre:pcie:fuzz".into(),
+            bar0.doorbell_page(),
+            bar0.clone(),
+            server::BAR0_LEN,
+            server::MSIX_BAR_LEN,
+        )
+    };
+    let regions = server::regions(&bar0);
+    let len = memory.len().div_ceil(4096).max(1) * 4096;
+    // SAFETY: memfd_create with a NUL-terminated name; the result is checked.
+    let raw = unsafe { libc::memfd_create(c"nacre-fuzz-guest".as_ptr(), libc::MFD_CLOEXEC) };
+    if raw < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a new descriptor that nothing else owns.
+    let mut file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+    file.set_len(len as u64)?;
+    file.write_all(memory)?;
+    server::fuzz_session(&dev, &regions, file.try_clone()?, len as u64, messages)?;
+    dev.stop.store(true, Ordering::SeqCst);
+    let mut after = vec![0u8; len];
+    file.rewind()?;
+    file.read_exact(&mut after)?;
+    Ok(after)
 }

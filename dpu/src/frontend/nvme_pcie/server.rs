@@ -505,6 +505,53 @@ impl Conn<'_> {
     }
 }
 
+/// One session of a client that sends `messages` (raw vfio-user bytes, headers and all) with
+/// `memory` already DMA-mapped at guest address 0, for the fuzzers
+/// ([`super::fuzz_session`]). The session runs as [`Conn::run`] does, on one end of a socket
+/// pair, except that the controller polls its queues after each message (as its poller
+/// thread would, at a point the input decides). No thread is spawned: the client's bytes (at
+/// most [`FUZZ_MAX_STREAM`], which the socket's buffer holds) are written before the session
+/// starts, and its replies are drained after each message.
+#[cfg(feature = "fuzzing")]
+pub(super) fn fuzz_session(
+    dev: &Arc<PcieController>,
+    regions: &[Region],
+    memory: File,
+    memory_len: u64,
+    messages: &[u8],
+) -> std::io::Result<()> {
+    let (ours, mut theirs) = UnixStream::pair()?;
+    theirs.write_all(&messages[..messages.len().min(FUZZ_MAX_STREAM)])?;
+    theirs.shutdown(std::net::Shutdown::Write)?;
+    theirs.set_nonblocking(true)?;
+    let mut conn = Conn {
+        dev,
+        regions,
+        stream: ours,
+    };
+    conn.dma_map(memory, 0, 0, memory_len)
+        .map_err(std::io::Error::other)?;
+    let mut sink = [0u8; 4096];
+    while let Ok(Some((hdr, payload, fds))) = conn.read_msg() {
+        let reply = conn.handle(u16_at(&hdr, 2), &payload, fds);
+        if u32_at(&hdr, 8) & FLAG_NO_REPLY == 0 && conn.send(&hdr, reply).is_err() {
+            break;
+        }
+        while matches!(theirs.read(&mut sink), Ok(n) if n > 0) {}
+        conn.dev.poll();
+    }
+    // What `serve` does when a client goes away.
+    dev.reset();
+    *lock(&dev.mem) = Arc::new(GuestMemoryMmap::new());
+    lock(&dev.irqs).clear();
+    Ok(())
+}
+
+/// The most of a fuzz input's byte stream a session takes: well inside a Unix socket's send
+/// buffer, so writing it before the session never blocks.
+#[cfg(feature = "fuzzing")]
+pub const FUZZ_MAX_STREAM: usize = 64 * 1024;
+
 /// Serve clients one after the other on `listener` until `dev.stop` is set.
 pub fn serve(listener: UnixListener, regions: Vec<Region>, dev: Arc<PcieController>) {
     for stream in listener.incoming() {
