@@ -4,7 +4,8 @@
 //!
 //! Each entry point takes the raw bytes of one input, drives the real code with them the
 //! way a peer would (a guest's descriptor chains, a host's or a controller's NVMe/TCP byte
-//! stream, an RPC client's bytes, a peer's authentication messages), and panics when an invariant breaks. A panic anywhere
+//! stream, an RPC client's bytes, a peer's authentication messages, a vfio-user client's
+//! messages and guest memory), and panics when an invariant breaks. A panic anywhere
 //! inside — even one the code under test catches, like the NVMe/TCP target's per-connection
 //! `catch_unwind` — is a finding: libFuzzer's panic hook aborts on it, and the replay test
 //! counts panics.
@@ -26,7 +27,6 @@ mod nvme_auth;
 mod nvmf_initiator;
 mod nvmf_target;
 pub mod seed;
-#[cfg(feature = "fuzzing")]
 mod vfio_user;
 mod virtqueue;
 
@@ -36,7 +36,6 @@ pub use nvmf_initiator::{init_flags, nvmf_initiator, INIT_CIDS, INIT_CNTLID, INI
 pub use nvmf_target::{
     nvme_commands, nvmf_target, parse_cmd_records, CmdRecord, ADMIN_WRITES, IO_WRITES,
 };
-#[cfg(feature = "fuzzing")]
 pub use vfio_user::{vfio_user, vfio_user_session, PCIE_MAX_PAGES, PCIE_NQN};
 pub use virtqueue::{
     virtqueue, VQ_AVAIL, VQ_DATA, VQ_DESC, VQ_REGIONS, VQ_SIZE, VQ_USED, VQ_VOLUME,
