@@ -71,6 +71,25 @@ pub fn trixie_qemu() -> Result<PathBuf> {
     Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
 }
 
+/// `scripts/testbed trixie-kernel`: Debian 13's 6.12 kernel (NVMe in-band authentication, NVMe/TCP
+/// TLS) and a base initramfs of trixie's user space, built once into the cache (root only the
+/// first time; `scripts/setup --test` does it).
+pub fn trixie_kernel() -> Result<()> {
+    let out = Command::new(script())
+        .arg("trixie-kernel")
+        .stdin(Stdio::null())
+        .output()
+        .context("running scripts/testbed trixie-kernel")?;
+    if !out.status.success() {
+        bail!(
+            "scripts/testbed trixie-kernel failed ({}):\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
 /// Run `scripts/testbed setup` (idempotent; the script locks against concurrent setups).
 pub fn setup() -> Result<()> {
     let out = Command::new(script())
@@ -107,6 +126,7 @@ pub struct Boot {
     timeout: Duration,
     qemu_binary: Option<PathBuf>,
     smp: Option<u32>,
+    kernel: Option<String>,
 }
 
 impl Boot {
@@ -123,6 +143,7 @@ impl Boot {
             timeout: Duration::from_secs(240),
             qemu_binary: None,
             smp: None,
+            kernel: None,
         }
     }
 
@@ -135,6 +156,13 @@ impl Boot {
     /// Guest vCPUs (the script's default is 2).
     pub fn smp(mut self, n: u32) -> Self {
         self.smp = Some(n);
+        self
+    }
+
+    /// Boot this kernel flavour (`scripts/testbed run --kernel`): "trixie" is Debian 13's 6.12 with
+    /// trixie's user space ([`trixie_kernel`] builds it), "bookworm" the default 6.1.
+    pub fn kernel(mut self, flavour: &str) -> Self {
+        self.kernel = Some(flavour.to_string());
         self
     }
 
@@ -210,6 +238,9 @@ impl Boot {
         }
         if let Some(n) = self.smp {
             cmd.arg("--smp").arg(n.to_string());
+        }
+        if let Some(k) = &self.kernel {
+            cmd.arg("--kernel").arg(k);
         }
         if let Some(q) = &self.qemu_binary {
             cmd.env("NACRE_TESTBED_QEMU", q);
