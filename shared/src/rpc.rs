@@ -235,3 +235,45 @@ pub fn scrub(v: &mut Value) {
         Value::Null | Value::Bool(_) | Value::Number(_) => {}
     }
 }
+
+#[cfg(test)]
+mod test {
+    use serde_json::{json, Value};
+
+    use super::{Calls, ClientError};
+
+    #[test]
+    fn calls_are_numbered_one_line_each_and_leave_null_params_out() {
+        let mut c = Calls::default();
+        let (id, line) = c.encode("volume_list", Value::Null).unwrap();
+        assert_eq!(id, 1);
+        assert_eq!(
+            &line[..],
+            &b"{\"jsonrpc\":\"2.0\",\"method\":\"volume_list\",\"id\":1}\n"[..]
+        );
+        let (id, line) = c.encode("tenant_create", json!({"name": "acme"})).unwrap();
+        assert_eq!(id, 2);
+        let sent: Value = serde_json::from_slice(&line).unwrap();
+        assert_eq!(sent["params"], json!({"name": "acme"}));
+        assert_eq!(line.iter().filter(|&&b| b == b'\n').count(), 1);
+    }
+
+    #[test]
+    fn replies_give_the_result_or_the_error_and_refuse_anything_else() {
+        let ok = r#"{"jsonrpc":"2.0","result":[1],"id":3}"#;
+        assert_eq!(Calls::decode(3, ok).unwrap(), json!([1]));
+        let err = r#"{"jsonrpc":"2.0","error":{"code":-32601,"message":"no such method"},"id":3}"#;
+        match Calls::decode(3, err) {
+            Err(ClientError::Rpc { code, message }) => {
+                assert_eq!((code, message.as_str()), (-32601, "no such method"))
+            }
+            other => panic!("{other:?}"),
+        }
+        for (id, bad) in [(4, ok), (3, r#"{"jsonrpc":"2.0","id":3}"#), (3, "not json")] {
+            assert!(
+                matches!(Calls::decode(id, bad), Err(ClientError::BadReply(_))),
+                "{bad}"
+            );
+        }
+    }
+}
