@@ -473,6 +473,11 @@ impl CtrlAuth {
         matches!(self.state, CtrlState::Authenticated)
     }
 
+    /// The host this controller side authenticates.
+    pub fn hostnqn(&self) -> &str {
+        &self.cfg.hostnqn
+    }
+
     /// Why the last transaction failed, if it did.
     pub fn failure(&self) -> Option<&AuthFailure> {
         self.failure.as_ref()
@@ -521,6 +526,8 @@ impl CtrlAuth {
         {
             self.t_id = t_id;
             self.sc_c = sc_c;
+            // A new transaction: the last one's outcome no longer stands.
+            self.failure = None;
             if sc_c != 0 {
                 return Err(AuthFailure::local(
                     Reason::ConcatMismatch,

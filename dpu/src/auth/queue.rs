@@ -1,6 +1,7 @@
 //! The controller role on one queue of a target, at the level of submission queue entries:
 //! what an NVMe-oF target core calls to require DH-HMAC-CHAP of a host (NVMe Base 2.0
-//! §8.13). nacred's target does not call it yet; its hooks are:
+//! §8.13). nacred's target core calls it (`frontend::nvme::fabrics`): a Connect gives each
+//! queue one, and every transport asks it before running a command. The hooks:
 //!
 //! 1. At Connect, for a host with a secret, [`QueueAuth::required`] and OR
 //!    [`QueueAuth::connect_dw0`] into the Connect response's Dword 0 (AUTHREQ.ATR).
@@ -11,13 +12,18 @@
 //!    data. Authentication Receive (06h): [`QueueAuth::auth_receive`], whose bytes are the
 //!    command's data to the host.
 //! 4. When [`QueueAuth::failed`] holds after a Receive delivered the AUTH_Failure1, the
-//!    target may close the queue (Linux and SPDK do).
+//!    target may close the queue (Linux and SPDK do); nacred keeps it open, refusing all but
+//!    a new authentication transaction.
+//!
+//! Re-authentication: a host may start a new transaction (AUTH_Negotiate) on a queue that
+//! has authenticated. The queue keeps carrying commands while it runs; if it fails, the
+//! queue loses its access until a later transaction succeeds.
 
 use nacre_shared::nvme::auth::{AuthCommand, CONNECT_AUTHREQ_ATR};
 use nacre_shared::nvme::status::sct;
 use nacre_shared::nvme::{Command, Status};
 
-use super::{CtrlAuth, CtrlAuthConfig};
+use super::{AuthFailure, CtrlAuth, CtrlAuthConfig};
 
 /// Command Specific status 91h, Authentication Required: what a command other than
 /// Authentication Send/Receive gets on a queue that has not authenticated (the status SPDK's
@@ -28,18 +34,25 @@ pub const AUTHENTICATION_REQUIRED: Status = Status::new(sct::COMMAND_SPECIFIC, 0
 #[derive(Debug)]
 pub struct QueueAuth {
     auth: Option<CtrlAuth>,
+    /// Whether commands other than authentication may run: set by a successful
+    /// transaction, cleared by a failed one.
+    granted: bool,
 }
 
 impl QueueAuth {
     /// A queue of a host without a secret: usable at once.
     pub fn not_required() -> Self {
-        QueueAuth { auth: None }
+        QueueAuth {
+            auth: None,
+            granted: true,
+        }
     }
 
     /// A queue of a host with a secret: nothing but authentication runs until it succeeds.
     pub fn required(cfg: CtrlAuthConfig) -> Self {
         QueueAuth {
             auth: Some(CtrlAuth::new(cfg)),
+            granted: false,
         }
     }
 
@@ -52,13 +65,37 @@ impl QueueAuth {
         }
     }
 
+    /// Whether the queue may carry commands other than authentication: no secret is
+    /// required, or the last completed transaction succeeded.
     pub fn authenticated(&self) -> bool {
-        self.auth.as_ref().is_none_or(|a| a.authenticated())
+        self.granted
+    }
+
+    /// Whether a secret is required of this queue's host.
+    pub fn is_required(&self) -> bool {
+        self.auth.is_some()
+    }
+
+    /// Follow the transaction's outcome into the queue's access.
+    fn update(&mut self) {
+        if let Some(a) = &self.auth {
+            if a.authenticated() {
+                self.granted = true;
+            } else if a.failure().is_some() {
+                self.granted = false;
+            }
+        }
     }
 
     /// Whether the last transaction failed.
     pub fn failed(&self) -> bool {
         self.auth.as_ref().is_some_and(|a| a.failure().is_some())
+    }
+
+    /// Why the last transaction failed, and whose host it was.
+    pub fn failure(&self) -> Option<(&str, &AuthFailure)> {
+        let a = self.auth.as_ref()?;
+        Some((a.hostnqn(), a.failure()?))
     }
 
     /// Whether `sqe` may run now (authentication commands always may).
@@ -87,13 +124,16 @@ impl QueueAuth {
             return Err(Status::INVALID_FIELD);
         }
         let _ = auth.on_send(data);
+        self.update();
         Ok(())
     }
 
     /// Authentication Receive: the message to return (at most AL bytes).
     pub fn auth_receive(&mut self, sqe: &Command) -> Result<Vec<u8>, Status> {
         let (auth, al) = self.check(sqe, false)?;
-        Ok(auth.on_receive(al as usize))
+        let msg = auth.on_receive(al as usize);
+        self.update();
+        Ok(msg)
     }
 }
 

@@ -79,6 +79,25 @@ pub fn default_port() -> u16 {
 pub struct NvmfHost {
     pub nqn: String,
     pub host: String,
+    /// `add_host` only: a file holding the host's DH-HMAC-CHAP secret (`DHHC-1:XX:...:`,
+    /// mode 0600): the host must then authenticate (NVMe Base 2.0 §8.13). The path, not
+    /// the secret, is what nacred keeps. Adding a host again replaces its keys (none: the
+    /// host no longer authenticates).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_key: Option<std::path::PathBuf>,
+    /// `add_host` only, with `dhchap_key`: a file holding the controller's secret, with
+    /// which the controller answers a host that authenticates it too (bidirectional).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_ctrlr_key: Option<std::path::PathBuf>,
+}
+
+/// The key files of a host that must authenticate, as nacred keeps them.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NvmfHostKeyFiles {
+    pub dhchap_key: std::path::PathBuf,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_ctrlr_key: Option<std::path::PathBuf>,
 }
 
 /// `nvmf_subsystem_allow_any_host`

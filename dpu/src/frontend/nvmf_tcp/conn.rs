@@ -18,6 +18,7 @@ use super::command::Slot;
 use super::pdu::End;
 use super::reactor::{Mail, NewConn, Shared};
 use super::transfer::{BufPool, H2cPending, Out};
+use crate::auth::queue::QueueAuth;
 use crate::frontend::nvme::ctrl::{CtrlQueue, TargetController};
 use crate::frontend::nvme::fabrics::HostQueue;
 use crate::frontend::nvme::subsystem::{Namespace, Subsystem};
@@ -157,6 +158,8 @@ pub(crate) struct Conn {
     conn_slot: Option<ConnSlot>,
     /// The host NQN this queue counts against ([`super::ConnLimits::per_host`]).
     pub(super) host_counted: Option<HostQueue>,
+    /// DH-HMAC-CHAP on this queue, from its Connect on (NVMe Base 2.0 §8.13).
+    pub(super) auth: Option<QueueAuth>,
     pub(super) listener: SocketAddr,
     pub(super) local_ip: IpAddr,
     pub(super) digests: Digests,
@@ -229,6 +232,7 @@ impl Conn {
             pdu_deadline: None,
             conn_slot: Some(slot),
             host_counted: None,
+            auth: None,
             listener,
             local_ip,
             digests: Digests::NONE,
@@ -525,6 +529,7 @@ impl Conn {
 
     fn leave(&mut self) {
         self.host_counted = None;
+        self.auth = None;
         if let Some(c) = self.ctrl.take() {
             if self.qid == 0 {
                 // The admin queue ends the association (NVMe-oF 1.1 §3.6).
