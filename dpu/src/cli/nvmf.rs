@@ -121,6 +121,14 @@ pub enum NvmfCmd {
         /// authentication.
         #[arg(long, value_name = "FILE", requires = "dhchap_key")]
         dhchap_ctrl_key: Option<std::path::PathBuf>,
+        /// Hashes the host may use (default all; the strongest it offers is chosen).
+        #[arg(long, value_delimiter = ',', requires = "dhchap_key",
+              value_parser = ["sha256", "sha384", "sha512"])]
+        dhchap_digests: Vec<String>,
+        /// DH groups the host may use (default all; ffdhe2048 first, null last).
+        #[arg(long, value_delimiter = ',', requires = "dhchap_key",
+              value_parser = ["null", "ffdhe2048", "ffdhe3072", "ffdhe4096", "ffdhe6144", "ffdhe8192"])]
+        dhchap_dhgroups: Vec<String>,
     },
     /// Stop allowing a host NQN.
     #[command(
@@ -368,8 +376,16 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
             host,
             dhchap_key,
             dhchap_ctrl_key,
+            dhchap_digests,
+            dhchap_dhgroups,
         } => {
             let mut params = json!({"nqn": nqn, "host": host});
+            if !dhchap_digests.is_empty() {
+                params["dhchap_digests"] = json!(dhchap_digests);
+            }
+            if !dhchap_dhgroups.is_empty() {
+                params["dhchap_dhgroups"] = json!(dhchap_dhgroups);
+            }
             let authenticate = dhchap_key.is_some();
             // nacred reads the files itself: it is given absolute paths.
             for (field, path) in [

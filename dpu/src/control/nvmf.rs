@@ -159,17 +159,22 @@ fn nvmf_subsystem_remove_listener(d: &Daemon, params: Value) -> Result<Value, Rp
 
 fn nvmf_subsystem_add_host(d: &Daemon, params: Value) -> Result<Value, RpcError> {
     let p: NvmfHost = parse_params(params)?;
-    let files = match (p.dhchap_key, p.dhchap_ctrlr_key) {
-        (Some(k), c) => Some(NvmfHostKeyFiles {
+    let files = match p.dhchap_key {
+        Some(k) => Some(NvmfHostKeyFiles {
             dhchap_key: k,
-            dhchap_ctrlr_key: c,
+            dhchap_ctrlr_key: p.dhchap_ctrlr_key,
+            dhchap_digests: p.dhchap_digests,
+            dhchap_dhgroups: p.dhchap_dhgroups,
         }),
-        (None, Some(_)) => {
+        None if p.dhchap_ctrlr_key.is_some()
+            || p.dhchap_digests.is_some()
+            || p.dhchap_dhgroups.is_some() =>
+        {
             return Err(RpcError::invalid_params(
-                "dhchap_ctrlr_key needs dhchap_key: the host authenticates first",
+                "dhchap_ctrlr_key, dhchap_digests and dhchap_dhgroups need dhchap_key: the host authenticates with it",
             ))
         }
-        (None, None) => None,
+        None => None,
     };
     d.registry.add_host_auth(&p.nqn, &p.host, files)?;
     to_value(Ack { ok: true })

@@ -89,6 +89,15 @@ pub struct NvmfHost {
     /// which the controller answers a host that authenticates it too (bidirectional).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dhchap_ctrlr_key: Option<std::path::PathBuf>,
+    /// `add_host` only, with `dhchap_key`: the hashes this host may authenticate with
+    /// (`sha256`, `sha384`, `sha512`; default all). The strongest the host offers is used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_digests: Option<Vec<String>>,
+    /// `add_host` only, with `dhchap_key`: the DH groups it may use (`null`, `ffdhe2048` ..
+    /// `ffdhe8192`; default all). The first the host offers in the order ffdhe2048,
+    /// ffdhe3072, ffdhe4096, ffdhe6144, ffdhe8192, null is used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_dhgroups: Option<Vec<String>>,
 }
 
 /// The key files of a host that must authenticate, as nacred keeps them.
@@ -98,6 +107,10 @@ pub struct NvmfHostKeyFiles {
     pub dhchap_key: std::path::PathBuf,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dhchap_ctrlr_key: Option<std::path::PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_digests: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_dhgroups: Option<Vec<String>>,
 }
 
 /// `nvmf_subsystem_allow_any_host`

@@ -23,7 +23,7 @@ use super::target::{
 use crate::auth::Secret;
 use crate::control::error::RpcError;
 use crate::control::state::{serial_from_uuid, NvmfState, NvmfSubsystemRecord};
-use crate::frontend::nvmf_tcp::{HostKeys, NvmfTarget, DEFAULT_MODEL};
+use crate::frontend::nvmf_tcp::{HostKeys, NvmfTarget, AUTH_DHGROUPS, AUTH_HASHES, DEFAULT_MODEL};
 
 impl Registry {
     /// `nvmf_subsystem_create`. The serial defaults to a fresh one in the volumes' format,
@@ -478,7 +478,49 @@ fn load_host_keys(f: &NvmfHostKeyFiles) -> Result<HostKeys, RpcError> {
     Ok(HostKeys {
         key: load(&f.dhchap_key)?,
         ctrl_key: f.dhchap_ctrlr_key.as_deref().map(load).transpose()?,
+        hashes: choose(
+            "dhchap_digests",
+            &AUTH_HASHES,
+            f.dhchap_digests.as_deref(),
+            |h| h.name(),
+        )?,
+        dhgroups: choose(
+            "dhchap_dhgroups",
+            &AUTH_DHGROUPS,
+            f.dhchap_dhgroups.as_deref(),
+            |g| g.name(),
+        )?,
     })
+}
+
+/// The members of `all` named in `names` (all of them without a list), in `all`'s order.
+fn choose<T: Copy>(
+    what: &str,
+    all: &[T],
+    names: Option<&[String]>,
+    name: impl Fn(T) -> &'static str,
+) -> Result<Vec<T>, RpcError> {
+    let Some(names) = names else {
+        return Ok(all.to_vec());
+    };
+    let known: Vec<&str> = all.iter().map(|&t| name(t)).collect();
+    if let Some(bad) = names.iter().find(|n| !known.contains(&n.as_str())) {
+        return Err(RpcError::invalid_params(format!(
+            "{what}: {bad:?} is not one of {}",
+            known.join(", ")
+        )));
+    }
+    let out: Vec<T> = all
+        .iter()
+        .copied()
+        .filter(|&t| names.iter().any(|n| n == name(t)))
+        .collect();
+    if out.is_empty() {
+        return Err(RpcError::invalid_params(format!(
+            "{what}: name at least one"
+        )));
+    }
+    Ok(out)
 }
 
 fn record<'a>(inner: &'a Inner, nqn: &str) -> Result<&'a NvmfSubsystemRecord, RpcError> {

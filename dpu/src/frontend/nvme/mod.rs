@@ -51,7 +51,7 @@ use crate::volume::BlockDevice;
 
 pub use admission::{set_default_conn_limits, ConnLimits};
 pub(crate) use admission::{ConnSlot, Evict, ListenerConns};
-pub use subsystem::{HostKeys, Namespace, Subsystem};
+pub use subsystem::{HostKeys, Namespace, Subsystem, AUTH_DHGROUPS, AUTH_HASHES};
 
 /// Errors of the target's management API.
 #[derive(Debug, Error)]

@@ -47,6 +47,10 @@ impl Namespace {
 pub struct HostKeys {
     pub key: Secret,
     pub ctrl_key: Option<Secret>,
+    /// The hashes and DH groups this host may use, in the target's order of preference
+    /// (normally [`AUTH_HASHES`] and [`AUTH_DHGROUPS`], or a part of them).
+    pub hashes: Vec<HashId>,
+    pub dhgroups: Vec<DhGroupId>,
 }
 
 /// Hashes the target accepts, in its order of preference (the strongest the host offers).
@@ -136,8 +140,8 @@ impl Subsystem {
                 subnqn: self.nqn.clone(),
                 host_secret: k.key,
                 ctrl_secret: k.ctrl_key,
-                hashes: AUTH_HASHES.to_vec(),
-                dhgroups: AUTH_DHGROUPS.to_vec(),
+                hashes: k.hashes,
+                dhgroups: k.dhgroups,
             }),
         }
     }

@@ -67,7 +67,7 @@ use listener::{stop_listener, Listener};
 
 pub use crate::frontend::nvme::{
     limits, set_default_conn_limits, ConnLimits, HostKeys, Namespace, NvmfError, Subsystem,
-    DEFAULT_MODEL, FIRMWARE_REVISION, PDU_TIMEOUT, SETUP_TIMEOUT,
+    AUTH_DHGROUPS, AUTH_HASHES, DEFAULT_MODEL, FIRMWARE_REVISION, PDU_TIMEOUT, SETUP_TIMEOUT,
 };
 pub use reactor::{
     poll_policy, set_default_reactors, set_poll_policy, PollPolicy, ReactorStats,
