@@ -476,7 +476,19 @@ fn perf(addr: SocketAddr, key: Option<&Path>, ctrl_key: Option<&Path>) -> (bool,
         .and_then(|l| l.split_whitespace().nth(2))
         .and_then(|v| v.parse::<f64>().ok())
         .is_some_and(|iops| iops > 0.0);
-    (out.status.success() && did_io, text)
+    let ok = out.status.success() && did_io;
+    eprintln!(
+        "perf key={:?} ctrl_key={:?}: {}",
+        key.map(|k| k.file_name().unwrap_or_default()),
+        ctrl_key.map(|k| k.file_name().unwrap_or_default()),
+        if ok { "did I/O" } else { "no I/O" }
+    );
+    for l in text.lines().filter(|l| {
+        l.trim_start().starts_with("Total") || l.contains("auth") || l.contains("Failed")
+    }) {
+        eprintln!("  | {l}");
+    }
+    (ok, text)
 }
 
 fn run_with_timeout(mut c: Command, limit: Duration) -> Output {
@@ -535,6 +547,25 @@ fn assert_no_secret(what: &str, text: &str, keys: &[&str]) {
     }
 }
 
+/// nacred logged queues (at least the admin and an I/O queue) authenticated with `hash`
+/// and `dhgroup`.
+fn assert_authenticated_with(n: &Nacred, hash: &str, dhgroup: &str) {
+    let log = n.log_text();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("queue authenticated (DH-HMAC-CHAP)"))
+        .collect();
+    let with = lines
+        .iter()
+        .filter(|l| l.contains(hash) && l.contains(&format!("{dhgroup}\"")))
+        .count();
+    assert!(
+        with >= 2,
+        "{hash}/{dhgroup}: {with} queues; authenticated queues logged:\n{}",
+        lines.join("\n")
+    );
+}
+
 fn add_host(n: &Nacred, extra: &[&str]) -> Output {
     let mut a = vec!["nvmf", "add-host", NQN, HOST];
     a.extend_from_slice(extra);
@@ -589,12 +620,19 @@ fn spdk_perf_and_nacreds_initiator_authenticate_to_nacreds_target() {
     );
     let (ok, text) = perf(addr, Some(&host), Some(&ctrl));
     assert!(ok, "perf with the right keys:\n{text}");
+    assert_authenticated_with(&n, "sha512", "ffdhe2048");
     let (ok, text) = perf(addr, Some(&wrong), None);
     assert!(!ok, "perf with a wrong key did I/O:\n{text}");
+    assert!(
+        text.contains("received AUTH_failure1: rc=1, rce=1"),
+        "SPDK reports nacred's reason code:\n{text}"
+    );
     let (ok, text) = perf(addr, Some(&host), Some(&wrong));
     assert!(!ok, "perf accepted a wrong controller key:\n{text}");
+    assert!(text.contains("controller challenge mismatch"), "{text}");
     let (ok, text) = perf(addr, None, None);
     assert!(!ok, "perf without a key did I/O:\n{text}");
+    assert!(text.contains("missing DH-HMAC-CHAP key"), "{text}");
     // Unidirectional with the same host key.
     let (ok, text) = perf(addr, Some(&host), None);
     assert!(ok, "perf with the host key only:\n{text}");
@@ -623,6 +661,7 @@ fn spdk_perf_and_nacreds_initiator_authenticate_to_nacreds_target() {
     );
     let (ok, text) = perf(addr, Some(&host), None);
     assert!(ok, "perf with sha256/null:\n{text}");
+    assert_authenticated_with(&n, "sha256", "null");
     cli_ok(
         &n,
         &[
@@ -642,6 +681,7 @@ fn spdk_perf_and_nacreds_initiator_authenticate_to_nacreds_target() {
     );
     let (ok, text) = perf(addr, Some(&host), Some(&ctrl));
     assert!(ok, "perf with sha384/ffdhe4096:\n{text}");
+    assert_authenticated_with(&n, "sha384", "ffdhe4096");
 
     // nacred's own initiator against its own target: the right keys attach and read the
     // namespace; a wrong key is one clear error.

@@ -19,7 +19,7 @@
 //! has authenticated. The queue keeps carrying commands while it runs; if it fails, the
 //! queue loses its access until a later transaction succeeds.
 
-use nacre_shared::nvme::auth::{AuthCommand, CONNECT_AUTHREQ_ATR};
+use nacre_shared::nvme::auth::{AuthCommand, DhGroupId, HashId, CONNECT_AUTHREQ_ATR};
 use nacre_shared::nvme::status::sct;
 use nacre_shared::nvme::{Command, Status};
 
@@ -90,6 +90,11 @@ impl QueueAuth {
     /// Whether the last transaction failed.
     pub fn failed(&self) -> bool {
         self.auth.as_ref().is_some_and(|a| a.failure().is_some())
+    }
+
+    /// The hash and DH group of the last transaction.
+    pub fn chosen(&self) -> Option<(HashId, DhGroupId)> {
+        self.auth.as_ref()?.chosen()
     }
 
     /// Why the last transaction failed, and whose host it was.

@@ -219,7 +219,13 @@ pub(crate) fn authentication(
         }
     }
     if !was_granted && auth.authenticated() {
-        debug!("queue authenticated (DH-HMAC-CHAP)");
+        if let Some((hash, dhgroup)) = auth.chosen() {
+            debug!(
+                hash = hash.name(),
+                dhgroup = dhgroup.name(),
+                "queue authenticated (DH-HMAC-CHAP)"
+            );
+        }
     }
     match r {
         Ok(out) => (Status::SUCCESS, out),
