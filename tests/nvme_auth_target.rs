@@ -130,9 +130,8 @@ fn authenticate(q: &mut Queue, cfg: &HostAuthConfig, t_id: u16) -> Result<(), St
     let reply = h.on_challenge(&c).map_err(|e| e.to_string())?;
     assert_eq!(send(q, &reply), Status::SUCCESS);
     let s1 = receive(q);
-    match h.on_success1(&s1).map_err(|e| e.to_string())? {
-        Some(s2) => assert_eq!(send(q, &s2), Status::SUCCESS),
-        None => {}
+    if let Some(s2) = h.on_success1(&s1).map_err(|e| e.to_string())? {
+        assert_eq!(send(q, &s2), Status::SUCCESS);
     }
     Ok(())
 }
