@@ -722,8 +722,48 @@ fn spdk_perf_and_nacreds_initiator_authenticate_to_nacreds_target() {
     assert_no_secret("nacred's log", &n.log_text(), &keys);
     assert_no_secret("nvmf list --json", &subs, &keys);
 
+    // A key file that became readable by others is not used at the next start, and the
+    // host is not let in without it.
+    std::fs::set_permissions(&host, std::fs::Permissions::from_mode(0o640)).unwrap();
+    n.restart();
+    assert!(
+        n.log_text()
+            .contains("DH-HMAC-CHAP key not restored: the host is refused"),
+        "the log says why"
+    );
+    let (ok, _) = perf(n.nvmf_listener(NQN), Some(&host), Some(&ctrl));
+    assert!(!ok, "a host whose key was not restored got in");
+    let (ok, _) = perf(n.nvmf_listener(NQN), None, None);
+    assert!(!ok, "a host whose key was not restored got in without one");
+    std::fs::set_permissions(&host, std::fs::Permissions::from_mode(0o600)).unwrap();
+
+    // Unknown hash or group names, and controller keys without a host key, are refused.
+    let (_, e) = n.err(
+        "nvmf_subsystem_add_host",
+        json!({"nqn": NQN, "host": HOST, "dhchap_key": host, "dhchap_digests": ["md5"]}),
+    );
+    assert!(
+        e.contains("\"md5\" is not one of sha512, sha384, sha256"),
+        "{e}"
+    );
+    let (_, e) = n.err(
+        "nvmf_subsystem_add_host",
+        json!({"nqn": NQN, "host": HOST, "dhchap_key": host, "dhchap_dhgroups": []}),
+    );
+    assert!(e.contains("name at least one"), "{e}");
+    let (_, e) = n.err(
+        "nvmf_subsystem_add_host",
+        json!({"nqn": NQN, "host": HOST, "dhchap_ctrlr_key": ctrl}),
+    );
+    assert!(e.contains("need dhchap_key"), "{e}");
+
     // Adding the host without a key lifts the requirement.
     cli_ok(&n, &["nvmf", "add-host", NQN, HOST]);
     let (ok, text) = perf(n.nvmf_listener(NQN), None, None);
     assert!(ok, "perf without a key once none is required:\n{text}");
+    let state = std::fs::read_to_string(n.state_dir.join("state.json")).unwrap();
+    assert!(
+        !state.contains("dhchap"),
+        "no key file is kept for the host"
+    );
 }
