@@ -617,6 +617,14 @@ fn spdk_perf_and_nacreds_initiator_authenticate_to_nacreds_target() {
             c,
         ],
     );
+    let subs = n.ok("nvmf_get_subsystems", json!({}));
+    let sub = subs
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["nqn"] == NQN)
+        .unwrap();
+    assert_eq!(sub["dhchap"], json!({HOST: "bidirectional"}), "{sub}");
     let (ok, text) = perf(addr, Some(&host), Some(&ctrl));
     assert!(ok, "perf with the right keys:\n{text}");
     assert_authenticated_with(&n, "sha512", "ffdhe2048");

@@ -453,6 +453,19 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
                     } else {
                         list("hosts")
                     };
+                    // Hosts that must authenticate: "(dhchap: NQN unidirectional, ...)".
+                    let auth = s["dhchap"]
+                        .as_object()
+                        .into_iter()
+                        .flatten()
+                        .map(|(h, how)| format!("{h} {}", how.as_str().unwrap_or("")))
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    let hosts = if auth.is_empty() {
+                        hosts
+                    } else {
+                        format!("{hosts} (dhchap: {auth})")
+                    };
                     t.row(vec![
                         s["nqn"].as_str().unwrap_or("").into(),
                         s["subtype"].as_str().unwrap_or("").into(),

@@ -143,6 +143,10 @@ pub struct NvmfSubsystemInfo {
     pub model: String,
     pub allow_any_host: bool,
     pub hosts: Vec<String>,
+    /// Hosts that must authenticate (DH-HMAC-CHAP), and how: `unidirectional` or
+    /// `bidirectional` (a controller key is configured too).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub dhchap: std::collections::BTreeMap<String, String>,
     /// `address:port` strings; NVMe/RDMA listeners as `rdma:address:port`.
     pub listeners: Vec<String>,
     pub namespaces: Vec<NvmfNamespaceInfo>,

@@ -286,6 +286,18 @@ impl Subsystem {
             model: self.model.clone(),
             allow_any_host: st.allow_any_host,
             hosts: st.hosts.iter().cloned().collect(),
+            dhchap: st
+                .host_keys
+                .iter()
+                .map(|(h, k)| {
+                    let how = if k.ctrl_key.is_some() {
+                        "bidirectional"
+                    } else {
+                        "unidirectional"
+                    };
+                    (h.clone(), how.to_string())
+                })
+                .collect(),
             listeners: st
                 .listeners
                 .iter()
