@@ -462,7 +462,9 @@ fn perf(addr: SocketAddr, key: Option<&Path>, ctrl_key: Option<&Path>) -> (bool,
     if let Some(k) = ctrl_key {
         c.arg("--dhchap-ctrlr-key").arg(k);
     }
+    let t = Instant::now();
     let out = run_with_timeout(c, Duration::from_secs(60));
+    let took = t.elapsed();
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -477,7 +479,7 @@ fn perf(addr: SocketAddr, key: Option<&Path>, ctrl_key: Option<&Path>) -> (bool,
         .is_some_and(|iops| iops > 0.0);
     let ok = out.status.success() && did_io;
     eprintln!(
-        "perf key={:?} ctrl_key={:?}: {}",
+        "perf key={:?} ctrl_key={:?}: {} ({took:?})",
         key.map(|k| k.file_name().unwrap_or_default()),
         ctrl_key.map(|k| k.file_name().unwrap_or_default()),
         if ok { "did I/O" } else { "no I/O" }
@@ -701,7 +703,12 @@ fn spdk_perf_and_nacreds_initiator_authenticate_to_nacreds_target() {
         }
         n.call("remote_attach", p).map_err(|e| e.to_string())
     };
+    let t = Instant::now();
     let r = attach("self", &host, Some(&ctrl)).unwrap();
+    eprintln!(
+        "nacred's initiator to its own target, sha384/ffdhe4096 bidirectional: attach (admin + 2 I/O queues) took {:?}",
+        t.elapsed()
+    );
     assert_eq!(
         (r["state"].as_str(), r["dhchap"].as_str()),
         (Some("live"), Some("bidirectional")),
