@@ -410,6 +410,41 @@ fn wrong_keys_and_hostile_messages_get_their_reason_codes() {
     authenticate(&mut q, &good, 8).unwrap();
     assert_eq!(property(&mut q), Status::SUCCESS);
 
+    // Messages sent by R2T rather than in the capsule take the same path; a 100 KiB one
+    // (a 60,000-byte DH value, then padding) is an incorrect payload.
+    let (mut q, _) = connect_admin(addr, HOST);
+    q.inline_max = 0;
+    authenticate(&mut q, &good, 10).unwrap();
+    assert_eq!(property(&mut q), Status::SUCCESS);
+    let mut h = HostAuth::new(&good, 11);
+    send(&mut q, &h.negotiate());
+    let reply = h.on_challenge(&receive(&mut q)).unwrap();
+    let Message::Reply {
+        t_id,
+        response,
+        challenge,
+        seqnum,
+        ..
+    } = Message::decode(&reply).unwrap()
+    else {
+        panic!("a reply")
+    };
+    let mut huge = Message::Reply {
+        t_id,
+        response,
+        challenge,
+        seqnum,
+        dh_value: vec![0x5A; 60000],
+    }
+    .encode();
+    huge.resize(100 << 10, 0x5A);
+    assert_eq!(send(&mut q, &huge), Status::SUCCESS);
+    assert_eq!(
+        failure1_reason(&receive(&mut q)),
+        expect(Reason::IncorrectPayload)
+    );
+    assert_eq!(property(&mut q), AUTHENTICATION_REQUIRED);
+
     // The target is unharmed: a whole host still works.
     let mut h = full_host(addr);
     h.write(0, 1, 8, &[0x3C; 512], 512).unwrap();
