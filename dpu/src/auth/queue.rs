@@ -146,7 +146,7 @@ impl QueueAuth {
 mod test {
     use super::*;
     use crate::auth::{HostAuth, HostAuthConfig, Secret};
-    use nacre_shared::nvme::auth::{DhGroupId, HashId, AUTH_RECEIVE_LEN};
+    use nacre_shared::nvme::auth::{Message, Reason, AUTH_RECEIVE_LEN};
     use nacre_shared::nvme::io_opcode;
 
     const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:q";
@@ -219,5 +219,33 @@ mod test {
         );
         let open = QueueAuth::not_required();
         assert!(open.authenticated() && open.connect_dw0() == 0);
+    }
+
+    #[test]
+    fn reauthentication_keeps_access_until_it_fails() {
+        let key = Secret::new(0, &[7; 32]).unwrap();
+        let read = Command {
+            opcode: io_opcode::READ,
+            ..Default::default()
+        };
+        let mut q = queue(&key);
+        assert!(authenticate(&mut q, &key));
+        assert_eq!(q.chosen(), Some((HashId::Sha384, DhGroupId::Ffdhe2048)));
+        // A new transaction under way: commands still run.
+        let cfg = HostAuthConfig::new(HOST, SUB, key.clone(), None);
+        let n = HostAuth::new(&cfg, 2).negotiate();
+        q.auth_send(&AuthCommand::send(n.len() as u32).to_command(), &n)
+            .unwrap();
+        assert!(q.may_execute(&read).is_ok() && !q.failed());
+        // It fails (a message out of sequence): access is gone, and the failure reported.
+        let junk = Message::Success2 { t_id: 2 }.encode();
+        q.auth_send(&AuthCommand::send(junk.len() as u32).to_command(), &junk)
+            .unwrap();
+        assert_eq!(q.may_execute(&read), Err(AUTHENTICATION_REQUIRED));
+        let (host, why) = q.failure().unwrap();
+        assert_eq!((host, why.reason()), (HOST, Some(Reason::IncorrectMessage)));
+        // A later transaction that succeeds gives it back and clears the failure.
+        assert!(authenticate(&mut q, &key));
+        assert!(q.may_execute(&read).is_ok() && !q.failed());
     }
 }
