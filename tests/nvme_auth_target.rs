@@ -451,6 +451,39 @@ fn wrong_keys_and_hostile_messages_get_their_reason_codes() {
     assert_eq!(h.read(0, 1, 8, 1, 512).unwrap(), vec![0x3C; 512]);
 }
 
+#[test]
+fn a_queue_that_does_not_authenticate_in_time_is_closed() {
+    let (t, addr) = target();
+    t.set_setup_timeout(Duration::from_millis(700));
+    let good = HostAuthConfig::new(HOST, NQN, secret(0x11), None);
+    let (mut idle, _) = connect_admin(addr, HOST);
+    let (mut failed, _) = connect_admin(addr, HOST);
+    authenticate(
+        &mut failed,
+        &HostAuthConfig::new(HOST, NQN, secret(0x12), None),
+        1,
+    )
+    .unwrap_err();
+    let (mut done, _) = connect_admin(addr, HOST);
+    authenticate(&mut done, &good, 1).unwrap();
+    let (mut plain, _) = connect_admin(addr, OTHER);
+    std::thread::sleep(Duration::from_millis(1500));
+    for (what, q) in [("idle", &mut idle), ("failed", &mut failed)] {
+        // Closed by the target: end of stream (or a reset), not a read that times out.
+        let mut sock = q.socket();
+        sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let r = std::io::Read::read(&mut sock, &mut [0u8; 64]);
+        assert!(
+            matches!(r, Ok(0))
+                || matches!(&r, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
+            "the {what} queue is still open: {r:?}"
+        );
+    }
+    // Queues that authenticated, and those of hosts without a key, stay.
+    assert_eq!(property(&mut done), Status::SUCCESS);
+    assert_eq!(property(&mut plain), Status::SUCCESS);
+}
+
 // ---- nacred with real peers: SPDK's perf, nacred's own initiator ----
 
 fn spdk_dir() -> PathBuf {

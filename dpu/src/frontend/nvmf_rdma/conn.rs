@@ -85,6 +85,7 @@ pub(super) fn serve(target: Arc<TargetInner>, mut inc: Incoming) {
         subsys: None,
         host_counted: None,
         auth: None,
+        auth_deadline: None,
         ns_gen: 0,
         ns: BTreeMap::new(),
         head: 0,
@@ -117,6 +118,9 @@ struct Conn {
     host_counted: Option<HostQueue>,
     /// DH-HMAC-CHAP on this queue, from its Connect on (NVMe Base 2.0 §8.13).
     auth: Option<QueueAuth>,
+    /// When a queue whose host must authenticate is closed if it has not (the setup
+    /// timeout again, from its Connect).
+    auth_deadline: Option<Instant>,
     ns_gen: u64,
     ns: BTreeMap<u32, Arc<Namespace>>,
     /// SQ head: capsules received, modulo the queue size.
@@ -178,6 +182,14 @@ impl Conn {
         };
         loop {
             if self.dead() {
+                return Err(End::Closed);
+            }
+            if self.auth_deadline.is_some_and(|d| Instant::now() > d) {
+                warn!(
+                    listener = %self.listener,
+                    qid = self.req.qid,
+                    "NVMe/RDMA queue did not authenticate within the setup timeout: closing it"
+                );
                 return Err(End::Closed);
             }
             if self.ctrl.is_none() && Instant::now() > setup_deadline {
@@ -444,6 +456,9 @@ impl Conn {
             // SAFETY: we hold slot s (Executing); no transfer on its buffer is in flight.
             let data = unsafe { q.buf(s, data_len) }.to_vec();
             let (status, out) = fabrics::authentication(self.auth.as_mut(), &cmd, &data);
+            if self.auth.as_ref().is_some_and(|a| a.authenticated()) {
+                self.auth_deadline = None;
+            }
             // SAFETY: as above.
             unsafe { self.respond_data(s, status, 0, &out) };
             return;
@@ -535,6 +550,10 @@ impl Conn {
         };
         let dw0 = done.connect_dw0;
         self.host_counted = Some(done.host);
+        if done.auth.is_required() {
+            let ms = self.target.setup_timeout_ms.load(Ordering::Relaxed);
+            self.auth_deadline = Some(Instant::now() + Duration::from_millis(ms));
+        }
         self.auth = Some(done.auth);
         self.ctrl = Some(done.ctrl);
         self.subsys = Some(done.subsys);

@@ -138,6 +138,9 @@ impl Conn {
         self.fresh_cmds += 1;
         if fabrics::is_authentication(&cmd) {
             let (status, out) = fabrics::authentication(self.auth.as_mut(), &cmd, data.as_slice());
+            if self.auth.as_ref().is_some_and(|a| a.authenticated()) {
+                self.authenticated();
+            }
             match clip_to_sgl(&cmd, &out) {
                 Ok(d) => self.reply(cmd.cid, status, 0, d),
                 Err(s) => self.reply(cmd.cid, s, 0, &[]),
@@ -223,6 +226,9 @@ impl Conn {
         self.head = 1 % entries;
         let dw0 = done.connect_dw0;
         self.connected();
+        if done.auth.is_required() {
+            self.await_authentication();
+        }
         self.host_counted = Some(done.host);
         self.auth = Some(done.auth);
         self.ctrl = Some(done.ctrl);

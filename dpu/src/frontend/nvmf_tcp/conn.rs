@@ -390,6 +390,19 @@ impl Conn {
         }
     }
 
+    /// The queue's host must authenticate first (DH-HMAC-CHAP): it has the setup timeout
+    /// again to do so, or the connection is closed.
+    pub(super) fn await_authentication(&mut self) {
+        let ms = self.target.setup_timeout_ms.load(Ordering::Relaxed);
+        self.setup_deadline = Some(Instant::now() + Duration::from_millis(ms));
+    }
+
+    /// The queue authenticated: no deadline any more (a later re-authentication that fails
+    /// takes the queue's access away, not its connection).
+    pub(super) fn authenticated(&mut self) {
+        self.setup_deadline = None;
+    }
+
     /// Send what can be sent now; the rest waits for EPOLLOUT.
     pub(super) fn flush(&mut self) {
         self.flush_queued = false;
@@ -572,7 +585,9 @@ impl Conn {
             return;
         }
         let past = |d: Option<Instant>| d.is_some_and(|d| now >= d);
-        if past(self.setup_deadline) {
+        if past(self.setup_deadline) && self.ctrl.is_some() {
+            warn!(peer = ?self.peer(), "nvmf queue did not authenticate in time: closing it");
+        } else if past(self.setup_deadline) {
             debug!(peer = ?self.peer(), "nvmf connection did not connect a queue in time: closing it");
         } else if past(self.pdu_deadline) {
             warn!(
