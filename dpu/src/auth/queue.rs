@@ -13,7 +13,8 @@
 //!    command's data to the host.
 //! 4. When [`QueueAuth::failed`] holds after a Receive delivered the AUTH_Failure1, the
 //!    target may close the queue (Linux and SPDK do); nacred keeps it open, refusing all but
-//!    a new authentication transaction.
+//!    a new authentication transaction, and its transports close a queue that has not
+//!    authenticated within the setup timeout of its Connect.
 //!
 //! Re-authentication: a host may start a new transaction (AUTH_Negotiate) on a queue that
 //! has authenticated. The queue keeps carrying commands while it runs; if it fails, the
