@@ -2,8 +2,9 @@
 //! the daemon's one target ([`super::target`]).
 //!
 //! Replay recreates subsystems, then namespaces (on their reopened volumes), hosts (with
-//! their DH-HMAC-CHAP secrets, read again from their files) and listeners. Namespaces report the volume's UUID as NGUID and UUID, so a namespace keeps
-//! its identity across restarts and across paths.
+//! their DH-HMAC-CHAP secrets, read again from their files) and listeners. Namespaces
+//! report the volume's UUID as NGUID and UUID, so a namespace keeps its identity across
+//! restarts and across paths.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -565,7 +566,12 @@ fn start_subsystem(
         let keys = match load_host_keys(files) {
             Ok(k) => k,
             Err(e) => {
-                warn!(nqn = %rec.nqn, host = %h, error = %e.message, "DH-HMAC-CHAP key not restored: the host is refused");
+                warn!(
+                    nqn = %rec.nqn,
+                    host = %h,
+                    error = %e.message,
+                    "DH-HMAC-CHAP key not restored: the host is refused"
+                );
                 let _ = t.remove_host(&rec.nqn, h);
                 continue;
             }

@@ -1,7 +1,8 @@
 //! Command capsules (NVMe/TCP 1.0 §3.3.2) and what they do: Fabrics commands (Connect,
 //! Property Get/Set; NVMe-oF 1.1 §3; Authentication Send/Receive, NVMe Base 2.0 §6.2-6.3,
-//! on a queue whose host must authenticate: [`fabrics::authentication`]), admin commands (handed to the controller) and the
-//! NVM command set mapped onto [`crate::volume::BlockDevice`] (NVM Command Set 1.0 §3).
+//! on a queue whose host must authenticate: [`fabrics::authentication`]), admin commands
+//! (handed to the controller) and the NVM command set mapped onto
+//! [`crate::volume::BlockDevice`] (NVM Command Set 1.0 §3).
 //!
 //! Nothing here blocks the reactor: a command that needs several volume requests (a
 //! Force Unit Access write and its Flush, Dataset Management ranges, a Flush of every

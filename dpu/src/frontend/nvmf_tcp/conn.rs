@@ -586,7 +586,10 @@ impl Conn {
         }
         let past = |d: Option<Instant>| d.is_some_and(|d| now >= d);
         if past(self.setup_deadline) && self.ctrl.is_some() {
-            warn!(peer = ?self.peer(), "nvmf queue did not authenticate in time: closing it");
+            warn!(
+                peer = ?self.peer(),
+                "nvmf queue did not authenticate in time: closing it"
+            );
         } else if past(self.setup_deadline) {
             debug!(peer = ?self.peer(), "nvmf connection did not connect a queue in time: closing it");
         } else if past(self.pdu_deadline) {
