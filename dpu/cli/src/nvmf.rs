@@ -97,15 +97,38 @@ pub enum NvmfCmd {
         #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma", "vfio-user"])]
         transport: String,
     },
-    /// Allow a host NQN to connect.
+    /// Allow a host NQN to connect, optionally only once it authenticates (DH-HMAC-CHAP).
+    ///
+    /// With --dhchap-key the host's queues must authenticate with that secret before they
+    /// carry any command (NVMe in-band authentication, NVMe Base 2.0 §8.13); with
+    /// --dhchap-ctrl-key too, a host that asks is answered with the controller's secret
+    /// (bidirectional). Key files hold one `DHHC-1:XX:<base64>:` secret (make one with
+    /// `nacre nvmf gen-dhchap-key`) and must be mode 0600; nacred keeps their paths and reads
+    /// them again when it restarts. Adding a host again replaces its keys.
     #[command(
-        after_help = "Examples:\n  nacre nvmf add-host nqn.2024-01.io.nacre:data nqn.2014-08.org.nvmexpress:uuid:1b4e28ba-2fa1-11d2-883f-0016d3cca427"
+        after_help = "Examples:\n  nacre nvmf add-host nqn.2024-01.io.nacre:data nqn.2014-08.org.nvmexpress:uuid:1b4e28ba-2fa1-11d2-883f-0016d3cca427\n  nacre nvmf gen-dhchap-key --nqn nqn.2014-08.org.nvmexpress:uuid:1b4e28ba-2fa1-11d2-883f-0016d3cca427 -o /etc/nacre/host1.key\n  nacre nvmf add-host nqn.2024-01.io.nacre:data nqn.2014-08.org.nvmexpress:uuid:1b4e28ba-2fa1-11d2-883f-0016d3cca427 --dhchap-key /etc/nacre/host1.key --dhchap-ctrl-key /etc/nacre/ctrl.key"
     )]
     AddHost {
         /// Subsystem NQN.
         nqn: String,
         /// The host's NQN (Linux: /etc/nvme/hostnqn).
         host: String,
+        /// File holding the host's DH-HMAC-CHAP secret (mode 0600): the host must
+        /// authenticate.
+        #[arg(long, value_name = "FILE")]
+        dhchap_key: Option<std::path::PathBuf>,
+        /// File holding the controller's secret (mode 0600), for bidirectional
+        /// authentication.
+        #[arg(long, value_name = "FILE", requires = "dhchap_key")]
+        dhchap_ctrl_key: Option<std::path::PathBuf>,
+        /// Hashes the host may use (default all; the strongest it offers is chosen).
+        #[arg(long, value_delimiter = ',', requires = "dhchap_key",
+              value_parser = ["sha256", "sha384", "sha512"])]
+        dhchap_digests: Vec<String>,
+        /// DH groups the host may use (default all; ffdhe2048 first, null last).
+        #[arg(long, value_delimiter = ',', requires = "dhchap_key",
+              value_parser = ["null", "ffdhe2048", "ffdhe3072", "ffdhe4096", "ffdhe6144", "ffdhe8192"])]
+        dhchap_dhgroups: Vec<String>,
     },
     /// Stop allowing a host NQN.
     #[command(
@@ -348,9 +371,40 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
                 format!("{nqn} no longer listens on {address}:{port}"),
             );
         }
-        NvmfCmd::AddHost { nqn, host } => {
-            let v = ctx.call("nvmf_subsystem_add_host", json!({"nqn": nqn, "host": host}))?;
-            ack(ctx, &v, format!("host {host} may connect to {nqn}"));
+        NvmfCmd::AddHost {
+            nqn,
+            host,
+            dhchap_key,
+            dhchap_ctrl_key,
+            dhchap_digests,
+            dhchap_dhgroups,
+        } => {
+            let mut params = json!({"nqn": nqn, "host": host});
+            if !dhchap_digests.is_empty() {
+                params["dhchap_digests"] = json!(dhchap_digests);
+            }
+            if !dhchap_dhgroups.is_empty() {
+                params["dhchap_dhgroups"] = json!(dhchap_dhgroups);
+            }
+            let authenticate = dhchap_key.is_some();
+            // nacred reads the files itself: it is given absolute paths.
+            for (field, path) in [
+                ("dhchap_key", dhchap_key),
+                ("dhchap_ctrlr_key", dhchap_ctrl_key),
+            ] {
+                if let Some(p) = path {
+                    let abs = std::path::absolute(&p)
+                        .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+                    params[field] = json!(abs);
+                }
+            }
+            let v = ctx.call("nvmf_subsystem_add_host", params)?;
+            let how = if authenticate {
+                " once it authenticates (DH-HMAC-CHAP)"
+            } else {
+                ""
+            };
+            ack(ctx, &v, format!("host {host} may connect to {nqn}{how}"));
         }
         NvmfCmd::RemoveHost { nqn, host } => {
             let v = ctx.call(
@@ -398,6 +452,19 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
                         "any".to_string()
                     } else {
                         list("hosts")
+                    };
+                    // Hosts that must authenticate: "(dhchap: NQN unidirectional, ...)".
+                    let auth = s["dhchap"]
+                        .as_object()
+                        .into_iter()
+                        .flatten()
+                        .map(|(h, how)| format!("{h} {}", how.as_str().unwrap_or("")))
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    let hosts = if auth.is_empty() {
+                        hosts
+                    } else {
+                        format!("{hosts} (dhchap: {auth})")
                     };
                     t.row(vec![
                         s["nqn"].as_str().unwrap_or("").into(),

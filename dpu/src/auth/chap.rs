@@ -456,6 +456,8 @@ pub struct CtrlAuth {
     t_id: u16,
     sc_c: u8,
     failure: Option<AuthFailure>,
+    /// The hash and DH group of the last transaction that got as far as a Challenge.
+    chosen: Option<(HashId, DhGroupId)>,
 }
 
 impl CtrlAuth {
@@ -466,11 +468,22 @@ impl CtrlAuth {
             t_id: 0,
             sc_c: 0,
             failure: None,
+            chosen: None,
         }
+    }
+
+    /// The hash and DH group the last transaction chose.
+    pub fn chosen(&self) -> Option<(HashId, DhGroupId)> {
+        self.chosen
     }
 
     pub fn authenticated(&self) -> bool {
         matches!(self.state, CtrlState::Authenticated)
+    }
+
+    /// The host this controller side authenticates.
+    pub fn hostnqn(&self) -> &str {
+        &self.cfg.hostnqn
     }
 
     /// Why the last transaction failed, if it did.
@@ -521,6 +534,8 @@ impl CtrlAuth {
         {
             self.t_id = t_id;
             self.sc_c = sc_c;
+            // A new transaction: the last one's outcome no longer stands.
+            self.failure = None;
             if sc_c != 0 {
                 return Err(AuthFailure::local(
                     Reason::ConcatMismatch,
@@ -547,6 +562,7 @@ impl CtrlAuth {
                 })?;
             let kp = KeyPair::generate(group)
                 .map_err(|e| AuthFailure::local(Reason::Failed, e.to_string()))?;
+            self.chosen = Some((hash, group));
             let c1 = random(hash.digest_len())?;
             let s1 = new_seqnum()?;
             let msg = Message::Challenge {

@@ -11,7 +11,7 @@
 //!   protocol fixes.
 //! * [`queue`] — the controller role at the level of a target's queue: Connect's AUTHREQ,
 //!   Authentication Send/Receive commands, and the gate that holds I/O until the host has
-//!   authenticated (the hooks nacred's target will call).
+//!   authenticated (the hooks nacred's target calls, from `frontend::nvme::fabrics`).
 //!
 //! The messages' byte layouts are in `nacre_shared::nvme::auth`. Secrets, transformed keys,
 //! DH private values and shared secrets are zeroized when dropped, and no `Debug` form here

@@ -4,8 +4,9 @@
 use std::net::{IpAddr, SocketAddr};
 
 use nacre_shared::api::nvmf::{
-    NvmfAllowAnyHost, NvmfHost, NvmfListener, NvmfSubsystemAddNs, NvmfSubsystemCreate,
-    NvmfSubsystemName, NvmfSubsystemRemoveNs, TRANSPORT_RDMA, TRANSPORT_TCP, TRANSPORT_VFIO_USER,
+    NvmfAllowAnyHost, NvmfHost, NvmfHostKeyFiles, NvmfListener, NvmfSubsystemAddNs,
+    NvmfSubsystemCreate, NvmfSubsystemName, NvmfSubsystemRemoveNs, TRANSPORT_RDMA, TRANSPORT_TCP,
+    TRANSPORT_VFIO_USER,
 };
 use nacre_shared::api::Ack;
 use serde_json::{json, Value};
@@ -158,7 +159,24 @@ fn nvmf_subsystem_remove_listener(d: &Daemon, params: Value) -> Result<Value, Rp
 
 fn nvmf_subsystem_add_host(d: &Daemon, params: Value) -> Result<Value, RpcError> {
     let p: NvmfHost = parse_params(params)?;
-    d.registry.add_host(&p.nqn, &p.host)?;
+    let files = match p.dhchap_key {
+        Some(k) => Some(NvmfHostKeyFiles {
+            dhchap_key: k,
+            dhchap_ctrlr_key: p.dhchap_ctrlr_key,
+            dhchap_digests: p.dhchap_digests,
+            dhchap_dhgroups: p.dhchap_dhgroups,
+        }),
+        None if p.dhchap_ctrlr_key.is_some()
+            || p.dhchap_digests.is_some()
+            || p.dhchap_dhgroups.is_some() =>
+        {
+            return Err(RpcError::invalid_params(
+                "dhchap_ctrlr_key, dhchap_digests and dhchap_dhgroups need dhchap_key: the host authenticates with it",
+            ))
+        }
+        None => None,
+    };
+    d.registry.add_host_auth(&p.nqn, &p.host, files)?;
     to_value(Ack { ok: true })
 }
 

@@ -117,6 +117,10 @@ pub struct NvmfSubsystemRecord {
     pub allow_any_host: bool,
     #[serde(default)]
     pub hosts: BTreeSet<String>,
+    /// Hosts that must authenticate (DH-HMAC-CHAP): the files their secrets are in (never
+    /// the secrets).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub host_keys: BTreeMap<String, nacre_shared::api::nvmf::NvmfHostKeyFiles>,
     /// NSID → volume name.
     #[serde(default)]
     pub namespaces: BTreeMap<u32, String>,
@@ -265,6 +269,7 @@ pub(crate) mod fixtures {
             model: "m".into(),
             allow_any_host: true,
             hosts: Default::default(),
+            host_keys: Default::default(),
             namespaces: namespaces
                 .iter()
                 .map(|&(n, v)| (n, v.to_string()))

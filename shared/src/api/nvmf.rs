@@ -79,6 +79,38 @@ pub fn default_port() -> u16 {
 pub struct NvmfHost {
     pub nqn: String,
     pub host: String,
+    /// `add_host` only: a file holding the host's DH-HMAC-CHAP secret (`DHHC-1:XX:...:`,
+    /// mode 0600): the host must then authenticate (NVMe Base 2.0 §8.13). The path, not
+    /// the secret, is what nacred keeps. Adding a host again replaces its keys (none: the
+    /// host no longer authenticates).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_key: Option<std::path::PathBuf>,
+    /// `add_host` only, with `dhchap_key`: a file holding the controller's secret, with
+    /// which the controller answers a host that authenticates it too (bidirectional).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_ctrlr_key: Option<std::path::PathBuf>,
+    /// `add_host` only, with `dhchap_key`: the hashes this host may authenticate with
+    /// (`sha256`, `sha384`, `sha512`; default all). The strongest the host offers is used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_digests: Option<Vec<String>>,
+    /// `add_host` only, with `dhchap_key`: the DH groups it may use (`null`, `ffdhe2048` ..
+    /// `ffdhe8192`; default all). The first the host offers in the order ffdhe2048,
+    /// ffdhe3072, ffdhe4096, ffdhe6144, ffdhe8192, null is used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_dhgroups: Option<Vec<String>>,
+}
+
+/// The key files of a host that must authenticate, as nacred keeps them.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct NvmfHostKeyFiles {
+    pub dhchap_key: std::path::PathBuf,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_ctrlr_key: Option<std::path::PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_digests: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhchap_dhgroups: Option<Vec<String>>,
 }
 
 /// `nvmf_subsystem_allow_any_host`
@@ -111,6 +143,10 @@ pub struct NvmfSubsystemInfo {
     pub model: String,
     pub allow_any_host: bool,
     pub hosts: Vec<String>,
+    /// Hosts that must authenticate (DH-HMAC-CHAP), and how: `unidirectional` or
+    /// `bidirectional` (a controller key is configured too).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub dhchap: std::collections::BTreeMap<String, String>,
     /// `address:port` strings; NVMe/RDMA listeners as `rdma:address:port`.
     pub listeners: Vec<String>,
     pub namespaces: Vec<NvmfNamespaceInfo>,

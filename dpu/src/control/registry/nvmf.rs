@@ -1,17 +1,18 @@
 //! NVMe-oF subsystems, their namespaces (volumes), listeners and allowed hosts, served by
 //! the daemon's one target ([`super::target`]).
 //!
-//! Replay recreates subsystems, then namespaces (on their reopened volumes), hosts and
-//! listeners. Namespaces report the volume's UUID as NGUID and UUID, so a namespace keeps
-//! its identity across restarts and across paths.
+//! Replay recreates subsystems, then namespaces (on their reopened volumes), hosts (with
+//! their DH-HMAC-CHAP secrets, read again from their files) and listeners. Namespaces
+//! report the volume's UUID as NGUID and UUID, so a namespace keeps its identity across
+//! restarts and across paths.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use nacre_shared::api::nvmf::{
-    NvmfListenerState, NvmfReactorStats, NvmfStats, NvmfSubsystemCreate, NvmfSubsystemInfo,
-    NvmfSubsystemStatus,
+    NvmfHostKeyFiles, NvmfListenerState, NvmfReactorStats, NvmfStats, NvmfSubsystemCreate,
+    NvmfSubsystemInfo, NvmfSubsystemStatus,
 };
 use nacre_shared::nvme::validate_nqn;
 use tracing::{info, warn};
@@ -20,9 +21,10 @@ use super::store::{Inner, Registry};
 use super::target::{
     pcie_err, rdma_ports, rpc_err, target, vfio_user_ports, ListenerTransport, Port,
 };
+use crate::auth::Secret;
 use crate::control::error::RpcError;
 use crate::control::state::{serial_from_uuid, NvmfState, NvmfSubsystemRecord};
-use crate::frontend::nvmf_tcp::{NvmfTarget, DEFAULT_MODEL};
+use crate::frontend::nvmf_tcp::{HostKeys, NvmfTarget, AUTH_DHGROUPS, AUTH_HASHES, DEFAULT_MODEL};
 
 impl Registry {
     /// `nvmf_subsystem_create`. The serial defaults to a fresh one in the volumes' format,
@@ -50,6 +52,7 @@ impl Registry {
                 model: model.clone(),
                 allow_any_host: p.allow_any_host,
                 hosts: BTreeSet::new(),
+                host_keys: BTreeMap::new(),
                 namespaces: BTreeMap::new(),
                 listeners: BTreeSet::new(),
                 rdma_listeners: BTreeSet::new(),
@@ -313,6 +316,53 @@ impl Registry {
         })
     }
 
+    /// `nvmf_subsystem_add_host` with its DH-HMAC-CHAP key files: the host's new queues
+    /// must authenticate with the secrets in them (`None`: the host no longer does).
+    /// Queues connected already stay as they are.
+    pub fn add_host_auth(
+        &self,
+        nqn: &str,
+        host: &str,
+        files: Option<NvmfHostKeyFiles>,
+    ) -> Result<(), RpcError> {
+        let keys = files.as_ref().map(load_host_keys).transpose()?;
+        self.with(|inner| {
+            let rec = record(inner, nqn)?;
+            let (had_host, old_files) =
+                (rec.hosts.contains(host), rec.host_keys.get(host).cloned());
+            let t = target(inner);
+            t.add_host(nqn, host).map_err(rpc_err)?;
+            let old_keys = old_files.as_ref().and_then(|f| load_host_keys(f).ok());
+            t.set_host_keys(nqn, host, keys).map_err(rpc_err)?;
+            self.commit_nvmf(
+                inner,
+                |s| {
+                    if let Some(r) = s.subsystems.get_mut(nqn) {
+                        r.hosts.insert(host.to_string());
+                        match &files {
+                            Some(f) => r.host_keys.insert(host.to_string(), f.clone()),
+                            None => r.host_keys.remove(host),
+                        };
+                    }
+                },
+                || {
+                    let _ = t.set_host_keys(nqn, host, old_keys);
+                    if !had_host {
+                        let _ = t.remove_host(nqn, host);
+                    }
+                },
+            )?;
+            info!(
+                nqn,
+                host,
+                authenticate = files.is_some(),
+                bidirectional = files.as_ref().is_some_and(|f| f.dhchap_ctrlr_key.is_some()),
+                "nvmf host added"
+            );
+            Ok(())
+        })
+    }
+
     /// `nvmf_subsystem_remove_host`: existing connections stay.
     pub fn remove_host(&self, nqn: &str, host: &str) -> Result<(), RpcError> {
         self.with(|inner| {
@@ -324,6 +374,7 @@ impl Registry {
                 |s| {
                     if let Some(r) = s.subsystems.get_mut(nqn) {
                         r.hosts.remove(host);
+                        r.host_keys.remove(host);
                     }
                 },
                 || {},
@@ -414,6 +465,65 @@ impl Registry {
     }
 }
 
+/// Read a host's secrets from their files (each of mode 0600 or stricter).
+fn load_host_keys(f: &NvmfHostKeyFiles) -> Result<HostKeys, RpcError> {
+    let load = |p: &Path| {
+        if !p.is_absolute() {
+            return Err(RpcError::invalid_params(format!(
+                "{}: give the key file's absolute path",
+                p.display()
+            )));
+        }
+        Secret::load(p).map_err(|e| RpcError::invalid_params(e.to_string()))
+    };
+    Ok(HostKeys {
+        key: load(&f.dhchap_key)?,
+        ctrl_key: f.dhchap_ctrlr_key.as_deref().map(load).transpose()?,
+        hashes: choose(
+            "dhchap_digests",
+            &AUTH_HASHES,
+            f.dhchap_digests.as_deref(),
+            |h| h.name(),
+        )?,
+        dhgroups: choose(
+            "dhchap_dhgroups",
+            &AUTH_DHGROUPS,
+            f.dhchap_dhgroups.as_deref(),
+            |g| g.name(),
+        )?,
+    })
+}
+
+/// The members of `all` named in `names` (all of them without a list), in `all`'s order.
+fn choose<T: Copy>(
+    what: &str,
+    all: &[T],
+    names: Option<&[String]>,
+    name: impl Fn(T) -> &'static str,
+) -> Result<Vec<T>, RpcError> {
+    let Some(names) = names else {
+        return Ok(all.to_vec());
+    };
+    let known: Vec<&str> = all.iter().map(|&t| name(t)).collect();
+    if let Some(bad) = names.iter().find(|n| !known.contains(&n.as_str())) {
+        return Err(RpcError::invalid_params(format!(
+            "{what}: {bad:?} is not one of {}",
+            known.join(", ")
+        )));
+    }
+    let out: Vec<T> = all
+        .iter()
+        .copied()
+        .filter(|&t| names.iter().any(|n| n == name(t)))
+        .collect();
+    if out.is_empty() {
+        return Err(RpcError::invalid_params(format!(
+            "{what}: name at least one"
+        )));
+    }
+    Ok(out)
+}
+
 fn record<'a>(inner: &'a Inner, nqn: &str) -> Result<&'a NvmfSubsystemRecord, RpcError> {
     inner
         .state
@@ -447,6 +557,27 @@ fn start_subsystem(
     for h in &rec.hosts {
         if let Err(e) = t.add_host(&rec.nqn, h) {
             warn!(nqn = %rec.nqn, host = %h, error = %e, "nvmf host not restored");
+        }
+    }
+    for (h, files) in &rec.host_keys {
+        // A host whose secret cannot be read is not let in without it: it stays refused
+        // (its queues must authenticate and cannot) until the key file is fixed and the
+        // host added again.
+        let keys = match load_host_keys(files) {
+            Ok(k) => k,
+            Err(e) => {
+                warn!(
+                    nqn = %rec.nqn,
+                    host = %h,
+                    error = %e.message,
+                    "DH-HMAC-CHAP key not restored: the host is refused"
+                );
+                let _ = t.remove_host(&rec.nqn, h);
+                continue;
+            }
+        };
+        if let Err(e) = t.set_host_keys(&rec.nqn, h, Some(keys)) {
+            warn!(nqn = %rec.nqn, host = %h, error = %e, "DH-HMAC-CHAP key not restored");
         }
     }
     for (&nsid, vol) in &rec.namespaces {

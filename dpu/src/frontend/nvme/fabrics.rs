@@ -5,6 +5,10 @@
 //!   per-host queue count, and then either a new controller (an admin queue) or the I/O
 //!   queue joining the controller it names.
 //! * Property Get and Set (§3.4, §3.5): the controller's registers, through the admin queue.
+//! * Authentication Send and Receive (NVMe Base 2.0 §6.2, §6.3) carrying DH-HMAC-CHAP
+//!   (§8.13) on any queue of a host that has a secret: the Connect response asks for it
+//!   (AUTHREQ.ATR) and the queue's [`QueueAuth`] holds every other command until it
+//!   succeeded ([`authentication`], [`QueueAuth::may_execute`]).
 //!
 //! NVMe/TCP (`frontend/nvmf_tcp/command.rs`) and NVMe/RDMA (`frontend::nvmf_rdma::queue`) each bring what only
 //! they know: where the queue arrived, and the limits the transport sets on the queue's
@@ -24,6 +28,7 @@ use tracing::{debug, warn};
 use super::ctrl::{CtrlQueue, TargetController};
 use super::subsystem::Subsystem;
 use super::TargetInner;
+use crate::auth::queue::QueueAuth;
 use crate::volume::IoError;
 
 /// A refused Connect: its status and the completion's DW0 (which field was invalid).
@@ -66,6 +71,11 @@ pub(crate) struct Connected {
     pub connect: Connect,
     /// Held for as long as the queue lives.
     pub host: HostQueue,
+    /// The queue's DH-HMAC-CHAP state; `connect_dw0` already carries its AUTHREQ bits.
+    pub auth: QueueAuth,
+    /// Dword 0 of the Connect response: the CNTLID and AUTHREQ (NVMe-oF 1.1 Figure 22,
+    /// NVMe Base 2.0 §6.3).
+    pub connect_dw0: u64,
 }
 
 /// What one transport adds to the checks of a Connect.
@@ -157,18 +167,70 @@ where
         }
         ctrl
     };
+    let auth = subsys.queue_auth(&d.hostnqn);
     debug!(
         cntlid = ctrl.cntlid,
         qid = c.qid,
         sqsize = c.sqsize,
+        authenticate = auth.is_required(),
         "queue connected"
     );
+    let connect_dw0 = (ctrl.cntlid as u32 | auth.connect_dw0()) as u64;
     Ok(Connected {
         ctrl,
         subsys,
         connect: c,
         host,
+        auth,
+        connect_dw0,
     })
+}
+
+/// Whether `cmd` is Authentication Send or Receive.
+pub(crate) fn is_authentication(cmd: &Command) -> bool {
+    cmd.opcode == nacre_shared::nvme::admin_opcode::FABRICS
+        && matches!(
+            cmd.fctype(),
+            fctype::AUTHENTICATION_SEND | fctype::AUTHENTICATION_RECEIVE
+        )
+}
+
+/// Authentication Send (with its `data`) or Receive on a queue whose state is `auth`
+/// (`None`: the queue has not connected, a Command Sequence Error). Returns the status and,
+/// for a Receive, the message for the host. A protocol failure is not a command failure:
+/// the command succeeds and the host reads an AUTH_Failure1 with its reason code.
+pub(crate) fn authentication(
+    auth: Option<&mut QueueAuth>,
+    cmd: &Command,
+    data: &[u8],
+) -> (Status, Vec<u8>) {
+    let Some(auth) = auth else {
+        return (Status::COMMAND_SEQUENCE_ERROR, Vec::new());
+    };
+    let (was_failed, was_granted) = (auth.failed(), auth.authenticated());
+    let r = if cmd.fctype() == fctype::AUTHENTICATION_SEND {
+        auth.auth_send(cmd, data).map(|()| Vec::new())
+    } else {
+        auth.auth_receive(cmd)
+    };
+    if !was_failed {
+        if let Some((hostnqn, why)) = auth.failure() {
+            warn!(hostnqn, reason = %why, "DH-HMAC-CHAP authentication failed");
+        }
+    }
+    if !was_granted && auth.authenticated() {
+        if let Some((hash, dhgroup)) = auth.chosen() {
+            debug!(
+                hash = hash.name(),
+                dhgroup = dhgroup.name(),
+                "queue authenticated (DH-HMAC-CHAP)"
+            );
+        }
+    }
+    match r {
+        Ok(out) => (Status::SUCCESS, out),
+        Err(s) => (s, Vec::new()),
+    }
 }
 
 /// Property Get or Set on queue `qid` of controller `ctrl` (`None` before Connect); any

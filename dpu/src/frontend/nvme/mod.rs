@@ -51,7 +51,7 @@ use crate::volume::BlockDevice;
 
 pub use admission::{set_default_conn_limits, ConnLimits};
 pub(crate) use admission::{ConnSlot, Evict, ListenerConns};
-pub use subsystem::{Namespace, Subsystem};
+pub use subsystem::{HostKeys, Namespace, Subsystem, AUTH_DHGROUPS, AUTH_HASHES};
 
 /// Errors of the target's management API.
 #[derive(Debug, Error)]
@@ -252,9 +252,30 @@ impl TargetInner {
         Ok(())
     }
 
+    /// Require DH-HMAC-CHAP of `hostnqn`'s new queues in subsystem `nqn` (`None`: no
+    /// longer). Queues connected already keep the state they authenticated in.
+    pub(crate) fn set_host_keys(
+        &self,
+        nqn: &str,
+        hostnqn: &str,
+        keys: Option<HostKeys>,
+    ) -> Result<(), NvmfError> {
+        validate_nqn(hostnqn).map_err(NvmfError::InvalidNqn)?;
+        let s = self.subsystem(nqn)?;
+        let mut st = lock(&s.state);
+        match keys {
+            Some(k) => st.host_keys.insert(hostnqn.to_string(), k),
+            None => st.host_keys.remove(hostnqn),
+        };
+        Ok(())
+    }
+
     pub(crate) fn remove_host(&self, nqn: &str, hostnqn: &str) -> Result<(), NvmfError> {
         let s = self.subsystem(nqn)?;
-        lock(&s.state).hosts.remove(hostnqn);
+        let mut st = lock(&s.state);
+        st.hosts.remove(hostnqn);
+        st.host_keys.remove(hostnqn);
+        drop(st);
         self.bump_genctr();
         Ok(())
     }

@@ -1,5 +1,7 @@
 //! NVM subsystems and namespaces (NVMe Base 2.0 §2.4, §3.2), and the discovery subsystem
-//! with its log page (NVMe-oF 1.1 §5).
+//! with its log page (NVMe-oF 1.1 §5). A host may have DH-HMAC-CHAP secrets
+//! ([`HostKeys`]): its queues then authenticate before they carry commands (NVMe Base 2.0
+//! §8.13, [`crate::auth::queue`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
@@ -10,8 +12,12 @@ use nacre_shared::api::nvmf::{NvmfNamespaceInfo, NvmfSubsystemInfo};
 use nacre_shared::nvme::discovery::{self, DiscoveryEntry};
 use nacre_shared::nvme::DISCOVERY_NQN;
 
+use nacre_shared::nvme::auth::{DhGroupId, HashId};
+
 use super::ctrl::TargetController;
 use super::{limits, lock, NvmfError, TargetInner, DEFAULT_MODEL};
+use crate::auth::queue::QueueAuth;
+use crate::auth::{CtrlAuthConfig, Secret};
 use crate::volume::BlockDevice;
 
 /// A namespace: a volume exported under an NSID.
@@ -34,9 +40,38 @@ impl Namespace {
     }
 }
 
+/// A host's DH-HMAC-CHAP secrets (NVMe Base 2.0 §8.13.5): the host's own, which it proves
+/// it holds, and optionally the controller's, with which the controller answers a host that
+/// asks it to authenticate too (bidirectional authentication).
+#[derive(Debug, Clone)]
+pub struct HostKeys {
+    pub key: Secret,
+    pub ctrl_key: Option<Secret>,
+    /// The hashes and DH groups this host may use, in the target's order of preference
+    /// (normally [`AUTH_HASHES`] and [`AUTH_DHGROUPS`], or a part of them).
+    pub hashes: Vec<HashId>,
+    pub dhgroups: Vec<DhGroupId>,
+}
+
+/// Hashes the target accepts, in its order of preference (the strongest the host offers).
+pub const AUTH_HASHES: [HashId; 3] = [HashId::Sha512, HashId::Sha384, HashId::Sha256];
+/// DH groups the target accepts, in its order of preference: a Diffie-Hellman exchange
+/// whenever the host offers one (the smallest group first: each queue's transaction pays
+/// for the modular exponentiation), the null group last.
+pub const AUTH_DHGROUPS: [DhGroupId; 6] = [
+    DhGroupId::Ffdhe2048,
+    DhGroupId::Ffdhe3072,
+    DhGroupId::Ffdhe4096,
+    DhGroupId::Ffdhe6144,
+    DhGroupId::Ffdhe8192,
+    DhGroupId::Null,
+];
+
 pub(crate) struct SubState {
     pub(crate) allow_any_host: bool,
     pub(crate) hosts: BTreeSet<String>,
+    /// Secrets of the hosts that must authenticate.
+    pub(crate) host_keys: BTreeMap<String, HostKeys>,
     pub(crate) listeners: BTreeSet<SocketAddr>,
     /// NVMe/RDMA listeners (RDMA CM port space: the same address may also be a TCP one).
     pub(crate) rdma_listeners: BTreeSet<SocketAddr>,
@@ -69,6 +104,7 @@ impl Subsystem {
             state: Mutex::new(SubState {
                 allow_any_host,
                 hosts: BTreeSet::new(),
+                host_keys: BTreeMap::new(),
                 listeners: BTreeSet::new(),
                 rdma_listeners: BTreeSet::new(),
             }),
@@ -91,6 +127,23 @@ impl Subsystem {
     pub(crate) fn host_allowed(&self, hostnqn: &str) -> bool {
         let st = lock(&self.state);
         st.allow_any_host || st.hosts.contains(hostnqn)
+    }
+
+    /// The authentication state a new queue of `hostnqn` starts in: required when the host
+    /// has a secret here.
+    pub(crate) fn queue_auth(&self, hostnqn: &str) -> QueueAuth {
+        let keys = lock(&self.state).host_keys.get(hostnqn).cloned();
+        match keys {
+            None => QueueAuth::not_required(),
+            Some(k) => QueueAuth::required(CtrlAuthConfig {
+                hostnqn: hostnqn.to_string(),
+                subnqn: self.nqn.clone(),
+                host_secret: k.key,
+                ctrl_secret: k.ctrl_key,
+                hashes: k.hashes,
+                dhgroups: k.dhgroups,
+            }),
+        }
     }
 
     pub(crate) fn reachable_on(&self, listener: &SocketAddr) -> bool {
@@ -233,6 +286,18 @@ impl Subsystem {
             model: self.model.clone(),
             allow_any_host: st.allow_any_host,
             hosts: st.hosts.iter().cloned().collect(),
+            dhchap: st
+                .host_keys
+                .iter()
+                .map(|(h, k)| {
+                    let how = if k.ctrl_key.is_some() {
+                        "bidirectional"
+                    } else {
+                        "unidirectional"
+                    };
+                    (h.clone(), how.to_string())
+                })
+                .collect(),
             listeners: st
                 .listeners
                 .iter()

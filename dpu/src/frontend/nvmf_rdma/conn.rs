@@ -28,6 +28,7 @@ use super::queue::{
     WR_READ, WR_RECV, WR_SEND,
 };
 use super::verbs;
+use crate::auth::queue::QueueAuth;
 use crate::frontend::nvme::ctrl::{AdminReply, TargetController};
 use crate::frontend::nvme::fabrics::{
     self, fabrics_connect, invalid_param, io_status, HostQueue, QueueRules,
@@ -83,6 +84,8 @@ pub(super) fn serve(target: Arc<TargetInner>, mut inc: Incoming) {
         ctrl: None,
         subsys: None,
         host_counted: None,
+        auth: None,
+        auth_deadline: None,
         ns_gen: 0,
         ns: BTreeMap::new(),
         head: 0,
@@ -113,6 +116,11 @@ struct Conn {
     ctrl: Option<Arc<TargetController>>,
     subsys: Option<Arc<Subsystem>>,
     host_counted: Option<HostQueue>,
+    /// DH-HMAC-CHAP on this queue, from its Connect on (NVMe Base 2.0 §8.13).
+    auth: Option<QueueAuth>,
+    /// When a queue whose host must authenticate is closed if it has not (the setup
+    /// timeout again, from its Connect).
+    auth_deadline: Option<Instant>,
     ns_gen: u64,
     ns: BTreeMap<u32, Arc<Namespace>>,
     /// SQ head: capsules received, modulo the queue size.
@@ -138,6 +146,7 @@ impl Conn {
     fn close(&mut self) {
         self.slot = None;
         self.host_counted = None;
+        self.auth = None;
         if let Some(c) = self.ctrl.take() {
             let qid = self.q.qid.load(Ordering::Relaxed);
             if qid == 0 {
@@ -173,6 +182,14 @@ impl Conn {
         };
         loop {
             if self.dead() {
+                return Err(End::Closed);
+            }
+            if self.auth_deadline.is_some_and(|d| Instant::now() > d) {
+                warn!(
+                    listener = %self.listener,
+                    qid = self.req.qid,
+                    "NVMe/RDMA queue did not authenticate within the setup timeout: closing it"
+                );
                 return Err(End::Closed);
             }
             if self.ctrl.is_none() && Instant::now() > setup_deadline {
@@ -381,6 +398,11 @@ impl Conn {
                 }
             }
         }
+        // A queue whose host must authenticate runs nothing else until it has (and fetches
+        // no data for it).
+        if let Some(Err(st)) = self.auth.as_ref().map(|a| a.may_execute(&cmd)) {
+            status = status.or(Some(st));
+        }
         {
             let mut sl = lock(&self.q.slots[s]);
             sl.state = SlotState::Executing;
@@ -419,7 +441,9 @@ impl Conn {
     fn host_to_controller(&self, c: &Command) -> bool {
         let qid = self.q.qid.load(Ordering::Relaxed);
         match c.opcode {
-            admin_opcode::FABRICS => c.fctype() == fctype::CONNECT,
+            admin_opcode::FABRICS => {
+                matches!(c.fctype(), fctype::CONNECT | fctype::AUTHENTICATION_SEND)
+            }
             io_opcode::WRITE | io_opcode::DATASET_MANAGEMENT => qid != 0 && self.ctrl.is_some(),
             _ => false,
         }
@@ -428,6 +452,17 @@ impl Conn {
     /// Execute the command in slot `s` whose host data (if any) is in its buffer.
     fn execute(&mut self, s: usize, cmd: Command, data_len: usize) {
         let q = self.q.clone();
+        if fabrics::is_authentication(&cmd) {
+            // SAFETY: we hold slot s (Executing); no transfer on its buffer is in flight.
+            let data = unsafe { q.buf(s, data_len) }.to_vec();
+            let (status, out) = fabrics::authentication(self.auth.as_mut(), &cmd, &data);
+            if self.auth.as_ref().is_some_and(|a| a.authenticated()) {
+                self.auth_deadline = None;
+            }
+            // SAFETY: as above.
+            unsafe { self.respond_data(s, status, 0, &out) };
+            return;
+        }
         if cmd.opcode == admin_opcode::FABRICS {
             // SAFETY: we hold slot s (Executing); no transfer on its buffer is in flight.
             let data = unsafe { q.buf(s, data_len) }.to_vec();
@@ -443,20 +478,10 @@ impl Conn {
             // SAFETY: as above.
             let data = unsafe { q.buf(s, data_len) }.to_vec();
             match ctrl.admin(&cmd, &data) {
-                AdminReply::Done(status, dw0, out) => {
-                    if out.is_empty() || !status.is_success() {
-                        q.respond(s, status, dw0, 0, 0);
-                        return;
-                    }
-                    let Some(k) = lock(&q.slots[s]).keyed else {
-                        q.respond(s, Status::SGL_DESCRIPTOR_TYPE_INVALID, 0, 0, 0);
-                        return;
-                    };
-                    let n = out.len().min(k.len as usize).min(limits::MAX_TRANSFER);
-                    // SAFETY: as above.
-                    unsafe { q.buf(s, n) }.copy_from_slice(&out[..n]);
-                    q.respond(s, status, dw0, 0, n);
-                }
+                // SAFETY: as above.
+                AdminReply::Done(status, dw0, out) => unsafe {
+                    self.respond_data(s, status, dw0, &out)
+                },
                 AdminReply::Parked => {
                     lock(&q.slots[s]).state = SlotState::Parked;
                 }
@@ -466,6 +491,27 @@ impl Conn {
         if let Some(status) = self.io(s, &cmd, data_len) {
             q.respond(s, status, 0, 0, 0);
         }
+    }
+
+    /// Respond to the command in slot `s` with `out` as its data to the host (written
+    /// through its keyed SGL, at most the length that describes).
+    ///
+    /// # Safety
+    /// The caller holds slot `s` (Executing) and no transfer on its buffer is in flight.
+    unsafe fn respond_data(&self, s: usize, status: Status, dw0: u32, out: &[u8]) {
+        let q = &self.q;
+        if out.is_empty() || !status.is_success() {
+            q.respond(s, status, dw0, 0, 0);
+            return;
+        }
+        let Some(k) = lock(&q.slots[s]).keyed else {
+            q.respond(s, Status::SGL_DESCRIPTOR_TYPE_INVALID, 0, 0, 0);
+            return;
+        };
+        let n = out.len().min(k.len as usize).min(limits::MAX_TRANSFER);
+        // SAFETY: the caller holds slot s, with no transfer in flight (this fn's contract).
+        unsafe { q.buf(s, n) }.copy_from_slice(&out[..n]);
+        q.respond(s, status, dw0, 0, n);
     }
 
     // ---- Fabrics commands (NVMe-oF 1.1 §3) ----
@@ -502,14 +548,19 @@ impl Conn {
             Ok(d) => d,
             Err(r) => return r,
         };
-        let cntlid = done.ctrl.cntlid;
+        let dw0 = done.connect_dw0;
         self.host_counted = Some(done.host);
+        if done.auth.is_required() {
+            let ms = self.target.setup_timeout_ms.load(Ordering::Relaxed);
+            self.auth_deadline = Some(Instant::now() + Duration::from_millis(ms));
+        }
+        self.auth = Some(done.auth);
         self.ctrl = Some(done.ctrl);
         self.subsys = Some(done.subsys);
         if let Some(s) = &self.slot {
             s.connected();
         }
-        (Status::SUCCESS, cntlid as u64)
+        (Status::SUCCESS, dw0)
     }
 
     // ---- NVM command set I/O (NVM Command Set 1.0 §3) ----

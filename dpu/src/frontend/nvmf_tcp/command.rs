@@ -1,6 +1,8 @@
 //! Command capsules (NVMe/TCP 1.0 §3.3.2) and what they do: Fabrics commands (Connect,
-//! Property Get/Set; NVMe-oF 1.1 §3), admin commands (handed to the controller) and the
-//! NVM command set mapped onto [`crate::volume::BlockDevice`] (NVM Command Set 1.0 §3).
+//! Property Get/Set; NVMe-oF 1.1 §3; Authentication Send/Receive, NVMe Base 2.0 §6.2-6.3,
+//! on a queue whose host must authenticate: [`fabrics::authentication`]), admin commands
+//! (handed to the controller) and the NVM command set mapped onto
+//! [`crate::volume::BlockDevice`] (NVM Command Set 1.0 §3).
 //!
 //! Nothing here blocks the reactor: a command that needs several volume requests (a
 //! Force Unit Access write and its Flush, Dataset Management ranges, a Flush of every
@@ -66,7 +68,9 @@ impl Conn {
     /// Whether a command moves data from host to controller.
     fn host_to_controller(&self, c: &Command) -> bool {
         match c.opcode {
-            admin_opcode::FABRICS => c.fctype() == fctype::CONNECT,
+            admin_opcode::FABRICS => {
+                matches!(c.fctype(), fctype::CONNECT | fctype::AUTHENTICATION_SEND)
+            }
             io_opcode::WRITE | io_opcode::DATASET_MANAGEMENT => {
                 self.qid != 0 && self.ctrl.is_some()
             }
@@ -76,6 +80,11 @@ impl Conn {
 
     /// A command capsule: its data in the capsule, asked for by R2T, or none.
     pub(super) fn capsule(&mut self, cmd: Command, data: &[u8]) -> Result<(), End> {
+        if let Some(Err(s)) = self.auth.as_ref().map(|a| a.may_execute(&cmd)) {
+            // Not authenticated yet: no data is asked for.
+            self.reply(cmd.cid, s, 0, &[]);
+            return Ok(());
+        }
         if !self.host_to_controller(&cmd) {
             // Data in a capsule of a command that takes none is ignored; data the host wants
             // back must be described by a transport SGL.
@@ -128,6 +137,22 @@ impl Conn {
 
     pub(super) fn execute(&mut self, cmd: Command, data: Payload<'_>) -> Result<(), End> {
         self.fresh_cmds += 1;
+        if fabrics::is_authentication(&cmd) {
+            let (status, out) = fabrics::authentication(self.auth.as_mut(), &cmd, data.as_slice());
+            if self.auth.as_ref().is_some_and(|a| a.authenticated()) {
+                self.authenticated();
+            }
+            match clip_to_sgl(&cmd, &out) {
+                Ok(d) => self.reply(cmd.cid, status, 0, d),
+                Err(s) => self.reply(cmd.cid, s, 0, &[]),
+            }
+            return Ok(());
+        }
+        // A queue whose host must authenticate runs nothing else until it has.
+        if let Some(Err(s)) = self.auth.as_ref().map(|a| a.may_execute(&cmd)) {
+            self.reply(cmd.cid, s, 0, &[]);
+            return Ok(());
+        }
         if cmd.opcode == admin_opcode::FABRICS {
             let (status, v) = self.fabrics(&cmd, data.as_slice());
             let mut c = self.cqe(cmd.cid, status, v as u32);
@@ -200,12 +225,16 @@ impl Conn {
         self.sq_flow_disabled = c.cattr & CATTR_DISABLE_SQ_FLOW != 0;
         self.sqsize = entries;
         self.head = 1 % entries;
-        let cntlid = done.ctrl.cntlid;
+        let dw0 = done.connect_dw0;
         self.connected();
+        if done.auth.is_required() {
+            self.await_authentication();
+        }
         self.host_counted = Some(done.host);
+        self.auth = Some(done.auth);
         self.ctrl = Some(done.ctrl);
         self.subsys = Some(done.subsys);
-        (Status::SUCCESS, cntlid as u64)
+        (Status::SUCCESS, dw0)
     }
 
     // ---- NVM command set I/O (NVM Command Set 1.0 §3) ----

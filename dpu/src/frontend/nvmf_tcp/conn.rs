@@ -18,6 +18,7 @@ use super::command::Slot;
 use super::pdu::End;
 use super::reactor::{Mail, NewConn, Shared};
 use super::transfer::{BufPool, H2cPending, Out};
+use crate::auth::queue::QueueAuth;
 use crate::frontend::nvme::ctrl::{CtrlQueue, TargetController};
 use crate::frontend::nvme::fabrics::HostQueue;
 use crate::frontend::nvme::subsystem::{Namespace, Subsystem};
@@ -157,6 +158,8 @@ pub(crate) struct Conn {
     conn_slot: Option<ConnSlot>,
     /// The host NQN this queue counts against ([`super::ConnLimits::per_host`]).
     pub(super) host_counted: Option<HostQueue>,
+    /// DH-HMAC-CHAP on this queue, from its Connect on (NVMe Base 2.0 §8.13).
+    pub(super) auth: Option<QueueAuth>,
     pub(super) listener: SocketAddr,
     pub(super) local_ip: IpAddr,
     pub(super) digests: Digests,
@@ -229,6 +232,7 @@ impl Conn {
             pdu_deadline: None,
             conn_slot: Some(slot),
             host_counted: None,
+            auth: None,
             listener,
             local_ip,
             digests: Digests::NONE,
@@ -386,6 +390,19 @@ impl Conn {
         }
     }
 
+    /// The queue's host must authenticate first (DH-HMAC-CHAP): it has the setup timeout
+    /// again to do so, or the connection is closed.
+    pub(super) fn await_authentication(&mut self) {
+        let ms = self.target.setup_timeout_ms.load(Ordering::Relaxed);
+        self.setup_deadline = Some(Instant::now() + Duration::from_millis(ms));
+    }
+
+    /// The queue authenticated: no deadline any more (a later re-authentication that fails
+    /// takes the queue's access away, not its connection).
+    pub(super) fn authenticated(&mut self) {
+        self.setup_deadline = None;
+    }
+
     /// Send what can be sent now; the rest waits for EPOLLOUT.
     pub(super) fn flush(&mut self) {
         self.flush_queued = false;
@@ -525,6 +542,7 @@ impl Conn {
 
     fn leave(&mut self) {
         self.host_counted = None;
+        self.auth = None;
         if let Some(c) = self.ctrl.take() {
             if self.qid == 0 {
                 // The admin queue ends the association (NVMe-oF 1.1 §3.6).
@@ -567,7 +585,12 @@ impl Conn {
             return;
         }
         let past = |d: Option<Instant>| d.is_some_and(|d| now >= d);
-        if past(self.setup_deadline) {
+        if past(self.setup_deadline) && self.ctrl.is_some() {
+            warn!(
+                peer = ?self.peer(),
+                "nvmf queue did not authenticate in time: closing it"
+            );
+        } else if past(self.setup_deadline) {
             debug!(peer = ?self.peer(), "nvmf connection did not connect a queue in time: closing it");
         } else if past(self.pdu_deadline) {
             warn!(

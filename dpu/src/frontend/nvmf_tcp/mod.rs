@@ -38,7 +38,8 @@
 //! Management API (wired to the `nvmf_*` RPC methods by `control::nvmf`):
 //! [`NvmfTarget::new`], `create_subsystem`, `delete_subsystem`, `add_namespace` (returns the
 //! NSID), `remove_namespace`, `add_listener` (returns the address actually bound, so port 0
-//! works), `remove_listener`, `add_host`, `remove_host`, `set_allow_any_host`,
+//! works), `remove_listener`, `add_host`, `set_host_keys` (DH-HMAC-CHAP), `remove_host`,
+//! `set_allow_any_host`,
 //! `subsystems`. Namespace changes raise Namespace Attribute Changed events on connected
 //! controllers. Dropping the target closes every listener and connection.
 
@@ -65,8 +66,8 @@ use crate::volume::BlockDevice;
 use listener::{stop_listener, Listener};
 
 pub use crate::frontend::nvme::{
-    limits, set_default_conn_limits, ConnLimits, Namespace, NvmfError, Subsystem, DEFAULT_MODEL,
-    FIRMWARE_REVISION, PDU_TIMEOUT, SETUP_TIMEOUT,
+    limits, set_default_conn_limits, ConnLimits, HostKeys, Namespace, NvmfError, Subsystem,
+    AUTH_DHGROUPS, AUTH_HASHES, DEFAULT_MODEL, FIRMWARE_REVISION, PDU_TIMEOUT, SETUP_TIMEOUT,
 };
 pub use reactor::{
     poll_policy, set_default_reactors, set_poll_policy, PollPolicy, ReactorStats,
@@ -217,6 +218,16 @@ impl NvmfTarget {
     /// Allow `hostnqn` to connect.
     pub fn add_host(&self, nqn: &str, hostnqn: &str) -> Result<(), NvmfError> {
         self.inner.add_host(nqn, hostnqn)
+    }
+
+    /// Require DH-HMAC-CHAP of `hostnqn`'s new queues with `keys` (`None`: no longer).
+    pub fn set_host_keys(
+        &self,
+        nqn: &str,
+        hostnqn: &str,
+        keys: Option<HostKeys>,
+    ) -> Result<(), NvmfError> {
+        self.inner.set_host_keys(nqn, hostnqn, keys)
     }
 
     pub fn remove_host(&self, nqn: &str, hostnqn: &str) -> Result<(), NvmfError> {
