@@ -288,8 +288,8 @@ impl TlsPsk {
         TlsPsk::parse(&text).map_err(|e| file_err(e.to_string()))
     }
 
-    /// Write the interchange format to a new file of mode 0600 (an existing file is
-    /// replaced only if it already has no group/other permissions).
+    /// Write the interchange format, without a newline, to a new file of mode 0600 (an
+    /// existing file is replaced only if it already has no group/other permissions).
     pub fn write_file(&self, path: &Path) -> Result<(), TlsPskError> {
         let file_err = |err: String| TlsPskError::File {
             path: path.display().to_string(),
@@ -311,8 +311,9 @@ impl TlsPsk {
             .map_err(|e| file_err(e.to_string()))?;
         f.set_permissions(std::fs::Permissions::from_mode(0o600))
             .map_err(|e| file_err(e.to_string()))?;
+        // No newline after it: SPDK's `--psk-path` takes the file's bytes as the key, and
+        // the format's last character must be ':'.
         f.write_all(self.to_interchange().as_bytes())
-            .and_then(|_| f.write_all(b"\n"))
             .and_then(|_| f.sync_all())
             .map_err(|e| file_err(e.to_string()))
     }

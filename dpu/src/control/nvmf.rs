@@ -105,7 +105,13 @@ fn listener(p: &NvmfListener) -> Result<(SocketAddr, ListenerTransport), RpcErro
         ))
     })?;
     let transport = match p.transport.as_deref() {
+        None | Some(TRANSPORT_TCP) if p.secure_channel => ListenerTransport::Tls,
         None | Some(TRANSPORT_TCP) => ListenerTransport::Tcp,
+        Some(_) if p.secure_channel => {
+            return Err(RpcError::invalid_params(
+                "secure_channel (TLS) is for NVMe/TCP listeners only",
+            ))
+        }
         Some(TRANSPORT_RDMA) => ListenerTransport::Rdma,
         Some(t) => {
             return Err(RpcError::invalid_params(format!(
@@ -138,6 +144,9 @@ fn nvmf_subsystem_add_listener(d: &Daemon, params: Value) -> Result<Value, RpcEr
     let (address, port) = (bound.ip().to_string(), bound.port());
     to_value(match transport {
         ListenerTransport::Tcp => json!({"nqn": p.nqn, "address": address, "port": port}),
+        ListenerTransport::Tls => json!({
+            "nqn": p.nqn, "address": address, "port": port, "secure_channel": true
+        }),
         ListenerTransport::Rdma => json!({
             "nqn": p.nqn, "address": address, "port": port, "transport": TRANSPORT_RDMA
         }),
@@ -158,7 +167,8 @@ fn nvmf_subsystem_remove_listener(d: &Daemon, params: Value) -> Result<Value, Rp
 
 fn nvmf_subsystem_add_host(d: &Daemon, params: Value) -> Result<Value, RpcError> {
     let p: NvmfHost = parse_params(params)?;
-    d.registry.add_host(&p.nqn, &p.host)?;
+    d.registry
+        .add_host_with_psk(&p.nqn, &p.host, p.psk.as_deref().map(std::path::Path::new))?;
     to_value(Ack { ok: true })
 }
 
