@@ -395,3 +395,91 @@ fn nacred_serves_a_tls_listener_from_the_cli_and_replays_it_without_storing_the_
     assert!(!ok, "the replayed listener accepted a plain host:\n{out}");
     assert!(n.stop(), "nacred did not stop cleanly");
 }
+
+/// One NVMe/TCP PDU read from a TLS stream: its bytes.
+fn read_pdu(s: &mut openssl::ssl::SslStream<TcpStream>) -> Vec<u8> {
+    let mut ch = [0u8; 8];
+    s.read_exact(&mut ch).unwrap();
+    let plen = u32::from_le_bytes(ch[4..8].try_into().unwrap()) as usize;
+    let mut pdu = ch.to_vec();
+    pdu.resize(plen, 0);
+    s.read_exact(&mut pdu[8..]).unwrap();
+    pdu
+}
+
+/// A Fabrics Connect of the admin queue as a CapsuleCmd PDU with its 1024 bytes of data in
+/// the capsule (NVMe-oF 1.1 §3.3, NVMe/TCP 1.0 §3.6.2.4).
+fn connect_capsule(hostnqn: &str, subnqn: &str) -> Vec<u8> {
+    let mut p = vec![0u8; 8 + 64 + 1024];
+    p[0] = 0x04; // CapsuleCmd
+    p[2] = 72; // HLEN
+    p[3] = 72; // PDO
+    let plen = p.len() as u32;
+    p[4..8].copy_from_slice(&plen.to_le_bytes());
+    let sqe = &mut p[8..72];
+    sqe[0] = 0x7f; // Fabrics
+    sqe[4] = 0x01; // Connect
+    sqe[32..36].copy_from_slice(&1024u32.to_le_bytes()); // SGL: data block, in capsule
+    sqe[39] = 0x01;
+    sqe[44..46].copy_from_slice(&31u16.to_le_bytes()); // SQSIZE
+    let data = &mut p[72..];
+    data[16..18].copy_from_slice(&0xffffu16.to_le_bytes()); // CNTLID: dynamic
+    data[256..256 + subnqn.len()].copy_from_slice(subnqn.as_bytes());
+    data[512..512 + hostnqn.len()].copy_from_slice(hostnqn.as_bytes());
+    p
+}
+
+/// A TLS session as HOST256 (OpenSSL's client: the TLS 1.2-style PSK callback makes a
+/// SHA-256 session, which is this key's suite), then ICReq/ICResp; the Connect's status.
+fn tls_connect_as(addr: SocketAddr, psk: &TlsPsk, connect_host: &str) -> (u8, u8) {
+    use openssl::ssl::{SslConnector, SslMethod, SslVerifyMode, SslVersion};
+    let (identity, key) = psk.tls_psk(HOST256, NQN);
+    let mut b = SslConnector::builder(SslMethod::tls_client()).unwrap();
+    b.set_min_proto_version(Some(SslVersion::TLS1_3)).unwrap();
+    b.set_ciphersuites("TLS_AES_128_GCM_SHA256").unwrap();
+    b.set_verify(SslVerifyMode::NONE);
+    b.set_psk_client_callback(move |_, _, id, out| {
+        id[..identity.len()].copy_from_slice(identity.as_bytes());
+        id[identity.len()] = 0;
+        out[..key.len()].copy_from_slice(&key);
+        Ok(key.len())
+    });
+    let mut cfg = b.build().configure().unwrap();
+    cfg.set_use_server_name_indication(false);
+    cfg.set_verify_hostname(false);
+    let tcp = TcpStream::connect(addr).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut s = cfg
+        .connect("nacre", tcp)
+        .expect("TLS handshake with the right PSK");
+    s.write_all(&icreq()).unwrap();
+    let icresp = read_pdu(&mut s);
+    assert_eq!(icresp[0], 0x01, "no ICResp over TLS");
+    s.write_all(&connect_capsule(connect_host, NQN)).unwrap();
+    let resp = read_pdu(&mut s);
+    assert_eq!(resp[0], 0x05, "no CapsuleResp");
+    let status = u16::from_le_bytes(resp[8 + 14..8 + 16].try_into().unwrap());
+    (((status >> 9) & 7) as u8, (status >> 1) as u8)
+}
+
+/// A host that proved HOST256's PSK cannot name another host NQN in Connect (NVMe/TCP §3.6:
+/// the Connect names the identity's host and subsystem).
+#[test]
+fn a_tls_queue_must_connect_as_the_host_of_its_psk_identity() {
+    let s = serve();
+    let addr = s
+        .target
+        .add_tls_listener(NQN, "127.0.0.1:0".parse().unwrap())
+        .unwrap();
+    let psk = TlsPsk::load(&s.key256).unwrap();
+    assert_eq!(
+        tls_connect_as(addr, &psk, HOST384),
+        (1, 0x84),
+        "Connect as another host than the PSK identity's was not refused as an invalid host"
+    );
+    assert_eq!(
+        tls_connect_as(addr, &psk, HOST256),
+        (0, 0),
+        "Connect as the identity's host"
+    );
+}

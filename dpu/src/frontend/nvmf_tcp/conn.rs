@@ -155,6 +155,8 @@ pub(crate) struct Conn {
     pub(super) pdu_deadline: Option<Instant>,
     /// This connection's place in its listener's connection counts.
     conn_slot: Option<ConnSlot>,
+    /// The TLS PSK identity's (host NQN, subsystem NQN), on a TLS listener.
+    pub(super) tls_peer: Option<Box<(String, String)>>,
     /// The host NQN this queue counts against ([`super::ConnLimits::per_host`]).
     pub(super) host_counted: Option<HostQueue>,
     pub(super) listener: SocketAddr,
@@ -195,6 +197,7 @@ impl Conn {
             sock,
             listener,
             slot,
+            tls_peer,
         } = nc;
         sock.set_nonblocking(true)?;
         reactor.ctl(libc::EPOLL_CTL_ADD, sock.as_raw_fd(), EV_IN, token)?;
@@ -228,6 +231,7 @@ impl Conn {
             setup_deadline: Some(Instant::now() + setup),
             pdu_deadline: None,
             conn_slot: Some(slot),
+            tls_peer,
             host_counted: None,
             listener,
             local_ip,

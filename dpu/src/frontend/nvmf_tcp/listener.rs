@@ -183,6 +183,7 @@ fn accept_loop(
             sock: stream,
             listener: bound,
             slot,
+            tls_peer: None,
         };
         let Some(tls) = &tls else {
             ports.reactors.assign(nc);
@@ -195,10 +196,11 @@ fn accept_loop(
         let spawned = std::thread::Builder::new()
             .name(format!("nvmf-tls-{}", bound.port()))
             .spawn(move || {
-                let Some((plain, relay)) = tls.handshake(nc.sock, setup) else {
+                let Some((plain, peer, relay)) = tls.handshake(nc.sock, setup) else {
                     return;
                 };
                 nc.sock = plain;
+                nc.tls_peer = Some(Box::new(peer));
                 let Some(ports) = weak.upgrade() else { return };
                 ports.reactors.assign(nc);
                 drop(ports);
@@ -228,6 +230,7 @@ impl NvmfTarget {
             sock,
             listener,
             slot,
+            tls_peer: None,
         })
     }
 }

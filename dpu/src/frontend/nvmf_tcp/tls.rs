@@ -27,9 +27,9 @@
 //! session callback: its older PSK server callback makes only SHA-256 sessions). An unknown
 //! identity, a key of the other suite, or a wrong key ends the handshake.
 //!
-//! What is not done: the Fabrics Connect of a TLS queue is not checked against the identity's
-//! NQNs (a host that holds a PSK may name another host NQN in Connect); the identity's
-//! version 1 form (with a PSK digest) is refused.
+//! Each queue's Fabrics Connect must then name the identity's host and subsystem NQNs
+//! (`command`), or it is refused as an invalid host. The identity's version 1 form (with a
+//! PSK digest) is refused.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -45,7 +45,7 @@ use openssl::ssl::{ErrorCode, Ssl, SslContext, SslMethod, SslStream, SslVersion}
 use tracing::{debug, info};
 use zeroize::Zeroizing;
 
-use crate::auth::tls_psk::{parse_identity, CipherSuite, TlsPsk};
+use crate::auth::tls_psk::{parse_identity, Identity, TlsPsk};
 use crate::frontend::nvme::lock;
 
 /// The configured PSKs: (subsystem NQN, host NQN) → key.
@@ -76,8 +76,8 @@ impl PskStore {
         lock(&self.keys).contains_key(&(subnqn.to_string(), hostnqn.to_string()))
     }
 
-    /// The TLS PSK and its suite for the identity a host offered, or why there is none.
-    fn find(&self, identity: &[u8]) -> Result<(CipherSuite, Zeroizing<Vec<u8>>), String> {
+    /// The TLS PSK for the identity a host offered, or why there is none.
+    fn find(&self, identity: &[u8]) -> Result<(Identity, Zeroizing<Vec<u8>>), String> {
         let id = parse_identity(identity).map_err(|e| e.to_string())?;
         let m = lock(&self.keys);
         let psk = m
@@ -92,7 +92,8 @@ impl PskStore {
             ));
         }
         let (_, tls_psk) = psk.tls_psk(&id.hostnqn, &id.subnqn);
-        Ok((id.suite, tls_psk))
+        drop(m);
+        Ok((id, tls_psk))
     }
 }
 
@@ -119,7 +120,7 @@ const TLS1_3_VERSION: c_int = 0x0304;
 /// What the handshake on this thread looks keys up in, and what it found.
 struct Lookup {
     keys: Arc<PskStore>,
-    outcome: Option<Result<CipherSuite, String>>,
+    outcome: Option<Result<Identity, String>>,
 }
 
 thread_local! {
@@ -147,13 +148,13 @@ unsafe extern "C" fn find_session(
         let mut l = l.borrow_mut();
         let l = l.as_mut()?;
         let r = l.keys.find(identity);
-        l.outcome = Some(r.as_ref().map(|(s, _)| *s).map_err(Clone::clone));
+        l.outcome = Some(r.as_ref().map(|(i, _)| i.clone()).map_err(Clone::clone));
         r.ok()
     });
-    let Some((suite, key)) = found else {
+    let Some((identity, key)) = found else {
         return 1;
     };
-    let id = suite.id();
+    let id = identity.suite.id();
     // SAFETY: `ssl` is the connection OpenSSL called us for; `id` is the two-byte suite
     // identifier SSL_CIPHER_find reads. The session is freed unless handed to OpenSSL, which
     // takes ownership of `*sess`; set1_master_key copies the key.
@@ -202,12 +203,13 @@ impl TlsListener {
     }
 
     /// Run the handshake on `sock` (blocking, within `setup`); on success the plaintext end
-    /// for the reactor, and the relay to run on this thread until either side ends.
+    /// for the reactor, the identity's (host NQN, subsystem NQN), and the relay to run on
+    /// this thread until either side ends.
     pub(crate) fn handshake(
         &self,
         sock: TcpStream,
         setup: Duration,
-    ) -> Option<(TcpStream, impl FnOnce())> {
+    ) -> Option<(TcpStream, (String, String), impl FnOnce())> {
         let peer = sock.peer_addr().ok();
         let _ = sock.set_read_timeout(Some(setup));
         let _ = sock.set_write_timeout(Some(setup));
@@ -233,11 +235,16 @@ impl TlsListener {
                 return None;
             }
         };
-        let suite = match outcome {
-            Some(Ok(s)) => s.name(),
-            _ => "?",
+        // A handshake that completed went through find_session with a PSK it found.
+        let Some(Ok(id)) = outcome else {
+            return None;
         };
-        debug!(?peer, suite, "nvmf TLS connection established");
+        debug!(
+            ?peer,
+            suite = id.suite.name(),
+            hostnqn = id.hostnqn,
+            "nvmf TLS connection established"
+        );
         let tcp = tls.get_ref();
         if tcp.set_read_timeout(None).is_err() || tcp.set_nonblocking(true).is_err() {
             return None;
@@ -247,7 +254,9 @@ impl TlsListener {
         // The reactor reads, writes (gathered) and shuts down its end as it does a TCP
         // socket's; what it asks of TCP alone (addresses, Nagle) it does without.
         let reactor_end = TcpStream::from(OwnedFd::from(theirs));
-        Some((reactor_end, move || relay(tls, mine)))
+        Some((reactor_end, (id.hostnqn, id.subnqn), move || {
+            relay(tls, mine)
+        }))
     }
 }
 
