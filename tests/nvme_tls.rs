@@ -483,3 +483,37 @@ fn a_tls_queue_must_connect_as_the_host_of_its_psk_identity() {
         "Connect as the identity's host"
     );
 }
+
+/// `nacre nvmf gen-tls-key` and nvme-cli's `nvme gen-tls-key` write keys the other's
+/// `check-tls-key` accepts, for both hashes (nvme-cli is installed by `scripts/setup --test`).
+#[test]
+fn nacre_and_nvme_cli_read_each_others_tls_keys() {
+    let nacre = nacre_tests::daemon::bin("nacre");
+    let run = |cmd: &mut Process| {
+        let out = cmd
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {cmd:?} (nvme-cli: scripts/setup --test): {e}"));
+        let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        assert!(out.status.success(), "{cmd:?}: {out:?}");
+        text
+    };
+    for (hmac, len) in [("1", "32"), ("2", "48")] {
+        let theirs = run(Process::new("nvme").args(["gen-tls-key", &format!("--hmac={hmac}")]));
+        assert!(
+            theirs.starts_with(&format!("NVMeTLSkey-1:0{hmac}:")),
+            "{theirs}"
+        );
+        let ours = run(Process::new(&nacre).args(["nvmf", "check-tls-key", &theirs]));
+        assert!(
+            ours.contains(&format!("HMAC {hmac}, length {len}")),
+            "{ours}"
+        );
+
+        let mine = run(Process::new(&nacre).args(["nvmf", "gen-tls-key", "--hmac", hmac]));
+        let check = run(Process::new("nvme").args(["check-tls-key", &format!("--key={mine}")]));
+        assert!(
+            check.contains(&format!("Key is valid (HMAC {hmac}, length {len}")),
+            "nvme check-tls-key on nacre's key: {check}"
+        );
+    }
+}
