@@ -39,7 +39,7 @@ pub const METHODS: &[Method] = &[
     Method {
         name: "nvmf_subsystem_add_listener",
         handler: nvmf_subsystem_add_listener,
-        help: "Listen for NVMe/TCP or NVMe/RDMA on an address: nqn, address, port (default 4420), transport (tcp or rdma; default tcp).",
+        help: "Listen for NVMe/TCP or NVMe/RDMA on an address: nqn, address, port (default 4420), transport (tcp or rdma; default tcp), secure_channel (true: TLS-only NVMe/TCP, TLS 1.3 with pre-shared keys).",
     },
     Method {
         name: "nvmf_subsystem_remove_listener",
@@ -49,7 +49,7 @@ pub const METHODS: &[Method] = &[
     Method {
         name: "nvmf_subsystem_add_host",
         handler: nvmf_subsystem_add_host,
-        help: "Allow a host NQN to connect: nqn, host.",
+        help: "Allow a host NQN to connect: nqn, host, psk (optional: absolute path of a mode-0600 file holding the host's TLS PSK, NVMeTLSkey-1:HH:...:, for TLS listeners).",
     },
     Method {
         name: "nvmf_subsystem_remove_host",
