@@ -40,7 +40,8 @@
 //! Management API (wired to the `nvmf_*` RPC methods by `control::nvmf`):
 //! [`NvmfTarget::new`], `create_subsystem`, `delete_subsystem`, `add_namespace` (returns the
 //! NSID), `remove_namespace`, `add_listener` (returns the address actually bound, so port 0
-//! works), `remove_listener`, `add_host`, `remove_host`, `set_allow_any_host`,
+//! works), `add_tls_listener` (TLS-only), `remove_listener`, `add_host`, `set_host_psk`,
+//! `remove_host`, `set_allow_any_host`,
 //! `subsystems`. Namespace changes raise Namespace Attribute Changed events on connected
 //! controllers. Dropping the target closes every listener and connection.
 
