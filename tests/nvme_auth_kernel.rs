@@ -11,8 +11,8 @@
 //! * host — trixie's nvme-cli and the kernel's nvme-tcp host in the guest connect to a target on
 //!   the host (guestfwd) with `--dhchap-secret` / `--dhchap-ctrl-secret`: refused with a wrong
 //!   secret or controller secret, connected and O_DIRECT-verified with the right ones. The
-//!   target is SPDK's `nvmf_tgt`; with [`NACRED_TARGET`] the same round runs again against
-//!   nacred's own target (`nacre nvmf add-host --dhchap-key`).
+//!   target is SPDK's `nvmf_tgt`, then, in a second round in the same boot, nacred's own target
+//!   (`nacre nvmf add-host --dhchap-key`).
 //! * rdma — nacred inside the guest attaches the same nvmet subsystem over NVMe/RDMA on
 //!   soft-RoCE with the same keys: the same refusals, unidirectional and bidirectional
 //!   attaches, 4 MiB written through nacred read back and found on the RAM disk.
@@ -37,11 +37,6 @@ const GUEST_HOSTNQN: &str = "nqn.2014-08.org.nvmexpress:uuid:7a9e1c3b-52d8-4f06-
 /// The host's target's subsystem, for the guest's host.
 const HOST_SUBNQN: &str = "nqn.2016-06.io.spdk:auth";
 const MIB: u64 = 1 << 20;
-
-/// Run the guest-host round a second time against nacred's own DH-HMAC-CHAP target
-/// (`nacre nvmf add-host SUBNQN HOSTNQN --dhchap-key FILE --dhchap-ctrl-key FILE`). Off while
-/// nacred has no target-side authentication; switching it on adds one round to the same boot.
-const NACRED_TARGET: bool = false;
 
 fn spdk_dir() -> PathBuf {
     let dir = std::env::var_os("SPDK_DIR")
@@ -429,7 +424,9 @@ fn dhchap_with_the_kernel_as_target_and_as_host() {
 
     let shelf_port = testbed::free_port().unwrap();
     let target_port = testbed::free_port().unwrap();
-    let rounds = if NACRED_TARGET { "spdk,nacred" } else { "spdk" };
+    // SPDK's target first (an independent peer proves the guest's side), then nacred's own
+    // (`nacre nvmf add-host SUBNQN HOSTNQN --dhchap-key FILE --dhchap-ctrl-key FILE`).
+    let rounds = "spdk,nacred";
     let t0 = Instant::now();
     let g = Boot::new("nvme-auth")
         .kernel("trixie")
@@ -481,7 +478,7 @@ fn dhchap_with_the_kernel_as_target_and_as_host() {
         );
         host_round(&g, "spdk");
     }
-    if NACRED_TARGET {
+    {
         let _t = nacred_target(target_port, &keys);
         host_round(&g, "nacred");
     }

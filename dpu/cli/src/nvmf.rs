@@ -57,7 +57,7 @@ pub enum NvmfCmd {
     /// Listen for NVMe/TCP (or NVMe/RDMA) connections to the subsystem, or serve it as a PCIe
     /// NVMe controller over vfio-user (a QEMU guest's own nvme driver binds it).
     #[command(
-        after_help = "Examples:\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address 127.0.0.1 --port 4420\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address ::1 --port 4421\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --transport rdma --address 192.0.2.1\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --transport vfio-user --path /run/nacre/vfu/data\n\nRDMA needs an RDMA device with that address (RoCE NIC, or soft-RoCE:\n  rdma link add rxe0 type rxe netdev eth0)\n\nvfio-user: the directory must exist; the controller's socket is DIR/cntrl, as with SPDK's\nVFIOUSER transport. QEMU >= 10.1.1: -device vfio-user-pci,socket=DIR/cntrl (guest memory\nshared: -object memory-backend-memfd,...,share=on). See docs/nvme-pcie.md."
+        after_help = "Examples:\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address 127.0.0.1 --port 4420\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address ::1 --port 4421\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --transport rdma --address 192.0.2.1\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --transport vfio-user --path /run/nacre/vfu/data\n\nRDMA needs an RDMA device with that address (RoCE NIC, or soft-RoCE:\n  rdma link add rxe0 type rxe netdev eth0)\n\nvfio-user: the directory must exist; the controller's socket is DIR/cntrl, as with SPDK's\nVFIOUSER transport. QEMU >= 10.1.1: -device vfio-user-pci,socket=DIR/cntrl (guest memory\nshared: -object memory-backend-memfd,...,share=on). See docs/nvme-pcie.md.\n\nTLS (NVMe/TCP with TLS 1.3 and a pre-shared key): --secure-channel tls makes a TLS-only\nlistener; hosts need a PSK (nacre nvmf add-host NQN HOST --psk FILE). A listener is TLS-only\nor plain, never both:\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address 127.0.0.1 --port 4421 --secure-channel tls\nSee docs/nvme-tls.md."
     )]
     AddListener {
         /// Subsystem NQN.
@@ -76,6 +76,10 @@ pub enum NvmfCmd {
         /// vfio-user, a PCIe NVMe controller (give --path).
         #[arg(long, default_value = "tcp", value_parser = ["tcp", "rdma", "vfio-user"])]
         transport: String,
+        /// NVMe/TCP only: `tls` for a TLS-only listener (TLS 1.3, pre-shared keys), `none`
+        /// for a plain one.
+        #[arg(long, default_value = "none", value_parser = ["none", "tls"])]
+        secure_channel: String,
     },
     /// Stop offering the subsystem on an address.
     #[command(
@@ -106,7 +110,7 @@ pub enum NvmfCmd {
     /// `nacre nvmf gen-dhchap-key`) and must be mode 0600; nacred keeps their paths and reads
     /// them again when it restarts. Adding a host again replaces its keys.
     #[command(
-        after_help = "Examples:\n  nacre nvmf add-host nqn.2024-01.io.nacre:data nqn.2014-08.org.nvmexpress:uuid:1b4e28ba-2fa1-11d2-883f-0016d3cca427\n  nacre nvmf gen-dhchap-key --nqn nqn.2014-08.org.nvmexpress:uuid:1b4e28ba-2fa1-11d2-883f-0016d3cca427 -o /etc/nacre/host1.key\n  nacre nvmf add-host nqn.2024-01.io.nacre:data nqn.2014-08.org.nvmexpress:uuid:1b4e28ba-2fa1-11d2-883f-0016d3cca427 --dhchap-key /etc/nacre/host1.key --dhchap-ctrl-key /etc/nacre/ctrl.key"
+        after_help = "With --psk the host may also connect through TLS listeners (--secure-channel tls): the file\n(mode 0600) holds its configured PSK, NVMeTLSkey-1:01:...: (32 bytes, TLS_AES_128_GCM_SHA256)\nor NVMeTLSkey-1:02:...: (48 bytes, TLS_AES_256_GCM_SHA384), as nacre nvmf gen-tls-key and\nnvme gen-tls-key make it. nacred keeps the path, not the key; the host is given the same key\n(SPDK: --psk-path; Linux: nvme connect --tls-key).\n\nExamples:\n  nacre nvmf add-host nqn.2024-01.io.nacre:data nqn.2014-08.org.nvmexpress:uuid:1b4e28ba-2fa1-11d2-883f-0016d3cca427\n  nacre nvmf gen-dhchap-key --nqn nqn.2014-08.org.nvmexpress:uuid:1b4e28ba-2fa1-11d2-883f-0016d3cca427 -o /etc/nacre/host1.key\n  nacre nvmf add-host nqn.2024-01.io.nacre:data nqn.2014-08.org.nvmexpress:uuid:1b4e28ba-2fa1-11d2-883f-0016d3cca427 --dhchap-key /etc/nacre/host1.key --dhchap-ctrl-key /etc/nacre/ctrl.key\n  nacre nvmf add-host nqn.2024-01.io.nacre:data nqn.2014-08.org.nvmexpress:uuid:1b4e28ba-2fa1-11d2-883f-0016d3cca427 \\\n      --psk /etc/nacre/keys/host1.psk"
     )]
     AddHost {
         /// Subsystem NQN.
@@ -129,6 +133,9 @@ pub enum NvmfCmd {
         #[arg(long, value_delimiter = ',', requires = "dhchap_key",
               value_parser = ["null", "ffdhe2048", "ffdhe3072", "ffdhe4096", "ffdhe6144", "ffdhe8192"])]
         dhchap_dhgroups: Vec<String>,
+        /// The host's TLS pre-shared key: a file of mode 0600 in the interchange format.
+        #[arg(long)]
+        psk: Option<std::path::PathBuf>,
     },
     /// Stop allowing a host NQN.
     #[command(
@@ -197,6 +204,43 @@ pub enum NvmfCmd {
         #[arg(long)]
         file: Option<std::path::PathBuf>,
     },
+    /// Generate a TLS pre-shared key for NVMe/TCP in the interchange format, as `nvme
+    /// gen-tls-key` does; no daemon needed.
+    #[command(
+        name = "gen-tls-key",
+        after_help = "The key is printed as NVMeTLSkey-1:HH:<base64 of the key and its CRC-32>: that Linux\n(nvme connect --tls-key), SPDK (--psk-path, keyring_file_add_key) and nacre read. --hmac 1:\na 32-byte key (SHA-256, TLS_AES_128_GCM_SHA256); --hmac 2: 48 bytes (SHA-384,\nTLS_AES_256_GCM_SHA384).\n\nExamples:\n  nacre nvmf gen-tls-key --output /etc/nacre/keys/host1.psk\n  nacre nvmf gen-tls-key --hmac 2 --output /etc/nacre/keys/host1.psk\n  nacre nvmf add-host nqn.2024-01.io.nacre:data HOSTNQN --psk /etc/nacre/keys/host1.psk"
+    )]
+    GenTlsKey {
+        /// The PSK hash: 1 SHA-256 (32-byte key), 2 SHA-384 (48-byte key).
+        #[arg(long, short = 'm', default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=2))]
+        hmac: u8,
+        /// Use this key (hexadecimal) instead of a random one (known-answer checks).
+        #[arg(long, short = 's')]
+        secret: Option<String>,
+        /// Write the key to this file (created mode 0600) instead of printing it.
+        #[arg(long, short = 'o')]
+        output: Option<std::path::PathBuf>,
+    },
+    /// Check a TLS PSK's interchange format and CRC; prints its hash and length (never the
+    /// key), and with --hostnqn and --subnqn the PSK identity a host offers.
+    #[command(
+        name = "check-tls-key",
+        after_help = "Examples:\n  nacre nvmf check-tls-key --file /etc/nacre/keys/host1.psk\n  nacre nvmf check-tls-key NVMeTLSkey-1:01:...: --hostnqn HOSTNQN --subnqn SUBNQN"
+    )]
+    CheckTlsKey {
+        /// The key, NVMeTLSkey-1:HH:...: (or give --file).
+        #[arg(required_unless_present = "file", conflicts_with = "file")]
+        key: Option<String>,
+        /// Read the key from this file (must not be readable by group or others).
+        #[arg(long)]
+        file: Option<std::path::PathBuf>,
+        /// The host NQN, to print the PSK identity.
+        #[arg(long, requires = "subnqn")]
+        hostnqn: Option<String>,
+        /// The subsystem NQN, to print the PSK identity.
+        #[arg(long, requires = "hostnqn")]
+        subnqn: Option<String>,
+    },
 }
 
 impl NvmfCmd {
@@ -204,7 +248,10 @@ impl NvmfCmd {
     pub fn is_local(&self) -> bool {
         matches!(
             self,
-            NvmfCmd::GenDhchapKey { .. } | NvmfCmd::CheckDhchapKey { .. }
+            NvmfCmd::GenDhchapKey { .. }
+                | NvmfCmd::CheckDhchapKey { .. }
+                | NvmfCmd::GenTlsKey { .. }
+                | NvmfCmd::CheckTlsKey { .. }
         )
     }
 }
@@ -264,6 +311,72 @@ pub fn run_local(cmd: NvmfCmd, json: bool) -> Result<()> {
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
                 println!("Key is valid (HMAC {}, length {})", s.hash(), s.key_len());
+            }
+        }
+        NvmfCmd::GenTlsKey {
+            hmac,
+            secret,
+            output,
+        } => {
+            use nacre_dpu::auth::tls_psk::TlsPsk;
+            let raw = match &secret {
+                None => None,
+                Some(h) => Some(zeroize::Zeroizing::new(parse_hex(h)?)),
+            };
+            let k = TlsPsk::generate(hmac, raw.as_deref().map(|v| &v[..]))?;
+            match output {
+                Some(path) => {
+                    k.write_file(&path)?;
+                    let v = json!({"path": path, "hmac": hmac, "key_length": k.key_len()});
+                    if json {
+                        println!("{}", serde_json::to_string_pretty(&v)?);
+                    } else {
+                        println!(
+                            "wrote a {}-byte NVMe TLS PSK (hmac {hmac}, {}) to {} (mode 0600)",
+                            k.key_len(),
+                            k.cipher_suite().name(),
+                            path.display()
+                        );
+                    }
+                }
+                None if json => anyhow::bail!(
+                    "--json never prints a key: give --output FILE to write it to a file"
+                ),
+                None => println!("{}", &*k.to_interchange()),
+            }
+        }
+        NvmfCmd::CheckTlsKey {
+            key,
+            file,
+            hostnqn,
+            subnqn,
+        } => {
+            use nacre_dpu::auth::tls_psk::{identity, TlsPsk};
+            let k = match (&key, &file) {
+                (_, Some(f)) => TlsPsk::load(f)?,
+                (Some(k), None) => TlsPsk::parse(k)?,
+                (None, None) => anyhow::bail!("give a key or --file"),
+            };
+            let id = match (&hostnqn, &subnqn) {
+                (Some(h), Some(s)) => Some(identity(k.cipher_suite(), h, s)),
+                _ => None,
+            };
+            let v = json!({
+                "valid": true, "hmac": k.hash(), "key_length": k.key_len(),
+                "cipher_suite": k.cipher_suite().name(), "identity": id,
+            });
+            if json {
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            } else {
+                println!(
+                    "Key is valid (HMAC {}, length {}, {})",
+                    k.hash(),
+                    k.key_len(),
+                    k.cipher_suite().name()
+                );
+                if let Some(id) = id {
+                    println!("PSK identity: {id}");
+                }
             }
         }
         _ => anyhow::bail!("this command needs nacred"),
@@ -327,8 +440,13 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
             path,
             port,
             transport,
+            secure_channel,
         } => {
             let address = listener_address(&transport, address, path)?;
+            let secure = secure_channel == "tls";
+            if secure && transport != "tcp" {
+                anyhow::bail!("--secure-channel tls is for NVMe/TCP listeners only");
+            }
             if transport == "vfio-user" {
                 let v = ctx.call(
                     "nvmf_subsystem_add_listener",
@@ -341,13 +459,16 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
                 ack(ctx, &v, msg);
                 return Ok(());
             }
-            let v = ctx.call(
-                "nvmf_subsystem_add_listener",
-                json!({"nqn": nqn, "address": address, "port": port, "transport": transport}),
-            )?;
+            let mut params =
+                json!({"nqn": nqn, "address": address, "port": port, "transport": transport});
+            if secure {
+                params["secure_channel"] = json!(true);
+            }
+            let v = ctx.call("nvmf_subsystem_add_listener", params)?;
             let msg = format!(
-                "{nqn} listens for NVMe/{} on {}:{}",
+                "{nqn} listens for NVMe/{}{} on {}:{}",
                 transport.to_uppercase(),
+                if secure { " with TLS (TLS-only)" } else { "" },
                 v["address"].as_str().unwrap_or(""),
                 v["port"]
             );
@@ -378,6 +499,7 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
             dhchap_ctrl_key,
             dhchap_digests,
             dhchap_dhgroups,
+            psk,
         } => {
             let mut params = json!({"nqn": nqn, "host": host});
             if !dhchap_digests.is_empty() {
@@ -387,10 +509,12 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
                 params["dhchap_dhgroups"] = json!(dhchap_dhgroups);
             }
             let authenticate = dhchap_key.is_some();
+            let tls = psk.is_some();
             // nacred reads the files itself: it is given absolute paths.
             for (field, path) in [
                 ("dhchap_key", dhchap_key),
                 ("dhchap_ctrlr_key", dhchap_ctrl_key),
+                ("psk", psk),
             ] {
                 if let Some(p) = path {
                     let abs = std::path::absolute(&p)
@@ -399,10 +523,11 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
                 }
             }
             let v = ctx.call("nvmf_subsystem_add_host", params)?;
-            let how = if authenticate {
-                " once it authenticates (DH-HMAC-CHAP)"
-            } else {
-                ""
+            let how = match (authenticate, tls) {
+                (true, true) => " once it authenticates (DH-HMAC-CHAP), with a TLS PSK",
+                (true, false) => " once it authenticates (DH-HMAC-CHAP)",
+                (false, true) => " (with a TLS PSK)",
+                (false, false) => "",
             };
             ack(ctx, &v, format!("host {host} may connect to {nqn}{how}"));
         }
@@ -479,7 +604,10 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
                 t.print();
             });
         }
-        c @ (NvmfCmd::GenDhchapKey { .. } | NvmfCmd::CheckDhchapKey { .. }) => {
+        c @ (NvmfCmd::GenDhchapKey { .. }
+        | NvmfCmd::CheckDhchapKey { .. }
+        | NvmfCmd::GenTlsKey { .. }
+        | NvmfCmd::CheckTlsKey { .. }) => {
             run_local(c, ctx.json)?;
         }
         NvmfCmd::Stats => {

@@ -12,6 +12,9 @@
 //! * [`queue`] — the controller role at the level of a target's queue: Connect's AUTHREQ,
 //!   Authentication Send/Receive commands, and the gate that holds I/O until the host has
 //!   authenticated (the hooks nacred's target calls, from `frontend::nvme::fabrics`).
+//! * [`tls_psk`] — pre-shared keys for NVMe/TCP over TLS 1.3 (TP 8011): the
+//!   `NVMeTLSkey-1:HH:...:` interchange format, the retained PSK, the PSK identity and the
+//!   TLS PSK.
 //!
 //! The messages' byte layouts are in `nacre_shared::nvme::auth`. Secrets, transformed keys,
 //! DH private values and shared secrets are zeroized when dropped, and no `Debug` form here
@@ -22,6 +25,7 @@ pub mod dh;
 mod ffdhe;
 pub mod queue;
 pub mod secret;
+pub mod tls_psk;
 
 pub use chap::{AuthFailure, CtrlAuth, CtrlAuthConfig, HostAuth, HostAuthConfig};
 pub use secret::{write_secret_file, Secret, SecretError};

@@ -40,7 +40,7 @@ pub const METHODS: &[Method] = &[
     Method {
         name: "nvmf_subsystem_add_listener",
         handler: nvmf_subsystem_add_listener,
-        help: "Listen for NVMe/TCP or NVMe/RDMA on an address: nqn, address, port (default 4420), transport (tcp or rdma; default tcp).",
+        help: "Listen for NVMe/TCP or NVMe/RDMA on an address: nqn, address, port (default 4420), transport (tcp or rdma; default tcp), secure_channel (true: TLS-only NVMe/TCP, TLS 1.3 with pre-shared keys).",
     },
     Method {
         name: "nvmf_subsystem_remove_listener",
@@ -50,7 +50,7 @@ pub const METHODS: &[Method] = &[
     Method {
         name: "nvmf_subsystem_add_host",
         handler: nvmf_subsystem_add_host,
-        help: "Allow a host NQN to connect: nqn, host.",
+        help: "Allow a host NQN to connect: nqn, host, psk (optional: absolute path of a mode-0600 file holding the host's TLS PSK, NVMeTLSkey-1:HH:...:, for TLS listeners).",
     },
     Method {
         name: "nvmf_subsystem_remove_host",
@@ -106,7 +106,13 @@ fn listener(p: &NvmfListener) -> Result<(SocketAddr, ListenerTransport), RpcErro
         ))
     })?;
     let transport = match p.transport.as_deref() {
+        None | Some(TRANSPORT_TCP) if p.secure_channel => ListenerTransport::Tls,
         None | Some(TRANSPORT_TCP) => ListenerTransport::Tcp,
+        Some(_) if p.secure_channel => {
+            return Err(RpcError::invalid_params(
+                "secure_channel (TLS) is for NVMe/TCP listeners only",
+            ))
+        }
         Some(TRANSPORT_RDMA) => ListenerTransport::Rdma,
         Some(t) => {
             return Err(RpcError::invalid_params(format!(
@@ -139,6 +145,9 @@ fn nvmf_subsystem_add_listener(d: &Daemon, params: Value) -> Result<Value, RpcEr
     let (address, port) = (bound.ip().to_string(), bound.port());
     to_value(match transport {
         ListenerTransport::Tcp => json!({"nqn": p.nqn, "address": address, "port": port}),
+        ListenerTransport::Tls => json!({
+            "nqn": p.nqn, "address": address, "port": port, "secure_channel": true
+        }),
         ListenerTransport::Rdma => json!({
             "nqn": p.nqn, "address": address, "port": port, "transport": TRANSPORT_RDMA
         }),
@@ -159,6 +168,10 @@ fn nvmf_subsystem_remove_listener(d: &Daemon, params: Value) -> Result<Value, Rp
 
 fn nvmf_subsystem_add_host(d: &Daemon, params: Value) -> Result<Value, RpcError> {
     let p: NvmfHost = parse_params(params)?;
+    // Adding a host again replaces both its TLS PSK and its DH-HMAC-CHAP keys. The PSK
+    // first: a key file that cannot be used refuses the call before the host is added.
+    d.registry
+        .add_host_with_psk(&p.nqn, &p.host, p.psk.as_deref().map(std::path::Path::new))?;
     let files = match p.dhchap_key {
         Some(k) => Some(NvmfHostKeyFiles {
             dhchap_key: k,

@@ -133,6 +133,12 @@ pub struct NvmfSubsystemRecord {
     /// vfio-user listeners: directories of PCIe NVMe controllers' sockets.
     #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
     pub vfio_user_listeners: BTreeSet<std::path::PathBuf>,
+    /// TLS-only NVMe/TCP listeners (bound addresses).
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub tls_listeners: BTreeSet<SocketAddr>,
+    /// Host NQN → the file holding its TLS PSK (the key itself is never stored here).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub host_psks: BTreeMap<String, std::path::PathBuf>,
 }
 
 /// A remote NVMe-oF controller nacred connects to as a host, as persisted.
@@ -276,6 +282,8 @@ pub(crate) mod fixtures {
                 .collect(),
             listeners: Default::default(),
             rdma_listeners: Default::default(),
+            tls_listeners: Default::default(),
+            host_psks: Default::default(),
             vfio_user_listeners: Default::default(),
         }
     }

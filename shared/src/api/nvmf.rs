@@ -60,6 +60,10 @@ pub struct NvmfListener {
     /// `tcp` (the default) or `rdma` (NVMe/RDMA: RoCEv2, InfiniBand, iWARP).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transport: Option<String>,
+    /// NVMe/TCP only: a TLS-only listener (TLS 1.3 with a PSK, NVMe/TCP §3.6), as SPDK's
+    /// `secure_channel`. Hosts need a PSK (`nvmf_subsystem_add_host` with `psk`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub secure_channel: bool,
 }
 
 /// Transports `nvmf_subsystem_add_listener` takes.
@@ -98,6 +102,11 @@ pub struct NvmfHost {
     /// ffdhe3072, ffdhe4096, ffdhe6144, ffdhe8192, null is used.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dhchap_dhgroups: Option<Vec<String>>,
+    /// The host's TLS PSK for TLS listeners: the path of a file (mode 0600) holding it in the
+    /// interchange format `NVMeTLSkey-1:HH:...:` (SPDK names a keyring key here; nacred reads
+    /// the file, and persists only its path).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub psk: Option<String>,
 }
 
 /// The key files of a host that must authenticate, as nacred keeps them.

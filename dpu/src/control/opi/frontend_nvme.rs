@@ -202,6 +202,7 @@ fn listener_key(at: &At) -> String {
     match at {
         At::Fabric(ListenerTransport::Tcp, a) => format!("tcp {a}"),
         At::Fabric(ListenerTransport::Rdma, a) => format!("rdma {a}"),
+        At::Fabric(ListenerTransport::Tls, a) => format!("tls {a}"),
         At::VfioUser(d) => format!("vfio-user {}", d.display()),
     }
 }
@@ -250,6 +251,7 @@ fn controllers(r: &Registry, sub: &Sub) -> Vec<Ctrl> {
                 let (t, prefix) = match transport {
                     ListenerTransport::Tcp => (pb::NvmeTransportType::Tcp, "tcp"),
                     ListenerTransport::Rdma => (pb::NvmeTransportType::Rdma, "rdma"),
+                    ListenerTransport::Tls => (pb::NvmeTransportType::Tcp, "tls"),
                 };
                 let id = format!(
                     "{prefix}-{}-{}",

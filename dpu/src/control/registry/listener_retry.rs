@@ -49,7 +49,11 @@ fn retry_loop(weak: Weak<Registry>) {
 /// One attempt at every failed listener still configured; whether any is left to retry.
 fn retry_once(inner: &mut Inner) -> bool {
     let mut left = false;
-    for transport in [ListenerTransport::Tcp, ListenerTransport::Rdma] {
+    for transport in [
+        ListenerTransport::Tcp,
+        ListenerTransport::Rdma,
+        ListenerTransport::Tls,
+    ] {
         let pending: Vec<_> = transport.failed(inner).keys().cloned().collect();
         for (nqn, addr) in pending {
             let configured = inner

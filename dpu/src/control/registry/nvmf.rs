@@ -21,6 +21,7 @@ use super::store::{Inner, Registry};
 use super::target::{
     pcie_err, rdma_ports, rpc_err, target, vfio_user_ports, ListenerTransport, Port,
 };
+use crate::auth::tls_psk::TlsPsk;
 use crate::auth::Secret;
 use crate::control::error::RpcError;
 use crate::control::state::{serial_from_uuid, NvmfState, NvmfSubsystemRecord};
@@ -57,6 +58,8 @@ impl Registry {
                 listeners: BTreeSet::new(),
                 rdma_listeners: BTreeSet::new(),
                 vfio_user_listeners: BTreeSet::new(),
+                tls_listeners: BTreeSet::new(),
+                host_psks: BTreeMap::new(),
             };
             self.commit_nvmf(
                 inner,
@@ -278,7 +281,17 @@ impl Registry {
         transport: ListenerTransport,
     ) -> Result<(), RpcError> {
         self.with(|inner| {
-            if !transport.listeners(record(inner, nqn)?).contains(&addr) {
+            let rec = record(inner, nqn)?;
+            // A TLS listener is removed by its address alone too.
+            let transport = match transport {
+                ListenerTransport::Tcp
+                    if !rec.listeners.contains(&addr) && rec.tls_listeners.contains(&addr) =>
+                {
+                    ListenerTransport::Tls
+                }
+                t => t,
+            };
+            if !transport.listeners(rec).contains(&addr) {
                 return Err(RpcError::not_found("listener", &transport.name(addr)));
             }
             self.commit_nvmf(
@@ -298,19 +311,52 @@ impl Registry {
 
     /// `nvmf_subsystem_add_host`.
     pub fn add_host(&self, nqn: &str, host: &str) -> Result<(), RpcError> {
+        self.add_host_with_psk(nqn, host, None)
+    }
+
+    /// `nvmf_subsystem_add_host` with `psk`: the host's TLS PSK is read from `psk` (a file
+    /// of mode 0600 in the interchange format), whose path is what is persisted.
+    pub fn add_host_with_psk(
+        &self,
+        nqn: &str,
+        host: &str,
+        psk: Option<&Path>,
+    ) -> Result<(), RpcError> {
+        let key = match psk {
+            None => None,
+            Some(p) => {
+                if !p.is_absolute() {
+                    return Err(RpcError::invalid_params(format!(
+                        "psk {} must be an absolute path",
+                        p.display()
+                    )));
+                }
+                Some(TlsPsk::load(p).map_err(|e| RpcError::invalid_params(e.to_string()))?)
+            }
+        };
         self.with(|inner| {
             record(inner, nqn)?;
             let t = target(inner);
             t.add_host(nqn, host).map_err(rpc_err)?;
+            let had_psk = t.host_has_psk(nqn, host);
+            if key.is_some() {
+                t.set_host_psk(nqn, host, key.clone()).map_err(rpc_err)?;
+            }
             self.commit_nvmf(
                 inner,
                 |s| {
                     if let Some(r) = s.subsystems.get_mut(nqn) {
                         r.hosts.insert(host.to_string());
+                        if let Some(p) = psk {
+                            r.host_psks.insert(host.to_string(), p.to_path_buf());
+                        }
                     }
                 },
                 || {
                     let _ = t.remove_host(nqn, host);
+                    if key.is_some() && !had_psk {
+                        let _ = t.set_host_psk(nqn, host, None);
+                    }
                 },
             )
         })
@@ -375,10 +421,12 @@ impl Registry {
                     if let Some(r) = s.subsystems.get_mut(nqn) {
                         r.hosts.remove(host);
                         r.host_keys.remove(host);
+                        r.host_psks.remove(host);
                     }
                 },
                 || {},
             )?;
+            let _ = target(inner).set_host_psk(nqn, host, None);
             let _ = target(inner).remove_host(nqn, host);
             Ok(())
         })
@@ -580,6 +628,18 @@ fn start_subsystem(
             warn!(nqn = %rec.nqn, host = %h, error = %e, "DH-HMAC-CHAP key not restored");
         }
     }
+    for (h, p) in &rec.host_psks {
+        // A key file gone or made readable by others: the host cannot use TLS listeners
+        // until it is added again with a good one.
+        match TlsPsk::load(p) {
+            Ok(k) => {
+                let _ = t.set_host_psk(&rec.nqn, h, Some(k));
+            }
+            Err(e) => {
+                warn!(nqn = %rec.nqn, host = %h, error = %e, "nvmf host TLS PSK not restored")
+            }
+        }
+    }
     for (&nsid, vol) in &rec.namespaces {
         let r = match (inner.live.volumes.get(vol), nguid_of(inner, vol)) {
             (Some(dev), Ok(nguid)) => t
@@ -617,6 +677,15 @@ fn start_subsystem(
             inner
                 .live
                 .rdma_listeners_failed
+                .insert((rec.nqn.clone(), *l), e.to_string());
+        }
+    }
+    for l in &rec.tls_listeners {
+        if let Err(e) = t.add_tls_listener(&rec.nqn, *l) {
+            warn!(nqn = %rec.nqn, listener = %l, error = %e, "nvmf TLS listener not restored; retrying");
+            inner
+                .live
+                .listeners_failed
                 .insert((rec.nqn.clone(), *l), e.to_string());
         }
     }
@@ -670,6 +739,10 @@ fn with_listener_states(inner: &Inner, subs: Vec<NvmfSubsystemInfo>) -> Vec<Nvmf
                 listener_states.extend(r.listeners.iter().map(|l| {
                     let reason = inner.live.listeners_failed.get(&key(l));
                     state(l.to_string(), reason.map(|r| format!("{r}; retrying")))
+                }));
+                listener_states.extend(r.tls_listeners.iter().map(|l| {
+                    let reason = inner.live.listeners_failed.get(&key(l));
+                    state(format!("tls:{l}"), reason.map(|r| format!("{r}; retrying")))
                 }));
                 listener_states.extend(r.vfio_user_listeners.iter().map(|d| {
                     let reason = inner

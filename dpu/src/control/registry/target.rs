@@ -80,6 +80,8 @@ pub(super) fn rdma_err(e: RdmaError) -> RpcError {
 pub enum ListenerTransport {
     Tcp,
     Rdma,
+    /// NVMe/TCP on a TLS-only listener (NVMe/TCP §3.6).
+    Tls,
 }
 
 impl ListenerTransport {
@@ -88,6 +90,7 @@ impl ListenerTransport {
         match self {
             ListenerTransport::Tcp => &r.listeners,
             ListenerTransport::Rdma => &r.rdma_listeners,
+            ListenerTransport::Tls => &r.tls_listeners,
         }
     }
 
@@ -95,13 +98,15 @@ impl ListenerTransport {
         match self {
             ListenerTransport::Tcp => &mut r.listeners,
             ListenerTransport::Rdma => &mut r.rdma_listeners,
+            ListenerTransport::Tls => &mut r.tls_listeners,
         }
     }
 
     /// The listeners of this transport that could not be started at replay.
     pub(super) fn failed(self, inner: &mut Inner) -> &mut BTreeMap<(String, SocketAddr), String> {
         match self {
-            ListenerTransport::Tcp => &mut inner.live.listeners_failed,
+            // One address cannot hold a plain and a TLS listener: they share the map.
+            ListenerTransport::Tcp | ListenerTransport::Tls => &mut inner.live.listeners_failed,
             ListenerTransport::Rdma => &mut inner.live.rdma_listeners_failed,
         }
     }
@@ -111,6 +116,7 @@ impl ListenerTransport {
         match self {
             ListenerTransport::Tcp => addr.to_string(),
             ListenerTransport::Rdma => format!("rdma:{addr}"),
+            ListenerTransport::Tls => format!("tls:{addr}"),
         }
     }
 }
@@ -118,6 +124,7 @@ impl ListenerTransport {
 /// What listens for one transport: the target itself (NVMe/TCP) or its RDMA ports.
 pub(super) enum Port {
     Tcp(Arc<NvmfTarget>),
+    Tls(Arc<NvmfTarget>),
     Rdma(Arc<RdmaPorts>),
 }
 
@@ -127,12 +134,14 @@ impl Port {
         match transport {
             ListenerTransport::Tcp => Port::Tcp(target(inner)),
             ListenerTransport::Rdma => Port::Rdma(rdma_ports(inner)),
+            ListenerTransport::Tls => Port::Tls(target(inner)),
         }
     }
 
     pub(super) fn add(&self, nqn: &str, addr: SocketAddr) -> Result<SocketAddr, RpcError> {
         match self {
             Port::Tcp(t) => t.add_listener(nqn, addr).map_err(rpc_err),
+            Port::Tls(t) => t.add_tls_listener(nqn, addr).map_err(rpc_err),
             Port::Rdma(p) => p.add_listener(nqn, addr).map_err(rdma_err),
         }
     }
@@ -140,7 +149,7 @@ impl Port {
     /// Stop listening; a listener that was not live (it failed at replay) is no error.
     pub(super) fn remove(&self, nqn: &str, addr: SocketAddr) {
         match self {
-            Port::Tcp(t) => {
+            Port::Tcp(t) | Port::Tls(t) => {
                 let _ = t.remove_listener(nqn, addr);
             }
             Port::Rdma(p) => {

@@ -13,7 +13,9 @@ use std::sync::Arc;
 
 use nacre_shared::nvme::command::sgl;
 use nacre_shared::nvme::dsm::DatasetManagement;
-use nacre_shared::nvme::fabrics::{connect_sqe_offset, fctype, Connect, CATTR_DISABLE_SQ_FLOW};
+use nacre_shared::nvme::fabrics::{
+    connect_sqe_offset, fctype, Connect, ConnectData, CATTR_DISABLE_SQ_FLOW,
+};
 use nacre_shared::nvme::{admin_opcode, io_opcode, Command, Status};
 use nacre_shared::nvme_tcp::{self as tcp, fes};
 use tracing::warn;
@@ -194,6 +196,23 @@ impl Conn {
     fn connect(&mut self, cmd: &Command, data: &[u8]) -> (Status, u64) {
         if self.ctrl.is_some() {
             return (Status::COMMAND_SEQUENCE_ERROR, 0);
+        }
+        // NVMe/TCP §3.6: on a TLS connection the Connect must name the host and subsystem
+        // of the PSK identity the handshake proved.
+        if let Some(peer) = &self.tls_peer {
+            if data.len() >= nacre_shared::nvme::fabrics::CONNECT_DATA_LEN {
+                let d = ConnectData::decode(data);
+                if (d.hostnqn.as_str(), d.subnqn.as_str()) != (peer.0.as_str(), peer.1.as_str()) {
+                    warn!(
+                        hostnqn = d.hostnqn,
+                        subnqn = d.subnqn,
+                        tls_hostnqn = peer.0,
+                        tls_subnqn = peer.1,
+                        "connect refused: NQNs differ from the TLS PSK identity"
+                    );
+                    return (Status::CONNECT_INVALID_HOST, 0);
+                }
+            }
         }
         let listener = self.listener;
         let rules = QueueRules {

@@ -156,6 +156,8 @@ pub(crate) struct Conn {
     pub(super) pdu_deadline: Option<Instant>,
     /// This connection's place in its listener's connection counts.
     conn_slot: Option<ConnSlot>,
+    /// The TLS PSK identity's (host NQN, subsystem NQN), on a TLS listener.
+    pub(super) tls_peer: Option<Box<(String, String)>>,
     /// The host NQN this queue counts against ([`super::ConnLimits::per_host`]).
     pub(super) host_counted: Option<HostQueue>,
     /// DH-HMAC-CHAP on this queue, from its Connect on (NVMe Base 2.0 §8.13).
@@ -198,6 +200,7 @@ impl Conn {
             sock,
             listener,
             slot,
+            tls_peer,
         } = nc;
         sock.set_nonblocking(true)?;
         reactor.ctl(libc::EPOLL_CTL_ADD, sock.as_raw_fd(), EV_IN, token)?;
@@ -231,6 +234,7 @@ impl Conn {
             setup_deadline: Some(Instant::now() + setup),
             pdu_deadline: None,
             conn_slot: Some(slot),
+            tls_peer,
             host_counted: None,
             auth: None,
             listener,

@@ -1,5 +1,6 @@
 //! The TCP listeners subsystems share: binding one (port 0 picks a free port), its accept
-//! loop handing connections to the reactors, and stopping it.
+//! loop handing connections to the reactors (a TLS listener's through [`super::tls`] first),
+//! and stopping it.
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -11,6 +12,7 @@ use std::time::Duration;
 
 use tracing::{debug, info, warn};
 
+use super::tls::TlsListener;
 use super::{reactor, NvmfTarget, TcpPorts};
 use crate::frontend::nvme::{lock, ConnLimits, Evict, ListenerConns, NvmfError};
 
@@ -20,23 +22,45 @@ pub(super) struct Listener {
     /// The listening socket (a second descriptor for it): shut down to end the accept loop.
     sock: TcpListener,
     thread: Option<JoinHandle<()>>,
+    /// TLS-only (NVMe/TCP §3.6) rather than plain.
+    tls: bool,
 }
 
 impl TcpPorts {
     /// Start a listener on `addr` for `nqn`, or add `nqn` to the one running there; its
-    /// PORTID comes from the target core (discovery log entries name it).
+    /// PORTID comes from the target core (discovery log entries name it). `tls`: TLS-only;
+    /// a running listener of the other kind is an error (a listener never falls back).
     pub(super) fn acquire_listener(
         self: &Arc<Self>,
         addr: SocketAddr,
         nqn: &str,
+        tls: bool,
     ) -> Result<SocketAddr, NvmfError> {
         let mut ls = lock(&self.listeners);
         if addr.port() != 0 {
             if let Some(l) = ls.get_mut(&addr) {
+                if l.tls != tls {
+                    return Err(NvmfError::Listen {
+                        addr,
+                        source: std::io::Error::other(format!(
+                            "a {} listener runs there; a listener is TLS-only or plain",
+                            if l.tls { "TLS" } else { "plain" }
+                        )),
+                    });
+                }
                 l.subsystems.insert(nqn.to_string());
                 return Ok(addr);
             }
         }
+        let tls_ctx = match tls {
+            false => None,
+            true => Some(Arc::new(TlsListener::new(self.psks.clone()).map_err(
+                |e| NvmfError::Listen {
+                    addr,
+                    source: std::io::Error::other(format!("TLS: {e}")),
+                },
+            )?)),
+        };
         let tl = TcpListener::bind(addr).map_err(|source| NvmfError::Listen { addr, source })?;
         let bound = tl
             .local_addr()
@@ -49,7 +73,7 @@ impl TcpPorts {
         let weak = Arc::downgrade(self);
         let thread = std::thread::Builder::new()
             .name(format!("nvmf-listen-{}", bound.port()))
-            .spawn(move || accept_loop(tl, bound, st, weak, Arc::default()))
+            .spawn(move || accept_loop(tl, bound, st, weak, Arc::default(), tls_ctx))
             .map_err(|source| NvmfError::Listen { addr, source })?;
         self.target.alloc_portid(bound);
         ls.insert(
@@ -59,6 +83,7 @@ impl TcpPorts {
                 stop,
                 sock,
                 thread: Some(thread),
+                tls,
             },
         );
         Ok(bound)
@@ -113,6 +138,7 @@ fn accept_loop(
     stop: Arc<AtomicBool>,
     t: Weak<TcpPorts>,
     counts: Arc<ListenerConns>,
+    tls: Option<Arc<TlsListener>>,
 ) {
     for s in tl.incoming() {
         if stop.load(Ordering::SeqCst) {
@@ -152,12 +178,37 @@ fn accept_loop(
             continue;
         };
         let _ = stream.set_nodelay(true);
-        ports.reactors.assign(reactor::NewConn {
+        let mut nc = reactor::NewConn {
             target: target.clone(),
             sock: stream,
             listener: bound,
             slot,
-        });
+            tls_peer: None,
+        };
+        let Some(tls) = &tls else {
+            ports.reactors.assign(nc);
+            continue;
+        };
+        // The handshake and then the relay run on a thread of the connection's own, so a
+        // slow handshake holds up no other connection.
+        let (tls, weak) = (tls.clone(), t.clone());
+        let setup = Duration::from_millis(target.setup_timeout_ms.load(Ordering::Relaxed));
+        let spawned = std::thread::Builder::new()
+            .name(format!("nvmf-tls-{}", bound.port()))
+            .spawn(move || {
+                let Some((plain, peer, relay)) = tls.handshake(nc.sock, setup) else {
+                    return;
+                };
+                nc.sock = plain;
+                nc.tls_peer = Some(Box::new(peer));
+                let Some(ports) = weak.upgrade() else { return };
+                ports.reactors.assign(nc);
+                drop(ports);
+                relay();
+            });
+        if let Err(e) = spawned {
+            warn!(%bound, "nvmf TLS listener: closing a new connection: {e}");
+        }
     }
 }
 
@@ -179,6 +230,7 @@ impl NvmfTarget {
             sock,
             listener,
             slot,
+            tls_peer: None,
         })
     }
 }
@@ -213,8 +265,9 @@ mod tests {
             stop,
             sock: tl.try_clone().unwrap(),
             thread: Some(std::thread::spawn(move || {
-                accept_loop(tl, bound, st, Weak::new(), Arc::default())
+                accept_loop(tl, bound, st, Weak::new(), Arc::default(), None)
             })),
+            tls: false,
         };
         // Stopping must not depend on reaching the address (an address that went away).
         let (done_tx, done_rx) = std::sync::mpsc::channel();

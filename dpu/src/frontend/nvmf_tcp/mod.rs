@@ -23,6 +23,8 @@
 //! * [`command`] — capsules: Fabrics commands, admin commands (to the core's controller) and
 //!   the I/O command set mapped onto [`crate::volume::BlockDevice`].
 //! * `listener` — the TCP listeners subsystems share: binding, the accept loop, stopping.
+//! * `tls` — TLS 1.3 with a pre-shared key (NVMe/TCP §3.6): TLS-only listeners' handshake
+//!   and the relay between TLS records and the reactor's plain PDUs.
 //!
 //! Controllers, subsystems, namespaces, discovery, admission and limits are the target core's
 //! ([`crate::frontend::nvme`]), which the RDMA transport shares; this module re-exports the
@@ -38,8 +40,8 @@
 //! Management API (wired to the `nvmf_*` RPC methods by `control::nvmf`):
 //! [`NvmfTarget::new`], `create_subsystem`, `delete_subsystem`, `add_namespace` (returns the
 //! NSID), `remove_namespace`, `add_listener` (returns the address actually bound, so port 0
-//! works), `remove_listener`, `add_host`, `set_host_keys` (DH-HMAC-CHAP), `remove_host`,
-//! `set_allow_any_host`,
+//! works), `add_tls_listener` (TLS-only), `remove_listener`, `add_host`, `set_host_keys`
+//! (DH-HMAC-CHAP), `set_host_psk` (TLS), `remove_host`, `set_allow_any_host`,
 //! `subsystems`. Namespace changes raise Namespace Attribute Changed events on connected
 //! controllers. Dropping the target closes every listener and connection.
 
@@ -48,6 +50,7 @@ mod conn;
 mod listener;
 mod pdu;
 mod reactor;
+mod tls;
 mod transfer;
 
 use std::collections::HashMap;
@@ -60,6 +63,7 @@ use std::time::Duration;
 use nacre_shared::api::nvmf::NvmfSubsystemInfo;
 use tracing::info;
 
+use crate::auth::tls_psk::TlsPsk;
 use crate::frontend::nvme::{lock, TargetInner};
 use crate::volume::BlockDevice;
 
@@ -89,6 +93,8 @@ pub(crate) struct TcpPorts {
     listeners: Mutex<HashMap<SocketAddr, Listener>>,
     /// The threads serving connections; stopping them closes every connection.
     reactors: reactor::Reactors,
+    /// TLS PSKs per (subsystem, host), for TLS listeners' handshakes.
+    psks: Arc<tls::PskStore>,
 }
 
 impl NvmfTarget {
@@ -114,6 +120,7 @@ impl NvmfTarget {
             target: inner.clone(),
             listeners: Mutex::new(HashMap::new()),
             reactors: reactor::Reactors::start(reactors),
+            psks: Arc::default(),
         });
         Arc::new(NvmfTarget {
             inner,
@@ -171,6 +178,7 @@ impl NvmfTarget {
         for a in addrs {
             self.tcp.release_listener(a, nqn);
         }
+        self.tcp.psks.forget_subsystem(nqn);
         info!(nqn, "nvmf subsystem deleted");
         Ok(())
     }
@@ -197,12 +205,47 @@ impl NvmfTarget {
     /// already running (listeners are shared by subsystems). Port 0 picks a free port; the
     /// address actually bound is returned and is the one to pass to `remove_listener`.
     pub fn add_listener(&self, nqn: &str, addr: SocketAddr) -> Result<SocketAddr, NvmfError> {
+        self.add_listener_of(nqn, addr, false)
+    }
+
+    /// [`add_listener`](Self::add_listener) for a TLS-only listener (NVMe/TCP §3.6): hosts
+    /// must complete a TLS 1.3 handshake with the PSK [`set_host_psk`](Self::set_host_psk)
+    /// gave them before the ICReq. An address already served by a plain listener is an
+    /// error, and the other way round.
+    pub fn add_tls_listener(&self, nqn: &str, addr: SocketAddr) -> Result<SocketAddr, NvmfError> {
+        self.add_listener_of(nqn, addr, true)
+    }
+
+    fn add_listener_of(
+        &self,
+        nqn: &str,
+        addr: SocketAddr,
+        tls: bool,
+    ) -> Result<SocketAddr, NvmfError> {
         let s = self.inner.subsystem(nqn)?;
-        let bound = self.tcp.acquire_listener(addr, nqn)?;
+        let bound = self.tcp.acquire_listener(addr, nqn, tls)?;
         lock(&s.state).listeners.insert(bound);
         self.inner.bump_genctr();
-        info!(nqn, %bound, "nvmf listener added");
+        info!(nqn, %bound, tls, "nvmf listener added");
         Ok(bound)
+    }
+
+    /// The TLS PSK `hostnqn` uses on `nqn`'s TLS listeners (`None`: remove it). Without one
+    /// the host cannot complete a handshake there. Connections already up stay.
+    pub fn set_host_psk(
+        &self,
+        nqn: &str,
+        hostnqn: &str,
+        psk: Option<TlsPsk>,
+    ) -> Result<(), NvmfError> {
+        self.inner.subsystem(nqn)?;
+        self.tcp.psks.set(nqn, hostnqn, psk);
+        Ok(())
+    }
+
+    /// Whether `hostnqn` has a TLS PSK on `nqn`.
+    pub fn host_has_psk(&self, nqn: &str, hostnqn: &str) -> bool {
+        self.tcp.psks.has(nqn, hostnqn)
     }
 
     pub fn remove_listener(&self, nqn: &str, addr: SocketAddr) -> Result<(), NvmfError> {

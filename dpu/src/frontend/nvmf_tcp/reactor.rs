@@ -195,6 +195,9 @@ pub(crate) struct NewConn {
     pub(crate) sock: TcpStream,
     pub(crate) listener: SocketAddr,
     pub(crate) slot: ConnSlot,
+    /// On a TLS listener: the host and subsystem NQNs of the PSK identity the handshake
+    /// proved; its Connects must name them.
+    pub(crate) tls_peer: Option<Box<(String, String)>>,
 }
 
 /// The part of a reactor other threads reach.
