@@ -30,21 +30,97 @@ const EVENTS: usize = 64;
 /// Default reactor count: one per core, at most this many (the same rule as the target's).
 pub const MAX_DEFAULT_REACTORS: usize = 4;
 
-static CONFIGURED: AtomicUsize = AtomicUsize::new(0);
-
-/// Set how many initiator reactors the process runs (nacred's `--fabric-reactors`); 0 picks
-/// the default: one per core, at most [`MAX_DEFAULT_REACTORS`]. Takes effect if called before
-/// the first NVMe/TCP queue is opened (the reactors start then and stay).
-pub fn set_reactors(n: usize) {
-    CONFIGURED.store(n, Ordering::Relaxed);
+fn default_count() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(MAX_DEFAULT_REACTORS)
 }
 
-fn reactor_count() -> usize {
-    match CONFIGURED.load(Ordering::Relaxed) {
-        0 => std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(MAX_DEFAULT_REACTORS),
-        n => n,
+/// A pool of initiator reactors, as a controller's configuration names it
+/// (`ControllerConfig::tcp_reactors`). The threads start with the pool's first queue and
+/// then run as long as the process. Cloning shares the pool.
+#[derive(Clone)]
+pub struct Reactors(Arc<Lazy>);
+
+struct Lazy {
+    /// Threads to start (0: [`default_count`]).
+    count: usize,
+    pool: OnceLock<Pool>,
+}
+
+impl std::fmt::Debug for Reactors {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reactors")
+            .field("count", &self.0.count)
+            .field("started", &self.0.pool.get().map(|p| p.pollers.len()))
+            .finish()
+    }
+}
+
+impl Default for Reactors {
+    /// [`Reactors::shared`].
+    fn default() -> Self {
+        Reactors::shared()
+    }
+}
+
+impl Reactors {
+    /// A pool of its own of `n` threads (nacred's `--fabric-reactors`); 0 is the same as
+    /// [`Reactors::shared`].
+    pub fn new(n: usize) -> Reactors {
+        if n == 0 {
+            return Reactors::shared();
+        }
+        Reactors(Arc::new(Lazy {
+            count: n,
+            pool: OnceLock::new(),
+        }))
+    }
+
+    /// The process's pool of the default size (one thread per core, at most
+    /// [`MAX_DEFAULT_REACTORS`]), shared by every controller that does not name one of its
+    /// own: started once, so tests and tools that open many controllers do not start
+    /// threads for each.
+    pub fn shared() -> Reactors {
+        static SHARED: OnceLock<Reactors> = OnceLock::new();
+        SHARED
+            .get_or_init(|| {
+                Reactors(Arc::new(Lazy {
+                    count: 0,
+                    pool: OnceLock::new(),
+                }))
+            })
+            .clone()
+    }
+
+    fn pool(&self) -> &Pool {
+        self.0.pool.get_or_init(|| {
+            let n = match self.0.count {
+                0 => default_count(),
+                n => n,
+            };
+            Pool::start(n)
+        })
+    }
+
+    /// Pick the reactor for a new queue: the one serving the fewest queues, the first such
+    /// after the last one picked (so the queues of one controller spread over the reactors).
+    pub(super) fn pick(&self) -> std::io::Result<Home> {
+        let pool = self.pool();
+        let n = pool.pollers.len();
+        if n == 0 {
+            return Err(std::io::Error::other(
+                "no NVMe/TCP initiator reactor is running",
+            ));
+        }
+        let start = pool.next.fetch_add(1, Ordering::Relaxed);
+        let poller = (0..n)
+            .map(|i| &pool.pollers[(start + i) % n])
+            .min_by_key(|p| p.load())
+            .expect("at least one")
+            .clone();
+        let token = poller.next_token.fetch_add(1, Ordering::Relaxed);
+        Ok(Home { poller, token })
     }
 }
 
@@ -68,11 +144,10 @@ struct Pool {
     next: AtomicUsize,
 }
 
-fn pool() -> &'static Pool {
-    static POOL: OnceLock<Pool> = OnceLock::new();
-    POOL.get_or_init(|| {
+impl Pool {
+    fn start(n: usize) -> Pool {
         let mut pollers = Vec::new();
-        for i in 0..reactor_count().max(1) {
+        for i in 0..n.max(1) {
             let started = Poller::new().and_then(|p| {
                 let run = p.clone();
                 std::thread::Builder::new()
@@ -89,27 +164,7 @@ fn pool() -> &'static Pool {
             pollers,
             next: AtomicUsize::new(0),
         }
-    })
-}
-
-/// Pick the reactor for a new queue: the one serving the fewest queues, the first such after
-/// the last one picked (so the queues of one controller spread over the reactors).
-pub(super) fn pick() -> std::io::Result<Home> {
-    let pool = pool();
-    let n = pool.pollers.len();
-    if n == 0 {
-        return Err(std::io::Error::other(
-            "no NVMe/TCP initiator reactor is running",
-        ));
     }
-    let start = pool.next.fetch_add(1, Ordering::Relaxed);
-    let poller = (0..n)
-        .map(|i| &pool.pollers[(start + i) % n])
-        .min_by_key(|p| p.load())
-        .expect("at least one")
-        .clone();
-    let token = poller.next_token.fetch_add(1, Ordering::Relaxed);
-    Ok(Home { poller, token })
 }
 
 impl Home {

@@ -174,12 +174,15 @@ impl NvmfTarget {
         else {
             return;
         };
-        reactor::serve_here(reactor::NewConn {
-            target: self.inner.clone(),
-            sock,
-            listener,
-            slot,
-        })
+        reactor::serve_here(
+            reactor::NewConn {
+                target: self.inner.clone(),
+                sock,
+                listener,
+                slot,
+            },
+            self.tcp.reactors.policy,
+        )
     }
 }
 

@@ -30,7 +30,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -65,15 +65,6 @@ const SCAN_EVERY: Duration = Duration::from_millis(10);
 /// vhost-user-blk workers, crypto and the fabric initiator).
 pub const MAX_DEFAULT_REACTORS: usize = 4;
 
-static DEFAULT_REACTORS: AtomicUsize = AtomicUsize::new(0);
-
-/// Set how many reactor threads targets created from now on start (nacred's
-/// `--nvmf-reactors`); 0 picks the default: one per core, at most
-/// [`MAX_DEFAULT_REACTORS`].
-pub fn set_default_reactors(n: usize) {
-    DEFAULT_REACTORS.store(n, Ordering::Relaxed);
-}
-
 /// When a reactor busy-polls (nacred's `--nvmf-poll`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum PollPolicy {
@@ -97,22 +88,6 @@ impl PollPolicy {
             PollPolicy::Always => "always",
             PollPolicy::Off => "off",
         }
-    }
-}
-
-/// 0 adaptive, 1 always, 2 off (`PollPolicy as u8`).
-static POLL_POLICY: AtomicU8 = AtomicU8::new(0);
-
-/// Set the poll policy of reactors started from now on (nacred's `--nvmf-poll`).
-pub fn set_poll_policy(p: PollPolicy) {
-    POLL_POLICY.store(p as u8, Ordering::Relaxed);
-}
-
-pub fn poll_policy() -> PollPolicy {
-    match POLL_POLICY.load(Ordering::Relaxed) {
-        1 => PollPolicy::Always,
-        2 => PollPolicy::Off,
-        _ => PollPolicy::Adaptive,
     }
 }
 
@@ -159,13 +134,12 @@ struct Counters {
     deep_sleeps: AtomicU64,
 }
 
-pub(crate) fn default_reactors() -> usize {
-    match DEFAULT_REACTORS.load(Ordering::Relaxed) {
-        0 => std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .clamp(1, MAX_DEFAULT_REACTORS),
-        n => n,
-    }
+/// How many reactor threads a target starts when its configuration says 0
+/// ([`super::TargetConfig::reactors`]): one per core, at most [`MAX_DEFAULT_REACTORS`].
+pub fn default_reactor_count() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, MAX_DEFAULT_REACTORS)
 }
 
 /// What other threads hand a reactor.
@@ -331,10 +305,10 @@ pub(crate) struct Reactors {
 }
 
 impl Reactors {
-    /// Start `n` reactor threads (at least one). One that cannot be started is left out
-    /// with a warning; with none at all, connections are closed as they arrive.
-    pub(crate) fn start(n: usize) -> Reactors {
-        let policy = poll_policy();
+    /// Start `n` reactor threads (at least one) that poll as `policy` says. One that cannot
+    /// be started is left out with a warning; with none at all, connections are closed as
+    /// they arrive.
+    pub(crate) fn start(n: usize, policy: PollPolicy) -> Reactors {
         let mut shared = Vec::new();
         let mut threads = Vec::new();
         for i in 0..n.max(1) {
@@ -404,12 +378,13 @@ impl Reactors {
     }
 }
 
-/// Serve one connection on the calling thread until it ends (a reactor of its own).
-pub(crate) fn serve_here(c: NewConn) {
+/// Serve one connection on the calling thread until it ends (a reactor of its own, polling
+/// as `policy` says).
+pub(crate) fn serve_here(c: NewConn, policy: PollPolicy) {
     match Shared::new() {
         Ok(s) => {
             s.post(Mail::Conn(Box::new(c)));
-            Reactor::new(s, poll_policy()).run(true);
+            Reactor::new(s, policy).run(true);
         }
         Err(e) => warn!("cannot set up an NVMe/TCP reactor: {e}"),
     }
