@@ -15,12 +15,13 @@
 //! the initiator's side costs more than the wake-ups it saves.
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use tracing::{error, warn};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use super::QueueConn;
 
@@ -126,7 +127,7 @@ impl Reactors {
 
 /// One reactor as queues and other threads see it.
 struct Poller {
-    epfd: OwnedFd,
+    epoll: Epoll,
     /// The queues this reactor serves, by epoll token. Touched once per wake-up (to find the
     /// ready queues) and when a queue comes or goes.
     conns: Mutex<HashMap<u64, Arc<QueueConn>>>,
@@ -173,7 +174,7 @@ impl Home {
         lock(&self.poller.conns).insert(self.token, q.clone());
         if let Err(e) = self
             .poller
-            .ctl(libc::EPOLL_CTL_ADD, q.fd(), self.token, false)
+            .ctl(ControlOperation::Add, q.fd(), self.token, false)
         {
             lock(&self.poller.conns).remove(&self.token);
             return Err(e);
@@ -184,7 +185,7 @@ impl Home {
     /// Arm or disarm `EPOLLOUT` for `q`.
     pub(super) fn want_out(&self, q: &QueueConn, out: bool) -> std::io::Result<()> {
         self.poller
-            .ctl(libc::EPOLL_CTL_MOD, q.fd(), self.token, out)
+            .ctl(ControlOperation::Modify, q.fd(), self.token, out)
     }
 
     /// Whether two queues are served by the same reactor.
@@ -197,7 +198,7 @@ impl Home {
     pub(super) fn remove(&self, q: &QueueConn) {
         let _ = self
             .poller
-            .ctl(libc::EPOLL_CTL_DEL, q.fd(), self.token, false);
+            .ctl(ControlOperation::Delete, q.fd(), self.token, false);
         lock(&self.poller.conns).remove(&self.token);
     }
 }
@@ -208,14 +209,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Poller {
     fn new() -> std::io::Result<Arc<Poller>> {
-        // SAFETY: no pointers; the result is checked before it is owned.
-        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
         Ok(Arc::new(Poller {
-            // SAFETY: a fresh descriptor nothing else owns.
-            epfd: unsafe { OwnedFd::from_raw_fd(fd) },
+            epoll: Epoll::new()?,
             conns: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(0),
         }))
@@ -226,47 +221,36 @@ impl Poller {
     }
 
     /// `epoll_ctl` for a queue's socket: readable always, writable when `out`.
-    fn ctl(&self, op: i32, fd: RawFd, token: u64, out: bool) -> std::io::Result<()> {
-        let mut ev = libc::epoll_event {
-            events: (libc::EPOLLIN | libc::EPOLLRDHUP) as u32
-                | if out { libc::EPOLLOUT as u32 } else { 0 },
-            u64: token,
-        };
-        // SAFETY: `ev` is a valid event for the call's duration (ignored by DEL).
-        let r = unsafe { libc::epoll_ctl(self.epfd.as_raw_fd(), op, fd, &mut ev) };
-        if r < 0 {
-            return Err(std::io::Error::last_os_error());
+    fn ctl(&self, op: ControlOperation, fd: RawFd, token: u64, out: bool) -> std::io::Result<()> {
+        let mut events = EventSet::IN | EventSet::READ_HANG_UP;
+        if out {
+            events |= EventSet::OUT;
         }
-        Ok(())
+        self.epoll.ctl(op, fd, EpollEvent::new(events, token))
     }
 
     fn run(self: Arc<Self>) {
-        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; EVENTS];
+        // Reused by every wait: nothing is allocated per wake-up.
+        let mut events = vec![EpollEvent::default(); EVENTS];
         let mut ready: Vec<(Arc<QueueConn>, u32)> = Vec::with_capacity(EVENTS);
         loop {
-            // SAFETY: `events` holds EVENTS initialised entries the kernel may overwrite.
-            let n = unsafe {
-                libc::epoll_wait(
-                    self.epfd.as_raw_fd(),
-                    events.as_mut_ptr(),
-                    EVENTS as i32,
-                    -1,
-                )
-            };
-            if n < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() != std::io::ErrorKind::Interrupted {
-                    error!("NVMe/TCP initiator reactor: epoll_wait failed: {e}");
-                    std::thread::sleep(Duration::from_millis(1));
+            let n = match self.epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) => {
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        error!("NVMe/TCP initiator reactor: epoll_wait failed: {e}");
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    continue;
                 }
-                continue;
-            }
+            };
             {
                 let conns = lock(&self.conns);
-                ready.extend(events[..n as usize].iter().filter_map(|ev| {
-                    let token = ev.u64;
-                    conns.get(&token).map(|q| (q.clone(), ev.events))
-                }));
+                ready.extend(
+                    events[..n]
+                        .iter()
+                        .filter_map(|ev| conns.get(&ev.data()).map(|q| (q.clone(), ev.events()))),
+                );
             }
             for (q, ev) in ready.drain(..) {
                 // What a queue's completions run is other code (vhost-user-blk, XTS,
