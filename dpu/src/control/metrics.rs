@@ -187,3 +187,66 @@ fn kms_families() -> [MetricFamily; 2] {
         ),
     ]
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use nacre_shared::api::nvmf::NvmfSubsystemCreate;
+    use nacre_shared::api::qos::QosLimits;
+    use serde_json::json;
+
+    use crate::control::registry::{DaemonConfig, QosScope, Registry};
+
+    /// The daemon's series come out of the text encoder as they were always written: HELP,
+    /// TYPE and sample lines, labels in name order; a family with no series (no remote
+    /// here) is left out.
+    #[test]
+    fn daemon_series_encode_as_prometheus_text() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = DaemonConfig::new(dir.path().join("state"), dir.path().join("run"));
+        for d in [&config.state_dir, &config.run_dir] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        let r = Arc::new(Registry::new(config, Default::default()));
+        r.replay();
+        r.create_volume(
+            &serde_json::from_value(json!({"name": "v", "size": 1 << 20, "backend": "ram"}))
+                .unwrap(),
+        )
+        .unwrap();
+        let nqn = "nqn.2024-01.io.nacre:metrics";
+        r.create_subsystem(&NvmfSubsystemCreate {
+            nqn: nqn.into(),
+            serial: None,
+            model: None,
+            allow_any_host: true,
+        })
+        .unwrap();
+        r.add_namespace(nqn, "v", Some(3)).unwrap();
+        let scope = QosScope {
+            volume: Some("v"),
+            tenant: None,
+            global: false,
+        };
+        let limits = QosLimits {
+            iops: Some(100),
+            ..Default::default()
+        };
+        r.set_qos(scope, &limits).unwrap();
+        super::export_daemon_series(&r);
+
+        let text = r.qos().telemetry().render();
+        let expect = format!(
+            "# HELP nacre_device_info A device serving a volume (kind vhost-blk: a vhost-user-blk device; nvmf: an NVMe-oF namespace, NQN/NSID).\n\
+             # TYPE nacre_device_info gauge\n\
+             nacre_device_info{{device=\"{nqn}/3\",kind=\"nvmf\",volume=\"v\"}} 1\n\
+             # HELP nacre_qos_limit Configured QoS limits (per second; rate names as in qos_set).\n\
+             # TYPE nacre_qos_limit gauge\n\
+             nacre_qos_limit{{kind=\"volume\",name=\"v\",rate=\"iops\"}} 100\n"
+        );
+        assert!(text.contains(&expect), "{text}");
+        assert!(!text.contains("nacre_remote_"), "{text}");
+        r.shutdown();
+    }
+}
