@@ -12,7 +12,7 @@ use clap::Parser;
 use nacre_dpu::config;
 use nacre_dpu::control::host_channel::HostListener;
 use nacre_dpu::control::opi::{OpiConfig, OpiServer};
-use nacre_dpu::control::{server::RpcServer, Daemon, DaemonConfig};
+use nacre_dpu::control::{server::RpcServer, Daemon, DaemonConfig, DataPathConfig};
 use nacre_dpu::frontend::nvmf_tcp::{self, ConnLimits};
 use nacre_shared::api::vhost::VhostBlkCreate;
 use nacre_shared::api::volume::{BackendKind, VolumeCreate};
@@ -106,22 +106,22 @@ fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     raise_fd_limit();
-    nvmf_tcp::set_default_reactors(args.nvmf_reactors);
-    nacre_dpu::fabric::tcp::set_reactors(args.fabric_reactors);
-    nvmf_tcp::set_poll_policy(args.nvmf_poll);
-    nvmf_tcp::set_default_conn_limits(ConnLimits {
-        per_listener: args.nvmf_max_connections,
-        setup_per_listener: args.nvmf_max_setup_connections,
-        per_host: args.nvmf_max_connections_per_host,
-    });
-
-    if args.no_qos {
-        nacre_dpu::control::registry::QOS_DISABLED
-            .store(true, std::sync::atomic::Ordering::Relaxed);
-    }
     let (daemon, existed) = Daemon::open(DaemonConfig {
         state_dir: args.state_dir.clone(),
         run_dir: args.run_dir.clone(),
+        data_path: DataPathConfig {
+            nvmf: nvmf_tcp::TargetConfig {
+                reactors: args.nvmf_reactors,
+                poll: args.nvmf_poll,
+                conn_limits: ConnLimits {
+                    per_listener: args.nvmf_max_connections,
+                    setup_per_listener: args.nvmf_max_setup_connections,
+                    per_host: args.nvmf_max_connections_per_host,
+                },
+            },
+            fabric_reactors: args.fabric_reactors,
+            qos: !args.no_qos,
+        },
     })?;
     let rpc_path = args
         .rpc

@@ -32,7 +32,7 @@ use serde_json::Value;
 pub use daemon::Daemon;
 pub use error::RpcError;
 pub use method::{parse_params, scrub, to_value, Handler, Method, NoParams};
-pub use registry::DaemonConfig;
+pub use registry::{DaemonConfig, DataPathConfig};
 
 /// Every method nacred answers.
 pub fn methods() -> impl Iterator<Item = &'static Method> {

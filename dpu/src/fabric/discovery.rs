@@ -32,21 +32,31 @@ pub fn discover(
     hostnqn: &str,
     timeout: Duration,
 ) -> Result<Vec<DiscoveryEntry>, FabricError> {
-    discover_over(Transport::Tcp, address, port, hostnqn, timeout)
+    discover_over(
+        Transport::Tcp,
+        address,
+        port,
+        hostnqn,
+        timeout,
+        &crate::fabric::tcp::Reactors::shared(),
+    )
 }
 
 /// Read the discovery log of the portal at `address:port` over `transport` (the discovery
-/// controller is an admin queue like any other: the transport is below the queue seam).
+/// controller is an admin queue like any other: the transport is below the queue seam); an
+/// NVMe/TCP queue is served by `tcp_reactors`.
 pub fn discover_over(
     transport: Transport,
     address: &str,
     port: u16,
     hostnqn: &str,
     timeout: Duration,
+    tcp_reactors: &crate::fabric::tcp::Reactors,
 ) -> Result<Vec<DiscoveryEntry>, FabricError> {
     let mut cfg = super::ControllerConfig::new(address, port, DISCOVERY_NQN, hostnqn);
     cfg.connect_timeout = timeout;
     cfg.transport = transport;
+    cfg.tcp_reactors = tcp_reactors.clone();
     let owner: Arc<dyn QueueOwner> = Arc::new(NoOwner);
     let weak: Weak<dyn QueueOwner> = Arc::downgrade(&owner);
     let cd = ConnectData {

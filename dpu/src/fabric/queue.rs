@@ -166,7 +166,14 @@ pub fn open(
     match cfg.transport {
         Transport::Tcp => {
             let addr = cfg.socket_addr()?;
-            let (q, cqe) = super::tcp::QueueConn::open(addr, params, connect_data, session, owner)?;
+            let (q, cqe) = super::tcp::QueueConn::open(
+                addr,
+                params,
+                connect_data,
+                session,
+                owner,
+                &cfg.tcp_reactors,
+            )?;
             Ok((q, cqe))
         }
         Transport::Rdma => {

@@ -42,7 +42,7 @@ impl RpcFixture {
             return d.clone();
         }
         let (state_dir, run_dir) = self.dirs();
-        let (d, _) = Daemon::open(DaemonConfig { state_dir, run_dir }).expect("daemon");
+        let (d, _) = Daemon::open(DaemonConfig::new(state_dir, run_dir)).expect("daemon");
         self.daemon = Some(d.clone());
         d
     }
@@ -173,7 +173,7 @@ pub fn json_rpc(data: &[u8]) {
         fx.daemon = None;
         crate::control::state::load(&state_dir).expect("saved state loads again");
         let (again, existed) =
-            Daemon::open(DaemonConfig { state_dir, run_dir }).expect("daemon reopens");
+            Daemon::open(DaemonConfig::new(state_dir, run_dir)).expect("daemon reopens");
         assert!(existed);
         again.shutdown();
         fx.reset();

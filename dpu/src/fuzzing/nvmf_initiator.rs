@@ -12,7 +12,7 @@ use nacre_shared::nvme_tcp::{self as tcp, pdu_type, CommonHeader, Digests, IcReq
 
 use super::{helper, ignore_sigpipe, HOSTNQN, NQN, NS_LBA};
 use crate::fabric::cmd::{AdminWait, Cmd, Dir, IoData, IoParent, Target};
-use crate::fabric::tcp::{QueueConn, QueueOwner, QueueParams};
+use crate::fabric::tcp::{QueueConn, QueueOwner, QueueParams, Reactors};
 use crate::volume::{IoCompletion, IoResult, Segment, Segments};
 
 struct NoOwner;
@@ -194,7 +194,7 @@ pub fn nvmf_initiator(data: &[u8]) {
         hostnqn: HOSTNQN.into(),
     };
     let owner: Weak<dyn QueueOwner> = Weak::<NoOwner>::new();
-    let q = match QueueConn::open(addr, params, &connect, 1, owner) {
+    let q = match QueueConn::open(addr, params, &connect, 1, owner, &Reactors::shared()) {
         Ok((q, _)) => q,
         Err(_) => {
             let _ = go_tx.send(false);

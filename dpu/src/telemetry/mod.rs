@@ -216,8 +216,9 @@ impl Totals {
     }
 }
 
-/// Text appended to every scrape (device and path series the control plane renders).
-pub type ExtraSource = Box<dyn Fn() -> String + Send + Sync>;
+/// Metric families added to every scrape (device and path series the control plane builds
+/// at scrape time), encoded after the volume series.
+pub type ExtraSource = Box<dyn Fn() -> Vec<MetricFamily> + Send + Sync>;
 
 /// Every metric nacred exports.
 pub struct Telemetry {
@@ -286,23 +287,24 @@ impl Telemetry {
             live.iter().map(|m| (&**m, m.totals())).collect();
         // Stable output for diffing and tests.
         rows.sort_by(|a, b| (&a.0.volume, &a.0.tenant).cmp(&(&b.0.volume, &b.0.tenant)));
-        let families = families(&rows);
+        let mut families = families(&rows);
+        drop(rows);
+        // Dropped outside the series lock: the last reference may go here.
+        drop(live);
+        if let Some(extra) = &*self.extra.lock().unwrap_or_else(|p| p.into_inner()) {
+            // The encoder refuses a family without series: such a family has no samples to
+            // scrape either.
+            families.extend(extra().into_iter().filter(|f| !f.get_metric().is_empty()));
+        }
         let mut buf = Vec::new();
         TextEncoder::new()
             .encode(&families, &mut buf)
             .expect("text encoding of gathered metrics");
-        drop(rows);
-        // Dropped outside the series lock: the last reference may go here.
-        drop(live);
-        let mut text = String::from_utf8(buf).expect("the text format is UTF-8");
-        if let Some(extra) = &*self.extra.lock().unwrap_or_else(|p| p.into_inner()) {
-            text.push_str(&extra());
-        }
-        text
+        String::from_utf8(buf).expect("the text format is UTF-8")
     }
 }
 
-fn label(name: &str, value: &str) -> LabelPair {
+pub(crate) fn label(name: &str, value: &str) -> LabelPair {
     let mut l = LabelPair::default();
     l.set_name(name.to_string());
     l.set_value(value.to_string());
@@ -320,7 +322,12 @@ fn labels(m: &VolumeMetrics, op: Option<&str>) -> Vec<LabelPair> {
     v
 }
 
-fn family(name: &str, help: &str, kind: MetricType, metrics: Vec<Metric>) -> MetricFamily {
+pub(crate) fn family(
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    metrics: Vec<Metric>,
+) -> MetricFamily {
     let mut f = MetricFamily::default();
     f.set_name(name.to_string());
     f.set_help(help.to_string());
@@ -329,7 +336,7 @@ fn family(name: &str, help: &str, kind: MetricType, metrics: Vec<Metric>) -> Met
     f
 }
 
-fn counter(labels: Vec<LabelPair>, v: u64) -> Metric {
+pub(crate) fn counter(labels: Vec<LabelPair>, v: u64) -> Metric {
     let mut c = Counter::default();
     c.set_value(v as f64);
     let mut m = Metric::from_label(labels);
@@ -337,7 +344,7 @@ fn counter(labels: Vec<LabelPair>, v: u64) -> Metric {
     m
 }
 
-fn gauge(labels: Vec<LabelPair>, v: u64) -> Metric {
+pub(crate) fn gauge(labels: Vec<LabelPair>, v: u64) -> Metric {
     let mut g = Gauge::default();
     g.set_value(v as f64);
     let mut m = Metric::from_label(labels);

@@ -63,6 +63,10 @@ struct Opts {
     only: Option<Vec<String>>,
     /// Print each thread's cores busy after each volume's line.
     threads: bool,
+    /// The initiator's reactor threads (0: the default).
+    fabric_reactors: usize,
+    /// The shelf target's poll policy.
+    nvmf_poll: PollPolicy,
 }
 
 /// The volumes measured, in order; `ram` is the baseline of the ratio column.
@@ -79,6 +83,8 @@ fn parse() -> Result<Opts> {
         digests: false,
         only: None,
         threads: false,
+        fabric_reactors: 0,
+        nvmf_poll: PollPolicy::default(),
     };
     let mut a = std::env::args().skip(1);
     while let Some(k) = a.next() {
@@ -91,12 +97,13 @@ fn parse() -> Result<Opts> {
             "--io-queues" => o.io_queues = a.next().context("--io-queues N")?.parse()?,
             "--digests" => o.digests = true,
             "--threads" => o.threads = true,
-            "--fabric-reactors" => nacre_dpu::fabric::tcp::set_reactors(
-                a.next()
+            "--fabric-reactors" => {
+                o.fabric_reactors = a
+                    .next()
                     .context("--fabric-reactors N")?
                     .parse()
-                    .context("--fabric-reactors N")?,
-            ),
+                    .context("--fabric-reactors N")?
+            }
             "--nvmf-poll" => {
                 let v = a.next().context("--nvmf-poll adaptive|always|off")?;
                 let p = PollPolicy::ALL
@@ -105,7 +112,7 @@ fn parse() -> Result<Opts> {
                     .with_context(|| {
                         format!("--nvmf-poll: {v:?} is not adaptive, always or off")
                     })?;
-                nvmf_tcp::set_poll_policy(p);
+                o.nvmf_poll = p;
             }
             "--only" => {
                 let v = a.next().context("--only VOLUME[,VOLUME...]")?;
@@ -377,7 +384,10 @@ fn main() -> Result<()> {
     let key = XtsKey::from_bytes(&(0..64u8).collect::<Vec<_>>())?;
 
     // The shelf: nacred's own NVMe-oF/TCP target over a RAM volume, on loopback.
-    let target = NvmfTarget::new();
+    let target = NvmfTarget::with_config(nvmf_tcp::TargetConfig {
+        poll: o.nvmf_poll,
+        ..Default::default()
+    });
     target.create_subsystem(NQN, "BENCH", "nacre bench shelf", true)?;
     let shelf_vol: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(SIZE, LBA)?);
     target.add_namespace(NQN, Some(1), shelf_vol, [0xBE; 16], "bench".into())?;
@@ -390,6 +400,7 @@ fn main() -> Result<()> {
     );
     cfg.io_queues = o.io_queues;
     cfg.queue_depth = 128;
+    cfg.tcp_reactors = nacre_dpu::fabric::tcp::Reactors::new(o.fabric_reactors);
     if o.digests {
         cfg.digests = Digests {
             header: true,

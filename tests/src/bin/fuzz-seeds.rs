@@ -661,10 +661,10 @@ fn nvmf_initiator(r: &mut Rng) -> Vec<u8> {
 fn json_rpc(r: &mut Rng, n: usize) -> Result<Vec<Vec<u8>>> {
     // Learn each method's fields from its own "unknown field" error, in-process.
     let tmp = tempfile::tempdir()?;
-    let (d, _) = Daemon::open(DaemonConfig {
-        state_dir: tmp.path().join("state"),
-        run_dir: tmp.path().join("run"),
-    })?;
+    let (d, _) = Daemon::open(DaemonConfig::new(
+        tmp.path().join("state"),
+        tmp.path().join("run"),
+    ))?;
     let mut fields = Vec::new();
     for m in nacre_dpu::control::methods() {
         if fz::RPC_SKIPPED.contains(&m.name) {

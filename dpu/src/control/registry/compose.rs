@@ -5,7 +5,6 @@
 
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use nacre_shared::api::volume::BackendKind;
@@ -23,10 +22,6 @@ use crate::volume::{
     file::FileVolume, null::NullVolume, ram::RamVolume, BlockDevice, Geometry, IoCompletion,
     IoError, IoRequest,
 };
-
-/// Set by `nacred --no-qos`: volumes are served without the QoS and statistics layer (the
-/// baseline `scripts/bench-qos` compares against). Limits are still stored, not enforced.
-pub static QOS_DISABLED: AtomicBool = AtomicBool::new(false);
 
 /// Where a file volume lives unless told otherwise.
 pub fn default_volume_path(state_dir: &Path, name: &str) -> PathBuf {
@@ -253,13 +248,14 @@ pub(super) fn open_for_create(
     Ok((gated(inner, &rec.name, Arc::new(dev)), Some(next)))
 }
 
-/// The QoS and statistics layer over a freshly opened volume (unless nacred runs without it).
+/// The QoS and statistics layer over a freshly opened volume (unless nacred runs without it:
+/// [`super::DataPathConfig::qos`]).
 pub(super) fn with_qos(
     reg: &Registry,
     rec: &VolumeRecord,
     dev: Arc<dyn BlockDevice>,
 ) -> Arc<dyn BlockDevice> {
-    if QOS_DISABLED.load(Ordering::Relaxed) {
+    if !reg.config.data_path.qos {
         return dev;
     }
     reg.qos.wrap(&rec.name, rec.tenant.as_deref(), dev)

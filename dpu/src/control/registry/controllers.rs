@@ -12,6 +12,7 @@ use std::time::Duration;
 use nacre_shared::nvme_tcp::Digests;
 
 use crate::control::state::RemoteRecord;
+use crate::fabric::tcp::Reactors;
 use crate::fabric::{Controller, ControllerConfig};
 
 /// A remote being attached: transport, address, port, subsystem NQN.
@@ -19,6 +20,8 @@ type Target = (String, String, u16, String);
 
 #[derive(Default)]
 pub(super) struct Controllers {
+    /// The NVMe/TCP initiator reactors every controller's queues are served by.
+    tcp_reactors: Reactors,
     ctrls: Mutex<HashMap<String, Arc<Controller>>>,
     /// Remotes being attached (name → target): the name and target are reserved here while
     /// `remote_attach` connects without the control lock.
@@ -97,8 +100,30 @@ impl Controllers {
     }
 }
 
-/// The fabric's configuration of a persisted remote.
-pub(super) fn config(rec: &RemoteRecord) -> ControllerConfig {
+impl Controllers {
+    /// No controllers yet; their NVMe/TCP queues will be served by `tcp_reactors`.
+    pub(super) fn new(tcp_reactors: Reactors) -> Controllers {
+        Controllers {
+            tcp_reactors,
+            ..Default::default()
+        }
+    }
+
+    pub(super) fn tcp_reactors(&self) -> &Reactors {
+        &self.tcp_reactors
+    }
+
+    /// The fabric's configuration of a persisted remote.
+    pub(super) fn config(&self, rec: &RemoteRecord) -> ControllerConfig {
+        let mut c = config(rec);
+        c.tcp_reactors = self.tcp_reactors.clone();
+        c
+    }
+}
+
+/// The fabric's configuration of a persisted remote (its queues on the shared reactors:
+/// [`Controllers::config`] puts them on the daemon's).
+fn config(rec: &RemoteRecord) -> ControllerConfig {
     let mut c = ControllerConfig::new(&rec.address, rec.port, &rec.subnqn, &rec.hostnqn);
     // Records from before NVMe/RDMA say "tcp"; an unknown word cannot be persisted
     // (new_record checks it), so TCP is only the fallback of a hand-edited state file.

@@ -58,10 +58,9 @@ mod vhost;
 mod volumes;
 mod windows;
 
-pub use compose::QOS_DISABLED;
 pub use qos::QosScope;
 pub use remotes::PathState;
-pub use store::{DaemonConfig, Registry};
+pub use store::{DaemonConfig, DataPathConfig, Registry};
 pub use target::ListenerTransport;
 
 #[cfg(test)]
@@ -172,10 +171,7 @@ mod atomicity {
     #[test]
     fn a_change_that_cannot_be_persisted_leaves_nothing_running() {
         let dir = tempfile::tempdir().unwrap();
-        let config = DaemonConfig {
-            state_dir: dir.path().join("state"),
-            run_dir: dir.path().join("run"),
-        };
+        let config = DaemonConfig::new(dir.path().join("state"), dir.path().join("run"));
         for d in [&config.state_dir, &config.run_dir] {
             std::fs::create_dir_all(d).unwrap();
         }

@@ -16,7 +16,6 @@ use nacre_shared::nvme::discovery as disc;
 use nacre_shared::nvme::validate_nqn;
 use tracing::info;
 
-use super::controllers::config;
 use super::store::{Inner, Registry};
 use crate::control::error::RpcError;
 use crate::control::state::{RemoteRecord, State};
@@ -81,7 +80,7 @@ impl Registry {
                 .map_err(|other| busy(&other))?;
             Ok((rec, reserved))
         })?;
-        let ctrl = Controller::start(&rec.name, config(&rec), None);
+        let ctrl = Controller::start(&rec.name, self.controllers.config(&rec), None);
         let wait = Duration::from_secs(3) * 5;
         let info = ctrl.wait_first_attempt(wait).map_err(|e| {
             ctrl.close();
@@ -185,6 +184,7 @@ impl Registry {
             p.port,
             &hostnqn,
             Duration::from_secs(3),
+            self.controllers.tcp_reactors(),
         )
         .map_err(|e| {
             RpcError::failed(format!("discovery at {}:{} failed: {e}", p.address, p.port))
@@ -288,8 +288,9 @@ impl Registry {
 pub(super) fn replay(reg: &Registry, state: &State) {
     for rec in state.remotes.values() {
         let pinned = (!rec.namespaces.is_empty()).then(|| rec.namespaces.clone());
+        let cfg = reg.controllers.config(rec);
         reg.controllers
-            .insert(&rec.name, Controller::start(&rec.name, config(rec), pinned));
+            .insert(&rec.name, Controller::start(&rec.name, cfg, pinned));
         info!(remote = %rec.name, "remote connecting in the background");
     }
 }

@@ -16,11 +16,48 @@ use crate::frontend::vhost_user_blk::VhostBlkServer;
 use crate::volume::qos::Qos;
 use crate::volume::BlockDevice;
 
-/// Where nacred keeps things.
+/// Where nacred keeps things, and how its data path runs.
 #[derive(Debug, Clone)]
 pub struct DaemonConfig {
     pub state_dir: PathBuf,
     pub run_dir: PathBuf,
+    pub data_path: DataPathConfig,
+}
+
+impl DaemonConfig {
+    /// State and run directories, the data path as nacred runs it by default.
+    pub fn new(state_dir: PathBuf, run_dir: PathBuf) -> DaemonConfig {
+        DaemonConfig {
+            state_dir,
+            run_dir,
+            data_path: DataPathConfig::default(),
+        }
+    }
+}
+
+/// How the daemon's data path runs (nacred's `--nvmf-*`, `--fabric-reactors` and `--no-qos`
+/// flags). The default is nacred's default.
+#[derive(Debug, Clone)]
+pub struct DataPathConfig {
+    /// The NVMe-oF target's reactors, poll policy and connection limits (the target is
+    /// created with the first subsystem).
+    pub nvmf: crate::frontend::nvmf_tcp::TargetConfig,
+    /// NVMe/TCP initiator reactor threads for remote controllers; 0: the process's shared
+    /// pool of the default size ([`crate::fabric::tcp::Reactors::new`]).
+    pub fabric_reactors: usize,
+    /// Serve volumes through the QoS and statistics layer. Off (`--no-qos`) is the baseline
+    /// `scripts/bench-qos` compares against; limits are still stored, not enforced.
+    pub qos: bool,
+}
+
+impl Default for DataPathConfig {
+    fn default() -> Self {
+        DataPathConfig {
+            nvmf: Default::default(),
+            fabric_reactors: 0,
+            qos: true,
+        }
+    }
 }
 
 /// Objects that exist only while nacred runs: opened volumes and running devices.
@@ -29,6 +66,8 @@ pub(super) struct Live {
     pub volumes: HashMap<String, Arc<dyn BlockDevice>>,
     pub vhost_blk: HashMap<String, VhostBlkServer>,
     pub nvmf: Option<Arc<NvmfTarget>>,
+    /// How [`Live::nvmf`] is configured when it is created ([`DataPathConfig::nvmf`]).
+    pub nvmf_config: crate::frontend::nvmf_tcp::TargetConfig,
     /// The target's NVMe/RDMA listeners (created with the first one).
     pub nvmf_rdma: Option<Arc<RdmaPorts>>,
     /// The target's PCIe NVMe controllers over vfio-user (created with the first one).
@@ -99,14 +138,19 @@ impl Registry {
     /// A registry over `state` (as loaded) with nothing live yet: see [`Registry::replay`].
     pub(crate) fn new(config: DaemonConfig, state: State) -> Registry {
         Registry {
-            config,
             inner: Mutex::new(Inner {
                 state,
-                live: Live::default(),
+                live: Live {
+                    nvmf_config: config.data_path.nvmf,
+                    ..Live::default()
+                },
             }),
-            controllers: Default::default(),
+            controllers: Controllers::new(crate::fabric::tcp::Reactors::new(
+                config.data_path.fabric_reactors,
+            )),
             qos: Qos::start(Default::default()),
             windows: Default::default(),
+            config,
         }
     }
 

@@ -14,9 +14,16 @@ use crate::frontend::nvme_pcie::{PcieError, VfioUserPorts};
 use crate::frontend::nvmf_rdma::{RdmaError, RdmaPorts};
 use crate::frontend::nvmf_tcp::{NvmfError, NvmfTarget};
 
-/// The daemon's target, created on first use.
+/// The daemon's target, created on first use (as [`Live::nvmf_config`] says).
+///
+/// [`Live::nvmf_config`]: super::store::Live::nvmf_config
 pub(super) fn target(inner: &mut Inner) -> Arc<NvmfTarget> {
-    inner.live.nvmf.get_or_insert_with(NvmfTarget::new).clone()
+    let cfg = inner.live.nvmf_config;
+    inner
+        .live
+        .nvmf
+        .get_or_insert_with(|| NvmfTarget::with_config(cfg))
+        .clone()
 }
 
 /// The target's vfio-user (PCIe NVMe) listeners, created on first use.

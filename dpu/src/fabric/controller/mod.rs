@@ -87,6 +87,9 @@ pub struct ControllerConfig {
     /// the controller (bidirectional), whether or not the controller asks for
     /// authentication.
     pub dhchap_ctrl_secret: Option<std::path::PathBuf>,
+    /// The NVMe/TCP initiator reactors that serve its queues (default: the process's shared
+    /// pool, [`crate::fabric::tcp::Reactors::shared`]).
+    pub tcp_reactors: crate::fabric::tcp::Reactors,
 }
 
 impl ControllerConfig {
@@ -115,6 +118,7 @@ impl ControllerConfig {
             shutdown_timeout: Duration::from_millis(500),
             dhchap_secret: None,
             dhchap_ctrl_secret: None,
+            tcp_reactors: crate::fabric::tcp::Reactors::shared(),
         }
     }
 

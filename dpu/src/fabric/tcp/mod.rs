@@ -67,7 +67,7 @@ mod reactor;
 mod rx;
 mod rxbuf;
 
-pub use reactor::{set_reactors, MAX_DEFAULT_REACTORS};
+pub use reactor::{Reactors, MAX_DEFAULT_REACTORS};
 
 #[cfg(test)]
 mod tests;
@@ -193,7 +193,7 @@ impl Fatal {
 }
 
 impl QueueConn {
-    /// Connect TCP, exchange ICReq/ICResp, hand the queue to a reactor, and send Fabrics
+    /// Connect TCP, exchange ICReq/ICResp, hand the queue to one of `reactors`, and send Fabrics
     /// Connect (NVMe-oF 1.1 §3.3). Returns the queue and the Connect completion (CNTLID in
     /// Dword 0 for the admin queue).
     pub fn open(
@@ -202,6 +202,7 @@ impl QueueConn {
         connect_data: &ConnectData,
         session: u64,
         owner: Weak<dyn QueueOwner>,
+        reactors: &Reactors,
     ) -> Result<(Arc<QueueConn>, Cqe), FabricError> {
         let deadline = Instant::now() + params.timeout;
         let stream = TcpStream::connect_timeout(&addr, params.timeout)
@@ -213,7 +214,7 @@ impl QueueConn {
         // I/O timeout, not by a socket timeout.
         stream.set_nonblocking(true).map_err(FabricError::io)?;
         let depth = params.depth.clamp(1, MAX_DEPTH);
-        let home = reactor::pick().map_err(FabricError::io)?;
+        let home = reactors.pick().map_err(FabricError::io)?;
         let q = Arc::new_cyclic(|me| QueueConn {
             qid: params.qid,
             session,

@@ -15,12 +15,13 @@
 //! the initiator's side costs more than the wake-ups it saves.
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use tracing::{error, warn};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use super::QueueConn;
 
@@ -30,27 +31,103 @@ const EVENTS: usize = 64;
 /// Default reactor count: one per core, at most this many (the same rule as the target's).
 pub const MAX_DEFAULT_REACTORS: usize = 4;
 
-static CONFIGURED: AtomicUsize = AtomicUsize::new(0);
-
-/// Set how many initiator reactors the process runs (nacred's `--fabric-reactors`); 0 picks
-/// the default: one per core, at most [`MAX_DEFAULT_REACTORS`]. Takes effect if called before
-/// the first NVMe/TCP queue is opened (the reactors start then and stay).
-pub fn set_reactors(n: usize) {
-    CONFIGURED.store(n, Ordering::Relaxed);
+fn default_count() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(MAX_DEFAULT_REACTORS)
 }
 
-fn reactor_count() -> usize {
-    match CONFIGURED.load(Ordering::Relaxed) {
-        0 => std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(MAX_DEFAULT_REACTORS),
-        n => n,
+/// A pool of initiator reactors, as a controller's configuration names it
+/// (`ControllerConfig::tcp_reactors`). The threads start with the pool's first queue and
+/// then run as long as the process. Cloning shares the pool.
+#[derive(Clone)]
+pub struct Reactors(Arc<Lazy>);
+
+struct Lazy {
+    /// Threads to start (0: [`default_count`]).
+    count: usize,
+    pool: OnceLock<Pool>,
+}
+
+impl std::fmt::Debug for Reactors {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reactors")
+            .field("count", &self.0.count)
+            .field("started", &self.0.pool.get().map(|p| p.pollers.len()))
+            .finish()
+    }
+}
+
+impl Default for Reactors {
+    /// [`Reactors::shared`].
+    fn default() -> Self {
+        Reactors::shared()
+    }
+}
+
+impl Reactors {
+    /// A pool of its own of `n` threads (nacred's `--fabric-reactors`); 0 is the same as
+    /// [`Reactors::shared`].
+    pub fn new(n: usize) -> Reactors {
+        if n == 0 {
+            return Reactors::shared();
+        }
+        Reactors(Arc::new(Lazy {
+            count: n,
+            pool: OnceLock::new(),
+        }))
+    }
+
+    /// The process's pool of the default size (one thread per core, at most
+    /// [`MAX_DEFAULT_REACTORS`]), shared by every controller that does not name one of its
+    /// own: started once, so tests and tools that open many controllers do not start
+    /// threads for each.
+    pub fn shared() -> Reactors {
+        static SHARED: OnceLock<Reactors> = OnceLock::new();
+        SHARED
+            .get_or_init(|| {
+                Reactors(Arc::new(Lazy {
+                    count: 0,
+                    pool: OnceLock::new(),
+                }))
+            })
+            .clone()
+    }
+
+    fn pool(&self) -> &Pool {
+        self.0.pool.get_or_init(|| {
+            let n = match self.0.count {
+                0 => default_count(),
+                n => n,
+            };
+            Pool::start(n)
+        })
+    }
+
+    /// Pick the reactor for a new queue: the one serving the fewest queues, the first such
+    /// after the last one picked (so the queues of one controller spread over the reactors).
+    pub(super) fn pick(&self) -> std::io::Result<Home> {
+        let pool = self.pool();
+        let n = pool.pollers.len();
+        if n == 0 {
+            return Err(std::io::Error::other(
+                "no NVMe/TCP initiator reactor is running",
+            ));
+        }
+        let start = pool.next.fetch_add(1, Ordering::Relaxed);
+        let poller = (0..n)
+            .map(|i| &pool.pollers[(start + i) % n])
+            .min_by_key(|p| p.load())
+            .expect("at least one")
+            .clone();
+        let token = poller.next_token.fetch_add(1, Ordering::Relaxed);
+        Ok(Home { poller, token })
     }
 }
 
 /// One reactor as queues and other threads see it.
 struct Poller {
-    epfd: OwnedFd,
+    epoll: Epoll,
     /// The queues this reactor serves, by epoll token. Touched once per wake-up (to find the
     /// ready queues) and when a queue comes or goes.
     conns: Mutex<HashMap<u64, Arc<QueueConn>>>,
@@ -68,11 +145,10 @@ struct Pool {
     next: AtomicUsize,
 }
 
-fn pool() -> &'static Pool {
-    static POOL: OnceLock<Pool> = OnceLock::new();
-    POOL.get_or_init(|| {
+impl Pool {
+    fn start(n: usize) -> Pool {
         let mut pollers = Vec::new();
-        for i in 0..reactor_count().max(1) {
+        for i in 0..n.max(1) {
             let started = Poller::new().and_then(|p| {
                 let run = p.clone();
                 std::thread::Builder::new()
@@ -89,27 +165,7 @@ fn pool() -> &'static Pool {
             pollers,
             next: AtomicUsize::new(0),
         }
-    })
-}
-
-/// Pick the reactor for a new queue: the one serving the fewest queues, the first such after
-/// the last one picked (so the queues of one controller spread over the reactors).
-pub(super) fn pick() -> std::io::Result<Home> {
-    let pool = pool();
-    let n = pool.pollers.len();
-    if n == 0 {
-        return Err(std::io::Error::other(
-            "no NVMe/TCP initiator reactor is running",
-        ));
     }
-    let start = pool.next.fetch_add(1, Ordering::Relaxed);
-    let poller = (0..n)
-        .map(|i| &pool.pollers[(start + i) % n])
-        .min_by_key(|p| p.load())
-        .expect("at least one")
-        .clone();
-    let token = poller.next_token.fetch_add(1, Ordering::Relaxed);
-    Ok(Home { poller, token })
 }
 
 impl Home {
@@ -118,7 +174,7 @@ impl Home {
         lock(&self.poller.conns).insert(self.token, q.clone());
         if let Err(e) = self
             .poller
-            .ctl(libc::EPOLL_CTL_ADD, q.fd(), self.token, false)
+            .ctl(ControlOperation::Add, q.fd(), self.token, false)
         {
             lock(&self.poller.conns).remove(&self.token);
             return Err(e);
@@ -129,7 +185,7 @@ impl Home {
     /// Arm or disarm `EPOLLOUT` for `q`.
     pub(super) fn want_out(&self, q: &QueueConn, out: bool) -> std::io::Result<()> {
         self.poller
-            .ctl(libc::EPOLL_CTL_MOD, q.fd(), self.token, out)
+            .ctl(ControlOperation::Modify, q.fd(), self.token, out)
     }
 
     /// Whether two queues are served by the same reactor.
@@ -142,7 +198,7 @@ impl Home {
     pub(super) fn remove(&self, q: &QueueConn) {
         let _ = self
             .poller
-            .ctl(libc::EPOLL_CTL_DEL, q.fd(), self.token, false);
+            .ctl(ControlOperation::Delete, q.fd(), self.token, false);
         lock(&self.poller.conns).remove(&self.token);
     }
 }
@@ -153,14 +209,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 impl Poller {
     fn new() -> std::io::Result<Arc<Poller>> {
-        // SAFETY: no pointers; the result is checked before it is owned.
-        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
         Ok(Arc::new(Poller {
-            // SAFETY: a fresh descriptor nothing else owns.
-            epfd: unsafe { OwnedFd::from_raw_fd(fd) },
+            epoll: Epoll::new()?,
             conns: Mutex::new(HashMap::new()),
             next_token: AtomicU64::new(0),
         }))
@@ -171,47 +221,36 @@ impl Poller {
     }
 
     /// `epoll_ctl` for a queue's socket: readable always, writable when `out`.
-    fn ctl(&self, op: i32, fd: RawFd, token: u64, out: bool) -> std::io::Result<()> {
-        let mut ev = libc::epoll_event {
-            events: (libc::EPOLLIN | libc::EPOLLRDHUP) as u32
-                | if out { libc::EPOLLOUT as u32 } else { 0 },
-            u64: token,
-        };
-        // SAFETY: `ev` is a valid event for the call's duration (ignored by DEL).
-        let r = unsafe { libc::epoll_ctl(self.epfd.as_raw_fd(), op, fd, &mut ev) };
-        if r < 0 {
-            return Err(std::io::Error::last_os_error());
+    fn ctl(&self, op: ControlOperation, fd: RawFd, token: u64, out: bool) -> std::io::Result<()> {
+        let mut events = EventSet::IN | EventSet::READ_HANG_UP;
+        if out {
+            events |= EventSet::OUT;
         }
-        Ok(())
+        self.epoll.ctl(op, fd, EpollEvent::new(events, token))
     }
 
     fn run(self: Arc<Self>) {
-        let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; EVENTS];
+        // Reused by every wait: nothing is allocated per wake-up.
+        let mut events = vec![EpollEvent::default(); EVENTS];
         let mut ready: Vec<(Arc<QueueConn>, u32)> = Vec::with_capacity(EVENTS);
         loop {
-            // SAFETY: `events` holds EVENTS initialised entries the kernel may overwrite.
-            let n = unsafe {
-                libc::epoll_wait(
-                    self.epfd.as_raw_fd(),
-                    events.as_mut_ptr(),
-                    EVENTS as i32,
-                    -1,
-                )
-            };
-            if n < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() != std::io::ErrorKind::Interrupted {
-                    error!("NVMe/TCP initiator reactor: epoll_wait failed: {e}");
-                    std::thread::sleep(Duration::from_millis(1));
+            let n = match self.epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) => {
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        error!("NVMe/TCP initiator reactor: epoll_wait failed: {e}");
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    continue;
                 }
-                continue;
-            }
+            };
             {
                 let conns = lock(&self.conns);
-                ready.extend(events[..n as usize].iter().filter_map(|ev| {
-                    let token = ev.u64;
-                    conns.get(&token).map(|q| (q.clone(), ev.events))
-                }));
+                ready.extend(
+                    events[..n]
+                        .iter()
+                        .filter_map(|ev| conns.get(&ev.data()).map(|q| (q.clone(), ev.events()))),
+                );
             }
             for (q, ev) in ready.drain(..) {
                 // What a queue's completions run is other code (vhost-user-blk, XTS,

@@ -84,7 +84,15 @@ fn a_command_stored_after_the_reactor_emptied_the_table_comes_back_to_its_submit
         subnqn: "nqn.2024-01.io.nacre:race".into(),
         hostnqn: "nqn.2024-01.io.nacre:host".into(),
     };
-    let (q, _) = QueueConn::open(controller(), params, &connect, 1, Weak::<Owner>::new()).unwrap();
+    let (q, _) = QueueConn::open(
+        controller(),
+        params,
+        &connect,
+        1,
+        Weak::<Owner>::new(),
+        &Reactors::shared(),
+    )
+    .unwrap();
 
     // The submitter stops between taking a free slot and storing its command there.
     let (at_tx, at_rx) = mpsc::channel::<()>();
@@ -255,6 +263,7 @@ fn open(addr: SocketAddr, qid: u16, dg: Digests) -> Arc<QueueConn> {
         &connect_data(cntlid),
         1,
         Weak::<Owner>::new(),
+        &Reactors::shared(),
     )
     .unwrap()
     .0

@@ -38,15 +38,6 @@ impl Default for ConnLimits {
     }
 }
 
-/// Limits new targets start with: nacred sets them from its command line before the control
-/// plane creates its target.
-pub(super) static DEFAULT_LIMITS: Mutex<ConnLimits> = Mutex::new(ConnLimits::DEFAULT);
-
-/// Set the [`ConnLimits`] targets created from now on start with.
-pub fn set_default_conn_limits(l: ConnLimits) {
-    *lock(&DEFAULT_LIMITS) = l;
-}
-
 /// How a listener closes a connection that is still setting up when a newer one pushes it
 /// over [`ConnLimits::setup_per_listener`] (TCP: shut the socket down; RDMA: stop the
 /// queue's thread, which disconnects). Called without any lock held.

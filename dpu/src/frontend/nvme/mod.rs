@@ -49,7 +49,7 @@ use tracing::{info, warn};
 
 use crate::volume::BlockDevice;
 
-pub use admission::{set_default_conn_limits, ConnLimits};
+pub use admission::ConnLimits;
 pub(crate) use admission::{ConnSlot, Evict, ListenerConns};
 pub use subsystem::{HostKeys, Namespace, Subsystem, AUTH_DHGROUPS, AUTH_HASHES};
 
@@ -152,7 +152,7 @@ impl TargetInner {
             clock: Clock(Instant::now()),
             subsystems: Mutex::new(BTreeMap::new()),
             discovery: Subsystem::new_discovery(),
-            limits: Mutex::new(*lock(&admission::DEFAULT_LIMITS)),
+            limits: Mutex::new(ConnLimits::DEFAULT),
             host_queues: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             next_cntlid: AtomicU16::new(1),

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use nacre_shared::nvme::{Command, Status};
 use nacre_shared::nvme_tcp::{self as tcp, Digests};
 use tracing::{debug, warn};
+use vmm_sys_util::epoll::ControlOperation;
 
 use super::command::Slot;
 use super::pdu::End;
@@ -203,7 +204,7 @@ impl Conn {
             tls_peer,
         } = nc;
         sock.set_nonblocking(true)?;
-        reactor.ctl(libc::EPOLL_CTL_ADD, sock.as_raw_fd(), EV_IN, token)?;
+        reactor.ctl(ControlOperation::Add, sock.as_raw_fd(), EV_IN, token)?;
         let local_ip = sock.local_addr().map(|a| a.ip()).unwrap_or(listener.ip());
         // A peer that connects and says nothing must not hold the connection forever: the
         // deadline stays until the queue's Fabrics Connect succeeds; from then on
@@ -492,7 +493,7 @@ impl Conn {
             if self
                 .q
                 .reactor
-                .ctl(libc::EPOLL_CTL_MOD, fd, want, self.q.token)
+                .ctl(ControlOperation::Modify, fd, want, self.q.token)
                 .is_ok()
             {
                 self.interest = want;
@@ -532,7 +533,7 @@ impl Conn {
             let _ = self
                 .q
                 .reactor
-                .ctl(libc::EPOLL_CTL_DEL, sock.as_raw_fd(), 0, 0);
+                .ctl(ControlOperation::Delete, sock.as_raw_fd(), 0, 0);
             let _ = sock.shutdown(Shutdown::Both);
             debug!(peer = ?sock.peer_addr().ok(), "nvmf connection closed");
         }

@@ -225,13 +225,16 @@ impl NvmfTarget {
         else {
             return;
         };
-        reactor::serve_here(reactor::NewConn {
-            target: self.inner.clone(),
-            sock,
-            listener,
-            slot,
-            tls_peer: None,
-        })
+        reactor::serve_here(
+            reactor::NewConn {
+                target: self.inner.clone(),
+                sock,
+                listener,
+                slot,
+                tls_peer: None,
+            },
+            self.tcp.reactors.policy,
+        )
     }
 }
 

@@ -70,13 +70,23 @@ use crate::volume::BlockDevice;
 use listener::{stop_listener, Listener};
 
 pub use crate::frontend::nvme::{
-    limits, set_default_conn_limits, ConnLimits, HostKeys, Namespace, NvmfError, Subsystem,
-    AUTH_DHGROUPS, AUTH_HASHES, DEFAULT_MODEL, FIRMWARE_REVISION, PDU_TIMEOUT, SETUP_TIMEOUT,
+    limits, ConnLimits, HostKeys, Namespace, NvmfError, Subsystem, AUTH_DHGROUPS, AUTH_HASHES,
+    DEFAULT_MODEL, FIRMWARE_REVISION, PDU_TIMEOUT, SETUP_TIMEOUT,
 };
-pub use reactor::{
-    poll_policy, set_default_reactors, set_poll_policy, PollPolicy, ReactorStats,
-    MAX_DEFAULT_REACTORS,
-};
+pub use reactor::{default_reactor_count, PollPolicy, ReactorStats, MAX_DEFAULT_REACTORS};
+
+/// How a target serves its connections (nacred's `--nvmf-reactors`, `--nvmf-poll` and
+/// `--nvmf-max-*`). The default is nacred's default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TargetConfig {
+    /// Reactor threads; 0 picks [`default_reactor_count`]: one per core, at most
+    /// [`MAX_DEFAULT_REACTORS`].
+    pub reactors: usize,
+    /// When the reactors busy-poll.
+    pub poll: PollPolicy,
+    /// The connection limits it starts with ([`NvmfTarget::set_conn_limits`] changes them).
+    pub conn_limits: ConnLimits,
+}
 
 /// An NVMe-oF/TCP target: the target core's subsystems and namespaces, and the TCP listeners
 /// that reach them. Dropping the last reference stops every listener and closes every
@@ -108,18 +118,32 @@ impl NvmfTarget {
         (self.tcp.reactors.policy, self.tcp.reactors.stats())
     }
 
-    /// A target with the default number of reactor threads ([`set_default_reactors`]).
+    /// A target with the default configuration ([`TargetConfig::default`]).
     pub fn new() -> Arc<NvmfTarget> {
-        NvmfTarget::with_reactors(reactor::default_reactors())
+        NvmfTarget::with_config(TargetConfig::default())
     }
 
-    /// A target whose connections are served by `reactors` threads (at least one).
+    /// A target whose connections are served by `reactors` threads (at least one), the rest
+    /// of its configuration the default.
     pub fn with_reactors(reactors: usize) -> Arc<NvmfTarget> {
+        NvmfTarget::with_config(TargetConfig {
+            reactors: reactors.max(1),
+            ..TargetConfig::default()
+        })
+    }
+
+    /// A target configured by `cfg`.
+    pub fn with_config(cfg: TargetConfig) -> Arc<NvmfTarget> {
         let (inner, reaper) = TargetInner::start();
+        *lock(&inner.limits) = cfg.conn_limits;
+        let reactors = match cfg.reactors {
+            0 => reactor::default_reactor_count(),
+            n => n,
+        };
         let tcp = Arc::new(TcpPorts {
             target: inner.clone(),
             listeners: Mutex::new(HashMap::new()),
-            reactors: reactor::Reactors::start(reactors),
+            reactors: reactor::Reactors::start(reactors, cfg.poll),
             psks: Arc::default(),
         });
         Arc::new(NvmfTarget {

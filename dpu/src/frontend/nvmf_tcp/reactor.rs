@@ -29,14 +29,16 @@ use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use nacre_shared::nvme::Status;
 use tracing::{error, warn};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EventFd, EFD_CLOEXEC, EFD_NONBLOCK};
 
 use super::conn::Conn;
 use crate::frontend::nvme::{lock, ConnSlot, TargetInner};
@@ -65,15 +67,6 @@ const SCAN_EVERY: Duration = Duration::from_millis(10);
 /// vhost-user-blk workers, crypto and the fabric initiator).
 pub const MAX_DEFAULT_REACTORS: usize = 4;
 
-static DEFAULT_REACTORS: AtomicUsize = AtomicUsize::new(0);
-
-/// Set how many reactor threads targets created from now on start (nacred's
-/// `--nvmf-reactors`); 0 picks the default: one per core, at most
-/// [`MAX_DEFAULT_REACTORS`].
-pub fn set_default_reactors(n: usize) {
-    DEFAULT_REACTORS.store(n, Ordering::Relaxed);
-}
-
 /// When a reactor busy-polls (nacred's `--nvmf-poll`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum PollPolicy {
@@ -97,22 +90,6 @@ impl PollPolicy {
             PollPolicy::Always => "always",
             PollPolicy::Off => "off",
         }
-    }
-}
-
-/// 0 adaptive, 1 always, 2 off (`PollPolicy as u8`).
-static POLL_POLICY: AtomicU8 = AtomicU8::new(0);
-
-/// Set the poll policy of reactors started from now on (nacred's `--nvmf-poll`).
-pub fn set_poll_policy(p: PollPolicy) {
-    POLL_POLICY.store(p as u8, Ordering::Relaxed);
-}
-
-pub fn poll_policy() -> PollPolicy {
-    match POLL_POLICY.load(Ordering::Relaxed) {
-        1 => PollPolicy::Always,
-        2 => PollPolicy::Off,
-        _ => PollPolicy::Adaptive,
     }
 }
 
@@ -159,13 +136,12 @@ struct Counters {
     deep_sleeps: AtomicU64,
 }
 
-pub(crate) fn default_reactors() -> usize {
-    match DEFAULT_REACTORS.load(Ordering::Relaxed) {
-        0 => std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .clamp(1, MAX_DEFAULT_REACTORS),
-        n => n,
-    }
+/// How many reactor threads a target starts when its configuration says 0
+/// ([`super::TargetConfig::reactors`]): one per core, at most [`MAX_DEFAULT_REACTORS`].
+pub fn default_reactor_count() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, MAX_DEFAULT_REACTORS)
 }
 
 /// What other threads hand a reactor.
@@ -202,8 +178,8 @@ pub(crate) struct NewConn {
 
 /// The part of a reactor other threads reach.
 pub(crate) struct Shared {
-    epfd: OwnedFd,
-    evfd: OwnedFd,
+    epoll: Epoll,
+    evfd: EventFd,
     mail: Mutex<Vec<Mail>>,
     has_mail: AtomicBool,
     /// Set while the reactor is (about to be) blocked in `epoll_wait`: posting mail then
@@ -225,23 +201,9 @@ thread_local! {
 
 impl Shared {
     fn new() -> std::io::Result<Arc<Shared>> {
-        // SAFETY: epoll_create1 has no memory preconditions; the result is checked.
-        let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if ep < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `ep` is a fresh descriptor this function owns.
-        let epfd = unsafe { OwnedFd::from_raw_fd(ep) };
-        // SAFETY: eventfd has no memory preconditions; the result is checked.
-        let ev = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if ev < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `ev` is a fresh descriptor this function owns.
-        let evfd = unsafe { OwnedFd::from_raw_fd(ev) };
         let s = Shared {
-            epfd,
-            evfd,
+            epoll: Epoll::new()?,
+            evfd: EventFd::new(EFD_NONBLOCK | EFD_CLOEXEC)?,
             mail: Mutex::new(Vec::new()),
             has_mail: AtomicBool::new(false),
             sleeping: AtomicBool::new(false),
@@ -250,24 +212,25 @@ impl Shared {
             counters: Counters::default(),
         };
         s.ctl(
-            libc::EPOLL_CTL_ADD,
+            ControlOperation::Add,
             s.evfd.as_raw_fd(),
-            libc::EPOLLIN as u32,
+            EventSet::IN.bits(),
             WAKE_TOKEN,
         )?;
         Ok(Arc::new(s))
     }
 
-    /// Add, change or remove a descriptor in the epoll set.
-    pub(crate) fn ctl(&self, op: i32, fd: RawFd, events: u32, token: u64) -> std::io::Result<()> {
-        let mut ev = libc::epoll_event { events, u64: token };
-        // SAFETY: `ev` is a valid epoll_event for the duration of the call; both
-        // descriptors are open (the caller owns `fd`).
-        let r = unsafe { libc::epoll_ctl(self.epfd.as_raw_fd(), op, fd, &mut ev) };
-        if r < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
+    /// Add, change or remove a descriptor (which the caller keeps open) in the epoll set;
+    /// `events` are epoll's bits (`EPOLLIN`...).
+    pub(crate) fn ctl(
+        &self,
+        op: ControlOperation,
+        fd: RawFd,
+        events: u32,
+        token: u64,
+    ) -> std::io::Result<()> {
+        let events = EventSet::from_bits_truncate(events);
+        self.epoll.ctl(op, fd, EpollEvent::new(events, token))
     }
 
     pub(crate) fn post(&self, m: Mail) {
@@ -281,28 +244,13 @@ impl Shared {
     }
 
     fn wake(&self) {
-        let one: u64 = 1;
-        // SAFETY: writes 8 bytes from a live u64 to the eventfd this struct owns. A full
-        // counter (EAGAIN) means a wake-up is pending anyway.
-        unsafe {
-            libc::write(
-                self.evfd.as_raw_fd(),
-                (&one as *const u64).cast::<libc::c_void>(),
-                8,
-            )
-        };
+        // A full counter (EAGAIN) means a wake-up is pending anyway.
+        let _ = self.evfd.write(1);
     }
 
     fn drain_eventfd(&self) {
-        let mut v: u64 = 0;
-        // SAFETY: reads at most 8 bytes into a live u64; the eventfd is non-blocking.
-        unsafe {
-            libc::read(
-                self.evfd.as_raw_fd(),
-                (&mut v as *mut u64).cast::<libc::c_void>(),
-                8,
-            )
-        };
+        // Non-blocking: an empty counter (EAGAIN) was drained already.
+        let _ = self.evfd.read();
     }
 
     pub(crate) fn stop(&self) {
@@ -334,10 +282,10 @@ pub(crate) struct Reactors {
 }
 
 impl Reactors {
-    /// Start `n` reactor threads (at least one). One that cannot be started is left out
-    /// with a warning; with none at all, connections are closed as they arrive.
-    pub(crate) fn start(n: usize) -> Reactors {
-        let policy = poll_policy();
+    /// Start `n` reactor threads (at least one) that poll as `policy` says. One that cannot
+    /// be started is left out with a warning; with none at all, connections are closed as
+    /// they arrive.
+    pub(crate) fn start(n: usize, policy: PollPolicy) -> Reactors {
         let mut shared = Vec::new();
         let mut threads = Vec::new();
         for i in 0..n.max(1) {
@@ -407,12 +355,13 @@ impl Reactors {
     }
 }
 
-/// Serve one connection on the calling thread until it ends (a reactor of its own).
-pub(crate) fn serve_here(c: NewConn) {
+/// Serve one connection on the calling thread until it ends (a reactor of its own, polling
+/// as `policy` says).
+pub(crate) fn serve_here(c: NewConn, policy: PollPolicy) {
     match Shared::new() {
         Ok(s) => {
             s.post(Mail::Conn(Box::new(c)));
-            Reactor::new(s, poll_policy()).run(true);
+            Reactor::new(s, policy).run(true);
         }
         Err(e) => warn!("cannot set up an NVMe/TCP reactor: {e}"),
     }
@@ -440,7 +389,8 @@ struct Reactor {
     shared: Arc<Shared>,
     conns: ConnMap,
     next_token: u64,
-    events: Vec<libc::epoll_event>,
+    /// `epoll_wait`'s output, reused by every wait.
+    events: Vec<EpollEvent>,
     mail: Vec<Mail>,
     local: Vec<(u64, u64, IoResult)>,
     /// Connections with replies to flush at the end of this pass.
@@ -468,7 +418,7 @@ impl Reactor {
             shared,
             conns: ConnMap::default(),
             next_token: 1,
-            events: vec![libc::epoll_event { events: 0, u64: 0 }; EVENTS],
+            events: vec![EpollEvent::default(); EVENTS],
             mail: Vec::new(),
             local: Vec::new(),
             dirty: Vec::new(),
@@ -522,7 +472,7 @@ impl Reactor {
             let batch = (n > 0).then(crate::telemetry::clock::batch);
             for i in 0..n {
                 let ev = self.events[i];
-                let (token, bits) = (ev.u64, ev.events);
+                let (token, bits) = (ev.data(), ev.events());
                 if token == WAKE_TOKEN {
                     self.shared.drain_eventfd();
                     continue;
@@ -562,24 +512,16 @@ impl Reactor {
     }
 
     fn wait(&mut self, timeout_ms: i32) -> usize {
-        // SAFETY: `events` holds EVENTS initialised entries the kernel may overwrite.
-        let n = unsafe {
-            libc::epoll_wait(
-                self.shared.epfd.as_raw_fd(),
-                self.events.as_mut_ptr(),
-                EVENTS as i32,
-                timeout_ms,
-            )
-        };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() != std::io::ErrorKind::Interrupted {
-                error!("nvmf reactor: epoll_wait failed: {e}");
-                std::thread::sleep(Duration::from_millis(1));
+        match self.shared.epoll.wait(timeout_ms, &mut self.events) {
+            Ok(n) => n,
+            Err(e) => {
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    error!("nvmf reactor: epoll_wait failed: {e}");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                0
             }
-            return 0;
         }
-        n as usize
     }
 
     /// Make this thread's counts visible to `nvmf_get_stats`.
