@@ -563,7 +563,10 @@ impl IoCompletion for ReadDone {
     }
 }
 
-impl BlockDevice for EncryptedVolume {
+// SAFETY: segment data moves only through bounce buffers by raw copies made before the
+// write is sent down or before the read's completion is reported (module docs); the
+// requests sent down carry the bounce buffer, never the caller's segments.
+unsafe impl BlockDevice for EncryptedVolume {
     fn geometry(&self) -> Geometry {
         self.inner.geometry()
     }

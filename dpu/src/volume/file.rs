@@ -361,7 +361,10 @@ impl Drop for AlignedBuf {
     }
 }
 
-impl BlockDevice for FileVolume {
+// SAFETY: segment memory is read and written by preadv/pwritev and raw copies on the
+// submitting thread before the completion is reported, or by the io_uring whose reaper
+// reports the completion only after the CQE (volume::uring).
+unsafe impl BlockDevice for FileVolume {
     fn geometry(&self) -> Geometry {
         Geometry {
             size: self.size.load(Ordering::Relaxed),
