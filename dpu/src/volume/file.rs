@@ -377,7 +377,10 @@ unsafe impl BlockDevice for FileVolume {
         if let (Ok(()), Some(u), IoKind::Read | IoKind::Write) = (&valid, &self.uring, req.kind) {
             if req.offset as usize % DIRECT_ALIGN == 0 && self.io.aligned(&req.segments) {
                 let len = req.len as usize;
-                match u.submit(req.kind, req.offset, len, &req.segments, req.tag, done) {
+                // SAFETY: the request's segments stay valid until its completion `done`
+                // runs (the submitter's side of the BlockDevice contract), and this device
+                // touches them no more once the ring has the request.
+                match unsafe { u.submit(req.kind, req.offset, len, &req.segments, req.tag, done) } {
                     Submitted::Queued => return,
                     Submitted::Busy => {}
                 }

@@ -110,7 +110,13 @@ impl Uring {
     }
 
     /// Queue a read or write whose segments are O_DIRECT-aligned.
-    pub fn submit(
+    ///
+    /// # Safety
+    /// The kernel reads or writes the segments' memory after this returns, until the CQE;
+    /// the reaper then calls `done`. The caller must keep every segment's memory valid, and
+    /// untouched by Rust code, until `done` is called: the segments of a request in flight
+    /// on a [`super::BlockDevice`] whose completion is `done`.
+    pub unsafe fn submit(
         &self,
         kind: IoKind,
         offset: u64,

@@ -67,39 +67,36 @@ impl Rings {
         })
     }
 
-    fn atomic16(&self, p: *const u8) -> &AtomicU16 {
-        // SAFETY: callers pass 2-byte aligned pointers into the rings, which stay mapped
-        // (GuestMap holds the mapping) for as long as the Rings value is used; the guest
-        // accesses these fields concurrently, hence atomics.
+    /// The le16 field at `p` as an atomic (the driver writes these fields concurrently).
+    ///
+    /// # Safety
+    /// `p` must be 2-byte aligned and point at a 16-bit field inside one of this value's
+    /// rings (so mapped for as long as `self` is used, `GuestMap` holding the mapping), and
+    /// nothing may access those two bytes non-atomically while the reference lives.
+    unsafe fn atomic16(&self, p: *const u8) -> &AtomicU16 {
+        // SAFETY: aligned, mapped and only accessed atomically (caller); AtomicU16 has the
+        // size and alignment of u16.
         unsafe { &*(p as *const AtomicU16) }
     }
 
     /// avail->idx, with acquire: the ring entries it covers are visible after it.
     pub(super) fn avail_idx(&self) -> u16 {
-        // SAFETY: offset 2 is inside the checked avail ring.
-        u16::from_le(
-            self.atomic16(unsafe { self.avail.add(2) })
-                .load(Ordering::Acquire),
-        )
+        // SAFETY: offset 2 is inside the checked avail ring; even offsets of a 2-byte aligned
+        // ring (checked in `new`), and these fields are only ever accessed atomically here.
+        u16::from_le(unsafe { self.atomic16(self.avail.add(2)) }.load(Ordering::Acquire))
     }
 
     fn avail_entry(&self, i: u16) -> u16 {
         let off = 4 + 2 * usize::from(i % self.size);
-        // SAFETY: inside the checked avail ring.
-        u16::from_le(
-            self.atomic16(unsafe { self.avail.add(off) })
-                .load(Ordering::Relaxed),
-        )
+        // SAFETY: an entry of the checked avail ring, at an even offset (see `avail_idx`).
+        u16::from_le(unsafe { self.atomic16(self.avail.add(off)) }.load(Ordering::Relaxed))
     }
 
     /// used_event, after the avail ring entries (§2.7.10).
     pub(super) fn used_event(&self) -> u16 {
         let off = 4 + 2 * usize::from(self.size);
-        // SAFETY: inside the checked avail ring (6 + 2 * size bytes).
-        u16::from_le(
-            self.atomic16(unsafe { self.avail.add(off) })
-                .load(Ordering::Relaxed),
-        )
+        // SAFETY: inside the checked avail ring (6 + 2 * size bytes), even offset.
+        u16::from_le(unsafe { self.atomic16(self.avail.add(off)) }.load(Ordering::Relaxed))
     }
 
     /// (addr, len, flags, next) of descriptor `i` (< size).
@@ -109,7 +106,8 @@ impl Rings {
     }
 
     pub(super) fn set_used_flags(&self, v: u16) {
-        self.atomic16(self.used).store(v.to_le(), Ordering::Relaxed);
+        // SAFETY: offset 0 of the checked used ring; 4-byte aligned (checked in `new`).
+        unsafe { self.atomic16(self.used) }.store(v.to_le(), Ordering::Relaxed);
     }
 
     pub(super) fn set_used_elem(&self, idx: u16, head: u16, len: u32) {
@@ -123,17 +121,17 @@ impl Rings {
 
     /// used->idx, with release: the elements before it are visible first (§2.7.8).
     pub(super) fn set_used_idx(&self, v: u16) {
-        // SAFETY: offset 2 is inside the checked used ring.
-        self.atomic16(unsafe { self.used.add(2) })
-            .store(v.to_le(), Ordering::Release);
+        // SAFETY: offset 2 is inside the checked used ring (4-byte aligned); only accessed
+        // atomically.
+        unsafe { self.atomic16(self.used.add(2)) }.store(v.to_le(), Ordering::Release);
     }
 
     /// avail_event, after the used ring elements (§2.7.10).
     pub(super) fn set_avail_event(&self, v: u16) {
         let off = 4 + 8 * usize::from(self.size);
-        // SAFETY: inside the checked used ring (6 + 8 * size bytes).
-        self.atomic16(unsafe { self.used.add(off) })
-            .store(v.to_le(), Ordering::Relaxed);
+        // SAFETY: inside the checked used ring (6 + 8 * size bytes), even offset; the used
+        // elements written by raw copies lie before it.
+        unsafe { self.atomic16(self.used.add(off)) }.store(v.to_le(), Ordering::Relaxed);
     }
 }
 
