@@ -256,3 +256,89 @@ impl QueueWorker {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SIZE: u16 = 8;
+    const DESC: usize = 0;
+    const AVAIL: usize = 16 * SIZE as usize;
+    const USED: usize = 256;
+    const BYTES: usize = USED + 6 + 8 * SIZE as usize;
+
+    /// Plain process memory laid out like a queue's three parts; every access, the test's
+    /// included, goes through the one raw pointer (as guest memory is reached).
+    struct Mem {
+        buf: Vec<u64>,
+    }
+
+    impl Mem {
+        fn new() -> Self {
+            Mem {
+                buf: vec![0; BYTES.div_ceil(8)],
+            }
+        }
+        fn rings(&mut self) -> (Rings, *mut u8) {
+            let base = self.buf.as_mut_ptr() as *mut u8;
+            // SAFETY: DESC, AVAIL and USED lie inside the buffer (BYTES) with their sizes.
+            let r = unsafe {
+                Rings {
+                    size: SIZE,
+                    desc: base.add(DESC),
+                    avail: base.add(AVAIL),
+                    used: base.add(USED),
+                }
+            };
+            (r, base)
+        }
+    }
+
+    fn put(base: *mut u8, off: usize, b: &[u8]) {
+        assert!(off + b.len() <= BYTES);
+        // SAFETY: inside the test's buffer (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), base.add(off), b.len()) };
+    }
+
+    fn get(base: *mut u8, off: usize, n: usize) -> Vec<u8> {
+        assert!(off + n <= BYTES);
+        let mut v = vec![0; n];
+        // SAFETY: inside the test's buffer (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(base.add(off), v.as_mut_ptr(), n) };
+        v
+    }
+
+    #[test]
+    fn ring_fields_are_read_and_written_at_their_little_endian_offsets() {
+        let mut mem = Mem::new();
+        let (rings, base) = mem.rings();
+        // Descriptor 3: addr, len, flags, next (§2.7.5).
+        let mut d = Vec::new();
+        d.extend_from_slice(&0x1122_3344_5566_7788u64.to_le_bytes());
+        d.extend_from_slice(&512u32.to_le_bytes());
+        d.extend_from_slice(&1u16.to_le_bytes());
+        d.extend_from_slice(&4u16.to_le_bytes());
+        put(base, DESC + 16 * 3, &d);
+        assert_eq!(rings.desc(3), (0x1122_3344_5566_7788, 512, 1, 4));
+        // avail: flags, idx, ring[SIZE], used_event (§2.7.6, §2.7.10).
+        put(base, AVAIL + 2, &9u16.to_le_bytes());
+        put(base, AVAIL + 4 + 2, &5u16.to_le_bytes()); // ring[1]
+        put(base, AVAIL + 4 + 2 * SIZE as usize, &7u16.to_le_bytes());
+        assert_eq!(rings.avail_idx(), 9);
+        assert_eq!(rings.avail_entry(1), 5);
+        assert_eq!(
+            rings.avail_entry(1 + SIZE),
+            5,
+            "indices wrap at the queue size"
+        );
+        assert_eq!(rings.used_event(), 7);
+        // used: flags, idx, ring[SIZE] of (id, len), avail_event (§2.7.8, §2.7.10).
+        rings.set_used_flags(1);
+        rings.set_used_elem(SIZE + 2, 6, 4096);
+        rings.set_used_idx(0x1234);
+        rings.set_avail_event(3);
+        assert_eq!(get(base, USED, 4), [1, 0, 0x34, 0x12]);
+        assert_eq!(get(base, USED + 4 + 8 * 2, 8), [6, 0, 0, 0, 0, 0x10, 0, 0]);
+        assert_eq!(get(base, USED + 4 + 8 * SIZE as usize, 2), [3, 0]);
+    }
+}
