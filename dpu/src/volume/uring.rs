@@ -60,7 +60,8 @@ pub struct Uring {
     reaper: Option<JoinHandle<()>>,
 }
 
-/// Runs a request synchronously: (kind, offset, length, segments).
+/// Runs a request synchronously: (kind, offset, length, segments). The reaper calls it only
+/// with the segments of a request whose completion has not run yet.
 pub type RedoFn = dyn Fn(IoKind, u64, usize, &[Segment]) -> IoResult + Send + Sync;
 
 /// Whether the ring took a request; `Busy` means the caller must run it synchronously.
