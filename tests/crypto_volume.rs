@@ -242,7 +242,8 @@ struct LateDevice {
     pending: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
-impl BlockDevice for LateDevice {
+// SAFETY: the spawned thread submits the request, with its completion, to the inner volume.
+unsafe impl BlockDevice for LateDevice {
     fn geometry(&self) -> Geometry {
         self.inner.geometry()
     }
@@ -308,7 +309,9 @@ struct Longest {
     longest: std::sync::atomic::AtomicU64,
 }
 
-impl BlockDevice for Longest {
+// SAFETY: only reads the length, then the request goes, with its completion, to the inner
+// volume (from another thread when `late`).
+unsafe impl BlockDevice for Longest {
     fn geometry(&self) -> Geometry {
         self.inner.geometry()
     }
@@ -496,7 +499,8 @@ struct DmaProbe {
     seen: Mutex<Vec<bool>>,
 }
 
-impl BlockDevice for DmaProbe {
+// SAFETY: only looks the segments' addresses up, then hands the request to the inner volume.
+unsafe impl BlockDevice for DmaProbe {
     fn geometry(&self) -> Geometry {
         self.inner.geometry()
     }

@@ -584,7 +584,9 @@ impl DeferredVolume {
     }
 }
 
-impl BlockDevice for DeferredVolume {
+// SAFETY: the receiving thread submits each request, with its completion, to the inner
+// volume.
+unsafe impl BlockDevice for DeferredVolume {
     fn geometry(&self) -> nacre_dpu::volume::Geometry {
         self.inner.geometry()
     }

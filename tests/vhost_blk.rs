@@ -422,7 +422,9 @@ impl LaterVolume {
     }
 }
 
-impl BlockDevice for LaterVolume {
+// SAFETY: the receiving test submits each request, with its completion, to the inner
+// volume.
+unsafe impl BlockDevice for LaterVolume {
     fn geometry(&self) -> Geometry {
         self.inner.geometry()
     }

@@ -90,7 +90,10 @@ impl Bounce {
         Bounce {
             ptr,
             cap,
-            announced: Some(dma::register(ptr, cap)),
+            // SAFETY: the buffer stays allocated until `drop`, which withdraws the
+            // announcement first; its bytes are plain ciphertext staging that Rust reaches
+            // only through `slice` while no request using the buffer is in flight.
+            announced: Some(unsafe { dma::register(ptr, cap) }),
         }
     }
 
@@ -563,7 +566,10 @@ impl IoCompletion for ReadDone {
     }
 }
 
-impl BlockDevice for EncryptedVolume {
+// SAFETY: segment data moves only through bounce buffers by raw copies made before the
+// write is sent down or before the read's completion is reported (module docs); the
+// requests sent down carry the bounce buffer, never the caller's segments.
+unsafe impl BlockDevice for EncryptedVolume {
     fn geometry(&self) -> Geometry {
         self.inner.geometry()
     }

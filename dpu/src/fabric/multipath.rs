@@ -44,12 +44,22 @@ struct Parked {
 }
 
 impl Parked {
+    /// One attempt at the parked request down one path, over the same memory.
     fn request(&self) -> IoRequest {
+        let segments = self
+            .segs
+            .iter()
+            // SAFETY: the same ranges as the parked request's own segments, which stay valid
+            // until `done` runs; an attempt completes (PathDone) before the next one is made
+            // and before `done` is called, so no two attempts use the memory at once and
+            // none outlives the request.
+            .map(|s| unsafe { crate::volume::Segment::new(s.as_ptr(), s.len()) })
+            .collect();
         IoRequest {
             kind: self.kind,
             offset: self.offset,
             len: self.len,
-            segments: self.segs.clone(),
+            segments,
             tag: self.tag,
         }
     }
@@ -225,7 +235,9 @@ impl IoCompletion for PathDone {
     }
 }
 
-impl BlockDevice for MultipathDevice {
+// SAFETY: the segments stay in the request's `Parked` entry until it completes it; a
+// retry on another path completes (or is cancelled by its path) before that.
+unsafe impl BlockDevice for MultipathDevice {
     fn geometry(&self) -> Geometry {
         self.geo
     }

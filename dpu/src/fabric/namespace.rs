@@ -71,7 +71,10 @@ impl RemoteNamespace {
     }
 }
 
-impl BlockDevice for RemoteNamespace {
+// SAFETY: the commands built from a request hold its segments until the controller
+// completes them (or fails them when its path goes), and the request completes only when
+// its last command has.
+unsafe impl BlockDevice for RemoteNamespace {
     fn geometry(&self) -> Geometry {
         Geometry {
             size: self.info.size(),
@@ -240,7 +243,8 @@ impl BlockSizeView {
     }
 }
 
-impl BlockDevice for BlockSizeView {
+// SAFETY: checks the request and hands it unchanged to the inner device.
+unsafe impl BlockDevice for BlockSizeView {
     fn geometry(&self) -> Geometry {
         self.geo
     }

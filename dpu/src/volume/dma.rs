@@ -129,10 +129,21 @@ impl Drop for Registration {
 }
 
 /// Announce `base..base+len` as memory devices may be given, until the returned
-/// registration is dropped. The caller keeps the memory mapped at least that long; a
-/// transport holding the [`Region`] (from [`lookup`]) keeps only its own attachments alive,
-/// never the mapping, so it must hold the region no longer than the commands that use it.
-pub fn register(base: *mut u8, len: usize) -> Registration {
+/// registration is dropped. A transport holding the [`Region`] (from [`lookup`]) keeps only
+/// its own attachments alive, never the mapping, so it must hold the region no longer than
+/// the commands that use it.
+///
+/// # Safety
+/// Announcing a range lets a transport register it with a device (`ibv_reg_mr` with remote
+/// read and write access), after which a remote shelf may read and write it at any time
+/// while the registration lasts, with no Rust code in between. The caller must therefore:
+/// * keep `base..base+len` allocated and mapped until the returned [`Registration`] is
+///   dropped (a transport uses a [`Region`] it looked up only for the commands of requests in
+///   flight, whose memory the [`super::BlockDevice`] contract keeps valid);
+/// * announce only memory whose every byte may be overwritten by a remote peer without
+///   breaking Rust's rules: bytes no Rust reference covers, read and written only by raw
+///   copies (guest memory, bounce buffers), never memory of a Rust object.
+pub unsafe fn register(base: *mut u8, len: usize) -> Registration {
     let key = (base as usize, len);
     let mut m = REGIONS.write().unwrap_or_else(|p| p.into_inner());
     let a = m.entry(key).or_insert_with(|| Announced {
@@ -179,7 +190,8 @@ mod tests {
     fn a_segment_is_found_only_inside_an_announced_region() {
         let mut mem = vec![0u8; 8192];
         let base = mem.as_mut_ptr();
-        let r = register(base, 8192);
+        // SAFETY: `mem` outlives the registration, and no device is given the region.
+        let r = unsafe { register(base, 8192) };
         let mid = base.wrapping_add(4096);
         assert_eq!(lookup(mid, 4096).map(|x| x.id()), Some(r.region().id()));
         assert_eq!(lookup(base, 8192).map(|x| x.id()), Some(r.region().id()));
@@ -193,15 +205,18 @@ mod tests {
     fn one_region_per_range_however_often_announced() {
         let mut mem = vec![0u8; 4096];
         let base = mem.as_mut_ptr();
-        let a = register(base, 4096);
-        let b = register(base, 4096);
+        // SAFETY: `mem` outlives the registration, and no device is given the region.
+        let a = unsafe { register(base, 4096) };
+        // SAFETY: `mem` outlives the registration, and no device is given the region.
+        let b = unsafe { register(base, 4096) };
         let id = a.region().id();
         assert_eq!(id, b.region().id());
         drop(a);
         assert!(lookup(base, 4096).is_some(), "still announced by b");
         drop(b);
         assert!(lookup(base, 4096).is_none());
-        let c = register(base, 4096);
+        // SAFETY: `mem` outlives the registration, and no device is given the region.
+        let c = unsafe { register(base, 4096) };
         assert_ne!(
             c.region().id(),
             id,
@@ -214,7 +229,8 @@ mod tests {
         let mut mem = vec![0u8; 4096];
         let base = mem.as_mut_ptr();
         let drops = Arc::new(AtomicUsize::new(0));
-        let reg = register(base, 4096);
+        // SAFETY: `mem` outlives the registration, and no device is given the region.
+        let reg = unsafe { register(base, 4096) };
         let made = AtomicUsize::new(0);
         let make = || {
             made.fetch_add(1, Ordering::SeqCst);
@@ -238,7 +254,8 @@ mod tests {
     #[test]
     fn detach_drops_one_owners_attachment() {
         let mut mem = vec![0u8; 4096];
-        let reg = register(mem.as_mut_ptr(), 4096);
+        // SAFETY: `mem` outlives the registration, and no device is given the region.
+        let reg = unsafe { register(mem.as_mut_ptr(), 4096) };
         let drops = Arc::new(AtomicUsize::new(0));
         let r = reg.region().clone();
         drop(r.attachment(1, || Some(Counted(drops.clone()))));

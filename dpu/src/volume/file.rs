@@ -95,7 +95,9 @@ impl FileVolume {
         };
         let uring = if direct {
             let redo = Arc::new(move |k: IoKind, off: u64, len: usize, segs: &[Segment]| {
-                io.rw(k, off, len, segs)
+                // SAFETY: the reaper redoes only requests whose completion has not run yet,
+                // so their segments are in flight (Uring::submit's contract).
+                unsafe { io.rw(k, off, len, segs) }
             });
             match Uring::new(io.fd, redo) {
                 Ok(u) => Some(u),
@@ -144,16 +146,26 @@ impl SyncIo {
                 .all(|s| s.as_ptr() as usize % DIRECT_ALIGN == 0 && s.len() % DIRECT_ALIGN == 0)
     }
 
-    fn rw(&self, kind: IoKind, offset: u64, len: usize, segs: &[Segment]) -> IoResult {
+    /// Read or write `len` bytes at `offset` from or into the segments, synchronously.
+    ///
+    /// # Safety
+    /// The segments must be those of a request in flight (see [`Segment`]), covering `len`
+    /// bytes.
+    unsafe fn rw(&self, kind: IoKind, offset: u64, len: usize, segs: &[Segment]) -> IoResult {
         if self.direct && (offset as usize % DIRECT_ALIGN != 0 || !self.aligned(segs)) {
-            return self.rw_bounce(kind, offset, len, segs);
+            // SAFETY: the caller's guarantee.
+            return unsafe { self.rw_bounce(kind, offset, len, segs) };
         }
-        self.rw_iov(kind, offset, len, segs)
+        // SAFETY: the caller's guarantee.
+        unsafe { self.rw_iov(kind, offset, len, segs) }
     }
 
     /// `preadv`/`pwritev` until `len` bytes moved, retrying EINTR and short transfers; a read
     /// past the end of the file (shorter than the volume) returns zeros.
-    fn rw_iov(&self, kind: IoKind, offset: u64, len: usize, segs: &[Segment]) -> IoResult {
+    ///
+    /// # Safety
+    /// As [`SyncIo::rw`]: the kernel reads or writes the segments' memory.
+    unsafe fn rw_iov(&self, kind: IoKind, offset: u64, len: usize, segs: &[Segment]) -> IoResult {
         let mut iov: smallvec::SmallVec<[libc::iovec; 8]> = segs
             .iter()
             .map(|s| libc::iovec {
@@ -224,7 +236,16 @@ impl SyncIo {
     /// [`BOUNCE_CHUNK`] bytes, reused chunk after chunk, so what a request costs in memory
     /// is bounded whatever length its submitter claims (a guest may chain descriptors of
     /// nearly 4 GiB each over the same page of its memory).
-    fn rw_bounce(&self, kind: IoKind, offset: u64, len: usize, segs: &[Segment]) -> IoResult {
+    ///
+    /// # Safety
+    /// As [`SyncIo::rw`].
+    unsafe fn rw_bounce(
+        &self,
+        kind: IoKind,
+        offset: u64,
+        len: usize,
+        segs: &[Segment],
+    ) -> IoResult {
         let mut buf = AlignedBuf::new(len.min(BOUNCE_CHUNK));
         let mut done = 0;
         while done < len {
@@ -241,7 +262,8 @@ impl SyncIo {
             // and a 512-byte-block volume on a 4 KiB-sector file system is refused by the
             // kernel with EINVAL, which surfaces as a media error rather than silently
             // misbehaving.
-            self.rw_iov(kind, offset + done as u64, n, &[seg])?;
+            // SAFETY: `seg` is the bounce buffer's, valid for the whole call.
+            unsafe { self.rw_iov(kind, offset + done as u64, n, &[seg]) }?;
             if kind == IoKind::Read {
                 // SAFETY: segments in flight, covering `len` bytes.
                 unsafe { copy_to_segments(segs, done, &buf.as_mut_slice()[..n]) };
@@ -283,7 +305,8 @@ impl SyncIo {
             let n = (len - pos).min(CHUNK) as usize;
             // SAFETY: rw_iov is synchronous; `zeros` outlives it and is not touched meanwhile.
             let seg = unsafe { Segment::from_slice(&mut zeros.as_mut_slice()[..n]) };
-            self.rw_iov(IoKind::Write, offset + pos, n, &[seg])?;
+            // SAFETY: `seg` is the zero buffer's, valid for the whole call.
+            unsafe { self.rw_iov(IoKind::Write, offset + pos, n, &[seg]) }?;
             pos += n as u64;
         }
         Ok(())
@@ -361,7 +384,10 @@ impl Drop for AlignedBuf {
     }
 }
 
-impl BlockDevice for FileVolume {
+// SAFETY: segment memory is read and written by preadv/pwritev and raw copies on the
+// submitting thread before the completion is reported, or by the io_uring whose reaper
+// reports the completion only after the CQE (volume::uring).
+unsafe impl BlockDevice for FileVolume {
     fn geometry(&self) -> Geometry {
         Geometry {
             size: self.size.load(Ordering::Relaxed),
@@ -374,17 +400,22 @@ impl BlockDevice for FileVolume {
         if let (Ok(()), Some(u), IoKind::Read | IoKind::Write) = (&valid, &self.uring, req.kind) {
             if req.offset as usize % DIRECT_ALIGN == 0 && self.io.aligned(&req.segments) {
                 let len = req.len as usize;
-                match u.submit(req.kind, req.offset, len, &req.segments, req.tag, done) {
+                // SAFETY: the request's segments stay valid until its completion `done`
+                // runs (the submitter's side of the BlockDevice contract), and this device
+                // touches them no more once the ring has the request.
+                match unsafe { u.submit(req.kind, req.offset, len, &req.segments, req.tag, done) } {
                     Submitted::Queued => return,
                     Submitted::Busy => {}
                 }
             }
         }
         let result = valid.and_then(|()| match req.kind {
-            IoKind::Read | IoKind::Write => {
+            // SAFETY: the request is in flight until `done` runs below, and checked: its
+            // segments cover `len` bytes.
+            IoKind::Read | IoKind::Write => unsafe {
                 self.io
                     .rw(req.kind, req.offset, req.len as usize, &req.segments)
-            }
+            },
             // SAFETY: plain fdatasync on our own fd.
             IoKind::Flush => match unsafe { libc::fdatasync(self.file.as_raw_fd()) } {
                 0 => Ok(()),

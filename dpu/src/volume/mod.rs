@@ -10,22 +10,37 @@
 //! across I/O: local backends take none on the data path, and frontends must not hold their
 //! queue lock while calling `submit` if they want asynchronous devices to make progress.
 //!
+//! # The memory-safety contract of the data path
+//!
 //! Memory is described by [`Segment`]s: raw pointer/length pairs, because the bytes live in
 //! guest memory mapped from a vhost-user client or in a frontend's receive buffer, neither of
-//! which can be borrowed across an asynchronous completion. The contract that keeps this
-//! sound:
+//! which can be borrowed across an asynchronous completion. The types carry the contract; no
+//! safe code can break it:
 //!
-//! * A segment can only be made by an `unsafe` constructor ([`Segment::new`],
-//!   [`Segment::from_slice`]): whoever makes one promises that its memory stays allocated,
-//!   and is not read or written by Rust code of theirs, until the request carrying it (or
-//!   any request a layer below builds from it) has completed. Safe code can therefore never
-//!   hand a volume a buffer that is freed before the I/O completes; safe callers use
-//!   [`BlockDevice::read_at`] / [`BlockDevice::write_at`], which block until completion.
+//! * **Making a segment is `unsafe`** ([`Segment::new`], [`Segment::from_slice`]). Whoever
+//!   makes one promises that its memory stays allocated, and is not read or written by Rust
+//!   code of theirs, until the request carrying it (or any request a layer below builds from
+//!   it) has completed. The one safe constructor, [`Segment::from_static`], takes memory
+//!   borrowed exclusively for the rest of the process, which no completion can outlive.
+//!   Safe callers use [`BlockDevice::read_at`] / [`BlockDevice::write_at`], which borrow the
+//!   buffer and block until completion.
+//! * **A segment has one owner.** `Segment` is neither `Copy` nor `Clone`: it moves into the
+//!   [`IoRequest`] that carries it, and with the request into [`BlockDevice::submit`]. Safe
+//!   code cannot keep a copy of a submitted segment and put it into a second request after
+//!   the first completed. A layer that splits a request makes sub-segments with the
+//!   `unsafe` constructor and says why they end before the parent completes.
+//! * **Implementing [`BlockDevice`] is `unsafe`.** An implementation promises to read and
+//!   write a request's segment memory only until it reports the request's completion, and
+//!   to keep no segment of it (nor one made from it) in use after that: sub-requests it
+//!   submits complete first. This is what lets the unsafe code of the layers below trust
+//!   the segments they are handed.
 //! * Devices touch segment memory only through raw copies ([`copy_to_segments`],
-//!   [`copy_from_segments`]) or by handing the address to the kernel (preadv, io_uring),
-//!   never through a Rust reference: the memory may be guest memory that the guest writes
-//!   concurrently (a misbehaving guest gets garbage, not undefined behaviour in nacred). A
-//!   device never uses a segment after it reported the request's completion.
+//!   [`copy_from_segments`]) or by handing the address to the kernel (preadv, io_uring) or a
+//!   NIC, never through a Rust reference: the memory may be guest memory that the guest
+//!   writes concurrently (a misbehaving guest gets garbage, not undefined behaviour in
+//!   nacred).
+//!
+//! docs/safety.md lists the `unsafe fn`s of the data path and the modules Miri checks.
 
 pub mod dma;
 pub mod file;
@@ -58,7 +73,10 @@ pub enum IoKind {
 }
 
 /// A span of memory a request reads into or writes from.
-#[derive(Debug, Clone, Copy)]
+///
+/// Not `Copy` or `Clone`: a segment belongs to the one request that carries it (module
+/// docs).
+#[derive(Debug)]
 pub struct Segment {
     ptr: *mut u8,
     len: usize,
@@ -72,9 +90,13 @@ unsafe impl Send for Segment {}
 unsafe impl Sync for Segment {}
 
 impl Segment {
+    /// A segment over raw memory.
+    ///
     /// # Safety
     /// `ptr..ptr+len` must be valid for reads and writes, and not accessed by anyone else,
-    /// until the request carrying this segment completes.
+    /// until the request carrying this segment (and every request a layer below builds from
+    /// it) completes. A segment of a request that only reads it (a write) may cover memory
+    /// that is only valid for reads, provided it never goes into a read request.
     pub unsafe fn new(ptr: *mut u8, len: usize) -> Self {
         Segment { ptr, len }
     }
@@ -87,6 +109,15 @@ impl Segment {
     /// e.g. by waiting for it ([`BlockDevice::submit_wait`]) before `buf` goes out of scope,
     /// or by moving the buffer into the request's completion.
     pub unsafe fn from_slice(buf: &mut [u8]) -> Self {
+        Segment {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+        }
+    }
+
+    /// A segment over memory borrowed exclusively for the rest of the process (a leaked
+    /// buffer, a `static`): no completion can outlive it, so this needs no promise.
+    pub fn from_static(buf: &'static mut [u8]) -> Self {
         Segment {
             ptr: buf.as_mut_ptr(),
             len: buf.len(),
@@ -242,7 +273,16 @@ impl Geometry {
 }
 
 /// The block-device interface every data-path layer implements.
-pub trait BlockDevice: Send + Sync {
+///
+/// # Safety
+/// An implementation reads and writes the memory of a submitted request's segments only
+/// until it reports that request's completion ([`IoCompletion::complete`]), and keeps no
+/// segment of it in use past that: every request it builds from them (a stripe's pieces, a
+/// path's retry) completes before it reports the parent's completion, and no segment is
+/// handed to anything that outlives it. Submitters rely on this to free or reuse their
+/// memory once the completion ran ([`BlockDevice::read_at`] does, safely), and the layers
+/// below rely on it to trust the segments they are handed.
+pub unsafe trait BlockDevice: Send + Sync {
     fn geometry(&self) -> Geometry;
 
     /// Start `req`; `done.complete(req.tag, …)` is called exactly once, possibly before this
@@ -273,7 +313,8 @@ pub trait BlockDevice: Send + Sync {
     /// Convenience over `submit_wait` for a single buffer.
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> IoResult {
         let len = buf.len() as u64;
-        // SAFETY: submit_wait returns only after the request completed; `buf` is borrowed
+        // SAFETY: submit_wait returns only after the request completed, and the device keeps
+        // no use of the segment past that (the `BlockDevice` contract); `buf` is borrowed
         // (so alive and untouched) until then.
         let seg = unsafe { Segment::from_slice(buf) };
         self.submit_wait(IoRequest::new(IoKind::Read, offset, len, 0).with_segments([seg]))
@@ -282,7 +323,8 @@ pub trait BlockDevice: Send + Sync {
     /// Convenience over `submit_wait` for a single buffer.
     fn write_at(&self, offset: u64, buf: &[u8]) -> IoResult {
         let len = buf.len() as u64;
-        // SAFETY: writes only read the segment; the buffer outlives submit_wait.
+        // SAFETY: a write only reads its segment, and this one never goes into a read; the
+        // buffer is borrowed until submit_wait returns, after the completion.
         let seg = unsafe { Segment::new(buf.as_ptr() as *mut u8, buf.len()) };
         self.submit_wait(IoRequest::new(IoKind::Write, offset, len, 0).with_segments([seg]))
     }
@@ -373,14 +415,14 @@ mod test {
         let seg = unsafe { Segment::from_slice(&mut buf) };
         let ok = IoRequest::new(IoKind::Read, 0, 4096, 0).with_segments([seg]);
         assert_eq!(g.check(&ok), Ok(()));
-        let mis = IoRequest::new(IoKind::Read, 512, 4096, 0).with_segments([seg]);
+        let mis = IoRequest::new(IoKind::Read, 512, 4096, 0).with_segments(ok.segments);
         assert!(matches!(g.check(&mis), Err(IoError::Invalid(_))));
-        let past =
-            IoRequest::new(IoKind::Read, (1 << 20) - 4096 + 4096, 4096, 0).with_segments([seg]);
+        let past = IoRequest::new(IoKind::Read, (1 << 20) - 4096 + 4096, 4096, 0)
+            .with_segments(mis.segments);
         assert!(matches!(g.check(&past), Err(IoError::OutOfRange { .. })));
         let wrap = IoRequest::new(IoKind::Discard, u64::MAX - 4095, 4096 * 2, 0);
         assert!(matches!(g.check(&wrap), Err(IoError::Invalid(_))));
-        let short = IoRequest::new(IoKind::Write, 0, 8192, 0).with_segments([seg]);
+        let short = IoRequest::new(IoKind::Write, 0, 8192, 0).with_segments(past.segments);
         assert!(matches!(g.check(&short), Err(IoError::Invalid(_))));
         assert_eq!(
             g.check(&IoRequest::new(IoKind::Flush, u64::MAX, 7, 0)),

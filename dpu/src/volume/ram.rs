@@ -99,7 +99,9 @@ impl RamVolume {
     }
 }
 
-impl BlockDevice for RamVolume {
+// SAFETY: copies between the region and the segments run before the completion is
+// reported; nothing is kept.
+unsafe impl BlockDevice for RamVolume {
     fn geometry(&self) -> Geometry {
         let r = self.region.read().unwrap_or_else(|p| p.into_inner());
         Geometry {

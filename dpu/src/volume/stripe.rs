@@ -160,7 +160,9 @@ fn slice_segments(segs: &[Segment], mut skip: usize, mut len: usize) -> Segments
     out
 }
 
-impl BlockDevice for StripeVolume {
+// SAFETY: the pieces' segments are sub-ranges of the request's, and the request's
+// completion is reported only when the last piece completed (`Parent`).
+unsafe impl BlockDevice for StripeVolume {
     fn geometry(&self) -> Geometry {
         self.geo
     }
@@ -347,7 +349,9 @@ mod test {
         inner: Arc<RamVolume>,
         fail: Option<IoError>,
     }
-    impl BlockDevice for Later {
+    // SAFETY: the request runs to completion on the inner RAM volume before the completion
+    // is reported from the spawned thread.
+    unsafe impl BlockDevice for Later {
         fn geometry(&self) -> Geometry {
             self.inner.geometry()
         }

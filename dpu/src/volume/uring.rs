@@ -60,7 +60,8 @@ pub struct Uring {
     reaper: Option<JoinHandle<()>>,
 }
 
-/// Runs a request synchronously: (kind, offset, length, segments).
+/// Runs a request synchronously: (kind, offset, length, segments). The reaper calls it only
+/// with the segments of a request whose completion has not run yet.
 pub type RedoFn = dyn Fn(IoKind, u64, usize, &[Segment]) -> IoResult + Send + Sync;
 
 /// Whether the ring took a request; `Busy` means the caller must run it synchronously.
@@ -110,7 +111,13 @@ impl Uring {
     }
 
     /// Queue a read or write whose segments are O_DIRECT-aligned.
-    pub fn submit(
+    ///
+    /// # Safety
+    /// The kernel reads or writes the segments' memory after this returns, until the CQE;
+    /// the reaper then calls `done`. The caller must keep every segment's memory valid, and
+    /// untouched by Rust code, until `done` is called: the segments of a request in flight
+    /// on a [`super::BlockDevice`] whose completion is `done`.
+    pub unsafe fn submit(
         &self,
         kind: IoKind,
         offset: u64,

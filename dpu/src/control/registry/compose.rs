@@ -327,7 +327,8 @@ impl FailedVolume {
     }
 }
 
-impl BlockDevice for FailedVolume {
+// SAFETY: completes every request at once and never touches its segments.
+unsafe impl BlockDevice for FailedVolume {
     fn geometry(&self) -> Geometry {
         self.geometry
     }

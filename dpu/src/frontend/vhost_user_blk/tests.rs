@@ -554,7 +554,9 @@ impl LaterVolume {
     }
 }
 
-impl BlockDevice for LaterVolume {
+// SAFETY: the test that receives a held request submits it to the inner RAM volume with its
+// completion, so the segments are used no later than that completion.
+unsafe impl BlockDevice for LaterVolume {
     fn geometry(&self) -> crate::volume::Geometry {
         self.inner.geometry()
     }
@@ -603,7 +605,9 @@ struct AtUnplugVolume {
     me: std::sync::Weak<AtUnplugVolume>,
 }
 
-impl BlockDevice for AtUnplugVolume {
+// SAFETY: a held request goes to the inner RAM volume, with its completion, when the plug
+// closes.
+unsafe impl BlockDevice for AtUnplugVolume {
     fn geometry(&self) -> crate::volume::Geometry {
         self.inner.geometry()
     }
@@ -882,7 +886,8 @@ struct DmaProbe {
     seen: Mutex<Vec<bool>>,
 }
 
-impl BlockDevice for DmaProbe {
+// SAFETY: only looks the segments' addresses up, then hands the request to the inner volume.
+unsafe impl BlockDevice for DmaProbe {
     fn geometry(&self) -> crate::volume::Geometry {
         self.inner.geometry()
     }

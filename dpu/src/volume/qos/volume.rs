@@ -139,7 +139,10 @@ impl Drop for QosVolume {
     }
 }
 
-impl BlockDevice for QosVolume {
+// SAFETY: a request waits in the scheduler, segments and all, and then goes to the inner
+// device unchanged; the completion reported is the inner device's (wrapped for the
+// statistics).
+unsafe impl BlockDevice for QosVolume {
     fn geometry(&self) -> Geometry {
         self.inner.geometry()
     }

@@ -67,39 +67,36 @@ impl Rings {
         })
     }
 
-    fn atomic16(&self, p: *const u8) -> &AtomicU16 {
-        // SAFETY: callers pass 2-byte aligned pointers into the rings, which stay mapped
-        // (GuestMap holds the mapping) for as long as the Rings value is used; the guest
-        // accesses these fields concurrently, hence atomics.
+    /// The le16 field at `p` as an atomic (the driver writes these fields concurrently).
+    ///
+    /// # Safety
+    /// `p` must be 2-byte aligned and point at a 16-bit field inside one of this value's
+    /// rings (so mapped for as long as `self` is used, `GuestMap` holding the mapping), and
+    /// nothing may access those two bytes non-atomically while the reference lives.
+    unsafe fn atomic16(&self, p: *const u8) -> &AtomicU16 {
+        // SAFETY: aligned, mapped and only accessed atomically (caller); AtomicU16 has the
+        // size and alignment of u16.
         unsafe { &*(p as *const AtomicU16) }
     }
 
     /// avail->idx, with acquire: the ring entries it covers are visible after it.
     pub(super) fn avail_idx(&self) -> u16 {
-        // SAFETY: offset 2 is inside the checked avail ring.
-        u16::from_le(
-            self.atomic16(unsafe { self.avail.add(2) })
-                .load(Ordering::Acquire),
-        )
+        // SAFETY: offset 2 is inside the checked avail ring; even offsets of a 2-byte aligned
+        // ring (checked in `new`), and these fields are only ever accessed atomically here.
+        u16::from_le(unsafe { self.atomic16(self.avail.add(2)) }.load(Ordering::Acquire))
     }
 
     fn avail_entry(&self, i: u16) -> u16 {
         let off = 4 + 2 * usize::from(i % self.size);
-        // SAFETY: inside the checked avail ring.
-        u16::from_le(
-            self.atomic16(unsafe { self.avail.add(off) })
-                .load(Ordering::Relaxed),
-        )
+        // SAFETY: an entry of the checked avail ring, at an even offset (see `avail_idx`).
+        u16::from_le(unsafe { self.atomic16(self.avail.add(off)) }.load(Ordering::Relaxed))
     }
 
     /// used_event, after the avail ring entries (§2.7.10).
     pub(super) fn used_event(&self) -> u16 {
         let off = 4 + 2 * usize::from(self.size);
-        // SAFETY: inside the checked avail ring (6 + 2 * size bytes).
-        u16::from_le(
-            self.atomic16(unsafe { self.avail.add(off) })
-                .load(Ordering::Relaxed),
-        )
+        // SAFETY: inside the checked avail ring (6 + 2 * size bytes), even offset.
+        u16::from_le(unsafe { self.atomic16(self.avail.add(off)) }.load(Ordering::Relaxed))
     }
 
     /// (addr, len, flags, next) of descriptor `i` (< size).
@@ -109,7 +106,8 @@ impl Rings {
     }
 
     pub(super) fn set_used_flags(&self, v: u16) {
-        self.atomic16(self.used).store(v.to_le(), Ordering::Relaxed);
+        // SAFETY: offset 0 of the checked used ring; 4-byte aligned (checked in `new`).
+        unsafe { self.atomic16(self.used) }.store(v.to_le(), Ordering::Relaxed);
     }
 
     pub(super) fn set_used_elem(&self, idx: u16, head: u16, len: u32) {
@@ -123,17 +121,17 @@ impl Rings {
 
     /// used->idx, with release: the elements before it are visible first (§2.7.8).
     pub(super) fn set_used_idx(&self, v: u16) {
-        // SAFETY: offset 2 is inside the checked used ring.
-        self.atomic16(unsafe { self.used.add(2) })
-            .store(v.to_le(), Ordering::Release);
+        // SAFETY: offset 2 is inside the checked used ring (4-byte aligned); only accessed
+        // atomically.
+        unsafe { self.atomic16(self.used.add(2)) }.store(v.to_le(), Ordering::Release);
     }
 
     /// avail_event, after the used ring elements (§2.7.10).
     pub(super) fn set_avail_event(&self, v: u16) {
         let off = 4 + 8 * usize::from(self.size);
-        // SAFETY: inside the checked used ring (6 + 8 * size bytes).
-        self.atomic16(unsafe { self.used.add(off) })
-            .store(v.to_le(), Ordering::Relaxed);
+        // SAFETY: inside the checked used ring (6 + 8 * size bytes), even offset; the used
+        // elements written by raw copies lie before it.
+        unsafe { self.atomic16(self.used.add(off)) }.store(v.to_le(), Ordering::Relaxed);
     }
 }
 
@@ -256,5 +254,91 @@ impl QueueWorker {
             }
             i = u32::from(next);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SIZE: u16 = 8;
+    const DESC: usize = 0;
+    const AVAIL: usize = 16 * SIZE as usize;
+    const USED: usize = 256;
+    const BYTES: usize = USED + 6 + 8 * SIZE as usize;
+
+    /// Plain process memory laid out like a queue's three parts; every access, the test's
+    /// included, goes through the one raw pointer (as guest memory is reached).
+    struct Mem {
+        buf: Vec<u64>,
+    }
+
+    impl Mem {
+        fn new() -> Self {
+            Mem {
+                buf: vec![0; BYTES.div_ceil(8)],
+            }
+        }
+        fn rings(&mut self) -> (Rings, *mut u8) {
+            let base = self.buf.as_mut_ptr() as *mut u8;
+            // SAFETY: DESC, AVAIL and USED lie inside the buffer (BYTES) with their sizes.
+            let r = unsafe {
+                Rings {
+                    size: SIZE,
+                    desc: base.add(DESC),
+                    avail: base.add(AVAIL),
+                    used: base.add(USED),
+                }
+            };
+            (r, base)
+        }
+    }
+
+    fn put(base: *mut u8, off: usize, b: &[u8]) {
+        assert!(off + b.len() <= BYTES);
+        // SAFETY: inside the test's buffer (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), base.add(off), b.len()) };
+    }
+
+    fn get(base: *mut u8, off: usize, n: usize) -> Vec<u8> {
+        assert!(off + n <= BYTES);
+        let mut v = vec![0; n];
+        // SAFETY: inside the test's buffer (checked above).
+        unsafe { std::ptr::copy_nonoverlapping(base.add(off), v.as_mut_ptr(), n) };
+        v
+    }
+
+    #[test]
+    fn ring_fields_are_read_and_written_at_their_little_endian_offsets() {
+        let mut mem = Mem::new();
+        let (rings, base) = mem.rings();
+        // Descriptor 3: addr, len, flags, next (§2.7.5).
+        let mut d = Vec::new();
+        d.extend_from_slice(&0x1122_3344_5566_7788u64.to_le_bytes());
+        d.extend_from_slice(&512u32.to_le_bytes());
+        d.extend_from_slice(&1u16.to_le_bytes());
+        d.extend_from_slice(&4u16.to_le_bytes());
+        put(base, DESC + 16 * 3, &d);
+        assert_eq!(rings.desc(3), (0x1122_3344_5566_7788, 512, 1, 4));
+        // avail: flags, idx, ring[SIZE], used_event (§2.7.6, §2.7.10).
+        put(base, AVAIL + 2, &9u16.to_le_bytes());
+        put(base, AVAIL + 4 + 2, &5u16.to_le_bytes()); // ring[1]
+        put(base, AVAIL + 4 + 2 * SIZE as usize, &7u16.to_le_bytes());
+        assert_eq!(rings.avail_idx(), 9);
+        assert_eq!(rings.avail_entry(1), 5);
+        assert_eq!(
+            rings.avail_entry(1 + SIZE),
+            5,
+            "indices wrap at the queue size"
+        );
+        assert_eq!(rings.used_event(), 7);
+        // used: flags, idx, ring[SIZE] of (id, len), avail_event (§2.7.8, §2.7.10).
+        rings.set_used_flags(1);
+        rings.set_used_elem(SIZE + 2, 6, 4096);
+        rings.set_used_idx(0x1234);
+        rings.set_avail_event(3);
+        assert_eq!(get(base, USED, 4), [1, 0, 0x34, 0x12]);
+        assert_eq!(get(base, USED + 4 + 8 * 2, 8), [6, 0, 0, 0, 0, 0x10, 0, 0]);
+        assert_eq!(get(base, USED + 4 + 8 * SIZE as usize, 2), [3, 0]);
     }
 }
