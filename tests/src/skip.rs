@@ -1,7 +1,7 @@
 //! Documented skips: the only way a test may pass without running what it tests.
 //!
 //! A test skips only behind a switch the README documents (`NACRE_SKIP_TESTBED`,
-//! `NACRE_SKIP_FUZZ`). It calls [`skip`], which prints `SKIPPED: <test>: <why>` and appends
+//! `NACRE_SKIP_FUZZ`, `NACRE_SKIP_MIRI`). It calls [`skip`], which prints `SKIPPED: <test>: <why>` and appends
 //! the same line to the file named by `NACRE_SKIP_LOG` (scripts/test sets it and counts the
 //! lines into its summary, `N passed, N failed, N skipped`). libtest captures a passing
 //! test's output, so the file is what makes a skip visible. Anything else a test needs and
