@@ -15,6 +15,8 @@
 //! * [`tls_psk`] — pre-shared keys for NVMe/TCP over TLS 1.3 (TP 8011): the
 //!   `NVMeTLSkey-1:HH:...:` interchange format, the retained PSK, the PSK identity and the
 //!   TLS PSK.
+//! * `key_text` — the text form both key formats share (prefix, hash identifier, base64 of
+//!   the key and its CRC-32).
 //!
 //! The messages' byte layouts are in `nacre_shared::nvme::auth`. Secrets, transformed keys,
 //! DH private values and shared secrets are zeroized when dropped, and no `Debug` form here
@@ -23,6 +25,7 @@
 pub mod chap;
 pub mod dh;
 mod ffdhe;
+mod key_text;
 pub mod queue;
 pub mod secret;
 pub mod tls_psk;

@@ -17,11 +17,11 @@ use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 
-use base64::Engine;
 use nacre_shared::nvme::auth::HashId;
 use zeroize::Zeroizing;
 
 use super::hmac;
+use super::key_text::KeyTextError;
 
 /// The label of the transformation (§8.13).
 const TRANSFORM_LABEL: &[u8] = b"NVMe-over-Fabrics";
@@ -81,43 +81,17 @@ impl Secret {
 
     /// Parse the representation (surrounding whitespace allowed; the final ':' optional).
     pub fn parse(s: &str) -> Result<Secret, SecretError> {
-        let s = s.trim();
-        let rest = s
-            .strip_prefix("DHHC-1:")
-            .ok_or(SecretError::Format("it does not start with DHHC-1:"))?;
-        let (hx, b64) = rest
-            .split_once(':')
-            .ok_or(SecretError::Format("no ':' after the hash"))?;
-        if hx.len() != 2 {
-            return Err(SecretError::Format("the hash is not two hex digits"));
-        }
-        let hash = u8::from_str_radix(hx, 16)
-            .map_err(|_| SecretError::Format("the hash is not two hex digits"))?;
-        let b64 = b64.strip_suffix(':').unwrap_or(b64);
-        let raw = Zeroizing::new(
-            base64::engine::general_purpose::STANDARD
-                .decode(b64)
-                .map_err(|_| SecretError::Format("the key is not base64"))?,
-        );
-        if raw.len() < 4 {
-            return Err(SecretError::Format("the key is empty"));
-        }
-        let (key, crc) = raw.split_at(raw.len() - 4);
-        if crc32fast::hash(key).to_le_bytes() != crc {
-            return Err(SecretError::Crc);
-        }
-        Secret::new(hash, key)
+        let (hash, key) = super::key_text::parse(s, "DHHC-1:", true).map_err(|e| match e {
+            KeyTextError::Prefix => SecretError::Format("it does not start with DHHC-1:"),
+            KeyTextError::Format(what) => SecretError::Format(what),
+            KeyTextError::Crc => SecretError::Crc,
+        })?;
+        Secret::new(hash, &key)
     }
 
     /// The representation, `DHHC-1:XX:...:`. It holds the key: never log it.
     pub fn to_representation(&self) -> Zeroizing<String> {
-        let mut raw = Zeroizing::new(self.key.to_vec());
-        raw.extend_from_slice(&crc32fast::hash(&self.key).to_le_bytes());
-        Zeroizing::new(format!(
-            "DHHC-1:{:02x}:{}:",
-            self.hash,
-            base64::engine::general_purpose::STANDARD.encode(&*raw)
-        ))
+        super::key_text::format("DHHC-1:", self.hash, &self.key)
     }
 
     /// The transformation hash (0: none).

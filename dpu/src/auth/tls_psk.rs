@@ -29,11 +29,11 @@ use std::io::Write;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 
-use base64::Engine;
 use nacre_shared::nvme::auth::HashId;
 use zeroize::Zeroizing;
 
 use super::hmac;
+use super::key_text::KeyTextError;
 
 /// The interchange format's prefix (its version 1).
 pub const INTERCHANGE_PREFIX: &str = "NVMeTLSkey-1:";
@@ -189,45 +189,18 @@ impl TlsPsk {
     /// Parse the interchange format (surrounding whitespace allowed; the final ':' required,
     /// as SPDK and nvme-cli require it).
     pub fn parse(s: &str) -> Result<TlsPsk, TlsPskError> {
-        let s = s.trim();
-        let rest = s
-            .strip_prefix(INTERCHANGE_PREFIX)
-            .ok_or(TlsPskError::Format("it does not start with NVMeTLSkey-1:"))?;
-        let (hx, b64) = rest
-            .split_once(':')
-            .ok_or(TlsPskError::Format("no ':' after the hash"))?;
-        if hx.len() != 2 || !hx.bytes().all(|b| b.is_ascii_hexdigit()) {
-            return Err(TlsPskError::Format("the hash is not two hex digits"));
-        }
-        let hash = u8::from_str_radix(hx, 16)
-            .map_err(|_| TlsPskError::Format("the hash is not two hex digits"))?;
-        let b64 = b64
-            .strip_suffix(':')
-            .ok_or(TlsPskError::Format("it does not end with ':'"))?;
-        let raw = Zeroizing::new(
-            base64::engine::general_purpose::STANDARD
-                .decode(b64)
-                .map_err(|_| TlsPskError::Format("the key is not base64"))?,
-        );
-        if raw.len() < 4 {
-            return Err(TlsPskError::Format("the key is empty"));
-        }
-        let (key, crc) = raw.split_at(raw.len() - 4);
-        if crc32fast::hash(key).to_le_bytes() != crc {
-            return Err(TlsPskError::Crc);
-        }
-        TlsPsk::new(hash, key)
+        let (hash, key) =
+            super::key_text::parse(s, INTERCHANGE_PREFIX, false).map_err(|e| match e {
+                KeyTextError::Prefix => TlsPskError::Format("it does not start with NVMeTLSkey-1:"),
+                KeyTextError::Format(what) => TlsPskError::Format(what),
+                KeyTextError::Crc => TlsPskError::Crc,
+            })?;
+        TlsPsk::new(hash, &key)
     }
 
     /// The interchange format, `NVMeTLSkey-1:HH:...:`. It holds the key: never log it.
     pub fn to_interchange(&self) -> Zeroizing<String> {
-        let mut raw = Zeroizing::new(self.key.to_vec());
-        raw.extend_from_slice(&crc32fast::hash(&self.key).to_le_bytes());
-        Zeroizing::new(format!(
-            "{INTERCHANGE_PREFIX}{:02x}:{}:",
-            self.hash,
-            base64::engine::general_purpose::STANDARD.encode(&*raw)
-        ))
+        super::key_text::format(INTERCHANGE_PREFIX, self.hash, &self.key)
     }
 
     /// The hash of the retained-PSK derivation (0: none).
