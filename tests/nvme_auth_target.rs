@@ -501,6 +501,16 @@ fn spdk_dir() -> PathBuf {
 /// `spdk_nvme_perf` as HOST: a one-second 4 KiB random read/write run with the key files
 /// given. Its output, and whether it succeeded.
 fn perf(addr: SocketAddr, key: Option<&Path>, ctrl_key: Option<&Path>) -> (bool, String) {
+    perf_to(addr, NQN, key, ctrl_key)
+}
+
+/// [`perf`] to subsystem `nqn`.
+fn perf_to(
+    addr: SocketAddr,
+    nqn: &str,
+    key: Option<&Path>,
+    ctrl_key: Option<&Path>,
+) -> (bool, String) {
     let mut c = Command::new(spdk_dir().join("bin/spdk_nvme_perf"));
     c.args([
         "-c",
@@ -521,7 +531,7 @@ fn perf(addr: SocketAddr, key: Option<&Path>, ctrl_key: Option<&Path>) -> (bool,
         "-r",
     ])
     .arg(format!(
-        "trtype:TCP adrfam:IPv4 traddr:127.0.0.1 trsvcid:{} subnqn:{NQN} hostnqn:{HOST}",
+        "trtype:TCP adrfam:IPv4 traddr:127.0.0.1 trsvcid:{} subnqn:{nqn} hostnqn:{HOST}",
         addr.port()
     ));
     if let Some(k) = key {
@@ -848,5 +858,105 @@ fn spdk_perf_and_nacreds_initiator_authenticate_to_nacreds_target() {
     assert!(
         !state.contains("dhchap"),
         "no key file is kept for the host"
+    );
+}
+
+/// The embedded default's subsystem: any host may connect to it unless `--default-host`.
+const DEFAULT_NQN: &str = "nqn.2014-08.io.nacre:default";
+
+/// A secret made by `nacre nvmf gen-dhchap-key` (nacred need not run) in a 0600 file.
+fn gen_key_file(path: &Path, nqn: &str) {
+    let out = Command::new(nacre_tests::daemon::bin("nacre"))
+        .args(["nvmf", "gen-dhchap-key", "--nqn", nqn, "--output"])
+        .arg(path)
+        .output()
+        .expect("nacre");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The embedded default's NVMe/TCP listener, and whether it admits any host.
+fn default_subsystem(n: &Nacred) -> (SocketAddr, bool) {
+    let subs = n.ok("nvmf_get_subsystems", serde_json::Value::Null);
+    let sub = subs
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["nqn"] == DEFAULT_NQN)
+        .unwrap_or_else(|| panic!("no default subsystem in {subs}"))
+        .clone();
+    let addr = sub["listeners"][0].as_str().unwrap().parse().unwrap();
+    (addr, sub["allow_any_host"].as_bool().unwrap())
+}
+
+/// `nacred --default-host HOSTNQN --default-dhchap-key FILE [--default-dhchap-ctrl-key FILE]`
+/// (docs/nvme-auth.md): the embedded default then admits that host only, once it
+/// authenticates, at every start; without the switch it admits any host; a key file others
+/// may read stops nacred with one line.
+#[test]
+fn the_embedded_defaults_switch_requires_authentication() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (key, ctrl) = (tmp.path().join("host.key"), tmp.path().join("ctrl.key"));
+    gen_key_file(&key, HOST);
+    gen_key_file(&ctrl, DEFAULT_NQN);
+
+    // Without the switch: any host, no key.
+    let plain = Nacred::start();
+    let (addr, any) = default_subsystem(&plain);
+    assert!(any, "the embedded default admits any host by default");
+    assert!(
+        perf_to(addr, DEFAULT_NQN, None, None).0,
+        "a plain host is let in"
+    );
+    drop(plain);
+
+    let mut n = Nacred::start_args(&[
+        "--default-host",
+        HOST,
+        "--default-dhchap-key",
+        key.to_str().unwrap(),
+        "--default-dhchap-ctrl-key",
+        ctrl.to_str().unwrap(),
+    ]);
+    for round in ["first start", "restart"] {
+        let (addr, any) = default_subsystem(&n);
+        assert!(!any, "{round}: the default still admits any host");
+        let (ok, text) = perf_to(addr, DEFAULT_NQN, None, None);
+        assert!(!ok, "{round}: a host without the key did I/O:\n{text}");
+        let (ok, text) = perf_to(addr, DEFAULT_NQN, Some(&key), Some(&ctrl));
+        assert!(ok, "{round}: the host with its keys did no I/O:\n{text}");
+        if round == "first start" {
+            n.restart();
+        }
+    }
+    assert_authenticated_with(&n, "sha512", "ffdhe2048");
+    let keys = [
+        std::fs::read_to_string(&key).unwrap().trim().to_string(),
+        std::fs::read_to_string(&ctrl).unwrap().trim().to_string(),
+    ];
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    assert_no_secret("nacred's log", &n.log_text(), &keys);
+    drop(n);
+
+    // A key file others may read: nacred does not start, and says why in one line.
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = Command::new(nacre_tests::daemon::bin("nacred"))
+        .arg("--state-dir")
+        .arg(tmp.path().join("state"))
+        .arg("--run-dir")
+        .arg(tmp.path().join("run"))
+        .args(["--nvmf-listen", "127.0.0.1:0", "--default-host", HOST])
+        .arg("--default-dhchap-key")
+        .arg(&key)
+        .output()
+        .expect("nacred");
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && e.contains("--default-host") && e.contains("chmod 600"),
+        "nacred with a 0644 key file: {:?}\n{e}",
+        out.status
     );
 }

@@ -131,6 +131,10 @@ fn run(args: Args) -> anyhow::Result<()> {
         embedded_default(&daemon, args.nvmf_listen)
             .context("cannot set up the embedded default")?;
     }
+    if let (Some(host), Some(key)) = (&args.default_host, &args.default_dhchap_key) {
+        require_default_auth(&daemon, host, key, args.default_dhchap_ctrl_key.as_deref())
+            .context("--default-host")?;
+    }
     if let MetricsListen(Some(addr)) = args.metrics_listen {
         nacre_dpu::control::metrics::export_daemon_series(&daemon.registry);
         match nacre_dpu::telemetry::http::serve(addr, daemon.registry.qos().telemetry().clone()) {
@@ -261,6 +265,35 @@ fn embedded_default(d: &Daemon, listen: SocketAddr) -> anyhow::Result<()> {
              `nacre nvmf add-listener {DEFAULT_NQN} --address A --port P`"
         );
     }
+    Ok(())
+}
+
+/// `--default-host`: the embedded default's subsystem admits that host only, once it has
+/// authenticated (DH-HMAC-CHAP, NVMe Base 2.0 §8.13). Applied at every start, over what the
+/// state holds, so that the switch (nacred.env) decides; the key file is checked (mode 0600,
+/// a valid secret) before any host is turned away.
+fn require_default_auth(
+    d: &Daemon,
+    host: &str,
+    key: &std::path::Path,
+    ctrl_key: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    let abs =
+        |p: &std::path::Path| std::path::absolute(p).with_context(|| format!("{}", p.display()));
+    let mut params = json!({"nqn": DEFAULT_NQN, "host": host, "dhchap_key": abs(key)?});
+    if let Some(c) = ctrl_key {
+        params["dhchap_ctrlr_key"] = json!(abs(c)?);
+    }
+    d.call("nvmf_subsystem_add_host", params)?;
+    d.call(
+        "nvmf_subsystem_allow_any_host",
+        json!({"nqn": DEFAULT_NQN, "allow_any_host": false}),
+    )?;
+    info!(
+        host,
+        bidirectional = ctrl_key.is_some(),
+        "embedded default: admits only this host, once it authenticates (DH-HMAC-CHAP)"
+    );
     Ok(())
 }
 

@@ -76,6 +76,38 @@ pub(crate) struct Args {
     #[arg(long, env = "NACRE_NVMF_LISTEN", default_value = "127.0.0.1:4420")]
     pub(crate) nvmf_listen: SocketAddr,
 
+    /// Make the embedded default's NVMe/TCP subsystem admit this one host only, and only once
+    /// it authenticates with DH-HMAC-CHAP (needs --default-dhchap-key). Applied at every
+    /// start, over what the state holds. Without it the default admits any host that reaches
+    /// its listener (loopback only unless --nvmf-listen says otherwise).
+    #[arg(
+        long,
+        env = "NACRE_DEFAULT_HOST",
+        value_name = "HOSTNQN",
+        requires = "default_dhchap_key"
+    )]
+    pub(crate) default_host: Option<String>,
+
+    /// The --default-host's DH-HMAC-CHAP secret: a file of mode 0600 holding one
+    /// `DHHC-1:XX:...:` secret (`nacre nvmf gen-dhchap-key`); nacred reads it at each start.
+    #[arg(
+        long,
+        env = "NACRE_DEFAULT_DHCHAP_KEY",
+        value_name = "FILE",
+        requires = "default_host"
+    )]
+    pub(crate) default_dhchap_key: Option<PathBuf>,
+
+    /// The controller's secret for the --default-host (mode 0600): a host that asks is
+    /// answered with it (bidirectional authentication).
+    #[arg(
+        long,
+        env = "NACRE_DEFAULT_DHCHAP_CTRL_KEY",
+        value_name = "FILE",
+        requires = "default_dhchap_key"
+    )]
+    pub(crate) default_dhchap_ctrl_key: Option<PathBuf>,
+
     /// Listen for host agents (nacre-host) on this TCP address, mutual TLS only (see
     /// `nacre cert`); on a BlueField, the tmfifo or OOB address. Default: off.
     #[arg(long, env = "NACRE_HOST_LISTEN")]
