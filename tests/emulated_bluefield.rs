@@ -122,6 +122,10 @@ fn diskless_host_reaches_nacred_on_the_emulated_bluefield() {
     let t = Instant::now();
     let out = Command::new(repo_root().join("images/dpu/build"))
         .env("NACRE_HOST_BIN", bin("nacre-host"))
+        // The image's code as release has it, without LTO and at opt-level 1 (Cargo.toml's
+        // image-test profile): what this test checks is behaviour, and the aarch64 build is
+        // the suite's largest single cost.
+        .env("NACRE_ARM64_PROFILE", "image-test")
         // scripts/test's runner sets it for libtest's per-test times; the aarch64 build must
         // see what a plain build sees (build scripts probe it), or it rebuilds from scratch.
         .env_remove("RUSTC_BOOTSTRAP")

@@ -177,6 +177,25 @@ const SKIP_ENV: &str = "NACRE_SKIP_FUZZ";
 fn cargo_fuzz() -> Command {
     let mut c = Command::new("cargo");
     c.env("RUSTC_BOOTSTRAP", "1").arg("fuzz");
+    // The package variables cargo set for this test process are part of some crates'
+    // fingerprints (ring's CARGO_MANIFEST_DIR, CARGO_PKG_NAME, OUT_DIR): passed on, they would
+    // rebuild the fuzz workspace scripts/test built beforehand.
+    for (k, _) in std::env::vars_os() {
+        let k = k.to_string_lossy();
+        if k.starts_with("CARGO_PKG_")
+            || k.starts_with("CARGO_MANIFEST_")
+            || [
+                "CARGO_CRATE_NAME",
+                "CARGO_BIN_NAME",
+                "CARGO_PRIMARY_PACKAGE",
+                "CARGO_TARGET_TMPDIR",
+                "OUT_DIR",
+            ]
+            .contains(&k.as_ref())
+        {
+            c.env_remove(k.as_ref());
+        }
+    }
     c
 }
 
