@@ -68,6 +68,30 @@ pub(super) fn format(prefix: &str, hash: u8, key: &[u8]) -> Zeroizing<String> {
     ))
 }
 
+/// Write `text` to a new file of mode 0600 and sync it; an existing file is replaced only if it
+/// already has no group/other permissions. The error says why, for the caller's file error.
+pub(super) fn write_private_file(path: &std::path::Path, text: &[u8]) -> Result<(), String> {
+    use std::io::Write;
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    if let Ok(m) = std::fs::metadata(path) {
+        if m.permissions().mode() & 0o077 != 0 {
+            return Err("exists and is readable by others; remove it first".into());
+        }
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    f.set_permissions(std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| e.to_string())?;
+    f.write_all(text)
+        .and_then(|_| f.sync_all())
+        .map_err(|e| e.to_string())
+}
+
 #[cfg(test)]
 mod test {
     use super::*;

@@ -13,8 +13,7 @@
 //! and length. Files holding secrets must not be readable by group or others
 //! ([`Secret::load`]), and [`write_secret_file`] creates them mode 0600.
 
-use std::io::Write;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 use nacre_shared::nvme::auth::HashId;
@@ -194,27 +193,9 @@ pub fn write_secret_file(path: &Path, secret: &Secret) -> Result<(), SecretError
         path: path.display().to_string(),
         err,
     };
-    if let Ok(m) = std::fs::metadata(path) {
-        if m.permissions().mode() & 0o077 != 0 {
-            return Err(file_err(
-                "exists and is readable by others; remove it first".into(),
-            ));
-        }
-    }
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .map_err(|e| file_err(e.to_string()))?;
-    f.set_permissions(std::fs::Permissions::from_mode(0o600))
-        .map_err(|e| file_err(e.to_string()))?;
-    let rep = secret.to_representation();
-    f.write_all(rep.as_bytes())
-        .and_then(|_| f.write_all(b"\n"))
-        .and_then(|_| f.sync_all())
-        .map_err(|e| file_err(e.to_string()))
+    let mut text = Zeroizing::new(secret.to_representation().to_string());
+    text.push('\n');
+    super::key_text::write_private_file(path, text.as_bytes()).map_err(file_err)
 }
 
 #[cfg(test)]

@@ -25,8 +25,7 @@
 //! A [`TlsPsk`] holds the key zeroized on drop; its `Debug` form shows only the hash and the
 //! length. Files holding keys must not be readable by group or others ([`TlsPsk::load`]).
 
-use std::io::Write;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 use nacre_shared::nvme::auth::HashId;
@@ -268,27 +267,10 @@ impl TlsPsk {
             path: path.display().to_string(),
             err,
         };
-        if let Ok(m) = std::fs::metadata(path) {
-            if m.permissions().mode() & 0o077 != 0 {
-                return Err(file_err(
-                    "exists and is readable by others; remove it first".into(),
-                ));
-            }
-        }
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(path)
-            .map_err(|e| file_err(e.to_string()))?;
-        f.set_permissions(std::fs::Permissions::from_mode(0o600))
-            .map_err(|e| file_err(e.to_string()))?;
         // No newline after it: SPDK's `--psk-path` takes the file's bytes as the key, and
         // the format's last character must be ':'.
-        f.write_all(self.to_interchange().as_bytes())
-            .and_then(|_| f.sync_all())
-            .map_err(|e| file_err(e.to_string()))
+        super::key_text::write_private_file(path, self.to_interchange().as_bytes())
+            .map_err(file_err)
     }
 }
 
