@@ -70,19 +70,19 @@ fn fabric_bench_splits_cpu_into_host_dpu_and_shelf() {
 
     // The RAM path has no shelf: its volume is in the DPU's own memory (the target only
     // answers the initiator's keep-alives meanwhile).
-    let [host, dpu, shelf] = roles(&stdout, "ram");
-    assert!(
-        host > 0.0 && dpu > 0.0,
-        "ram: {host} {dpu} {shelf}\n{stdout}"
-    );
+    let [_, _, shelf] = roles(&stdout, "ram");
     assert!(shelf < 0.02, "ram: the shelf was busy\n{stdout}");
+    let ram = threads(&stdout, "ram");
+    for role in ["host", "dpu"] {
+        assert!(
+            ram.iter().any(|(_, r)| *r == role),
+            "ram: no {role} thread ran\n{stdout}"
+        );
+    }
 
-    // Through NVMe/TCP all three machines work.
-    let [host, dpu, shelf] = roles(&stdout, "nvme-tcp+xts");
-    assert!(
-        host > 0.0 && dpu > 0.0 && shelf > 0.0,
-        "nvme-tcp+xts: {host} {dpu} {shelf}\n{stdout}"
-    );
+    // Through NVMe/TCP all three machines work. The listing has every thread that ran at
+    // all (the table's two decimals can round a busy machine's short run to 0.00).
+    roles(&stdout, "nvme-tcp+xts");
     let t = threads(&stdout, "nvme-tcp+xts");
     let role_of = |prefix: &str| {
         t.iter()

@@ -168,14 +168,16 @@ fn nvme_rdma_against_nacred() {
         )
     );
     assert_eq!(out.fact("probe_bad_key"), "closed");
-    // A queue that never sends Connect is closed after the setup timeout (30 s), not before.
+    // A queue that never sends Connect is closed after the setup timeout (30 s), not before
+    // (timed from the host's connect request, so a slow machine only makes it longer; the
+    // probe itself gives up at 90 s).
     assert_eq!(out.fact("probe_idle"), "closed");
     let after: u64 = out
         .fact("idle_closed_after_s")
         .trim_end_matches('s')
         .parse()
         .expect("seconds");
-    assert!((29..=45).contains(&after), "closed after {after} s");
+    assert!((30..90).contains(&after), "closed after {after} s");
     assert_eq!(out.fact("discovered_trtype"), "rdma");
     assert_eq!(out.fact("transport"), "rdma");
     assert_eq!(out.fact("model"), "nacre");

@@ -495,7 +495,9 @@ fn main() -> Result<()> {
             ratio(ram_per_dpu_core, per_dpu_core)
         );
         if o.threads {
-            let mut ts: Vec<&ThreadCpu> = r.threads.iter().filter(|t| t.secs >= 0.005).collect();
+            // Every thread that ran at all: on a busy machine a short run can leave a thread's
+            // share below what the table's two decimals show.
+            let mut ts: Vec<&ThreadCpu> = r.threads.iter().filter(|t| t.secs > 0.0).collect();
             ts.sort_by(|a, b| b.secs.total_cmp(&a.secs));
             for t in ts {
                 let role = match t.role {
@@ -503,7 +505,7 @@ fn main() -> Result<()> {
                     Role::Dpu => "dpu",
                     Role::Shelf => "shelf",
                 };
-                println!("    {:<20} {:<5} {:>5.2} cores", t.comm, role, t.secs);
+                println!("    {:<20} {:<5} {:>8.5} cores", t.comm, role, t.secs);
             }
         }
     }
