@@ -15,7 +15,10 @@
 //!   (`nacre nvmf add-host --dhchap-key`).
 //! * rdma — nacred inside the guest attaches the same nvmet subsystem over NVMe/RDMA on
 //!   soft-RoCE with the same keys: the same refusals, unidirectional and bidirectional
-//!   attaches, 4 MiB written through nacred read back and found on the RAM disk.
+//!   attaches, 4 MiB written through nacred read back and found on the RAM disk. Then the other
+//!   way: nacred's own NVMe/RDMA target in the guest, and the kernel's nvme-rdma host runs the
+//!   host round against it (wrong secret, unidirectional, bidirectional, wrong controller
+//!   secret).
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -502,7 +505,9 @@ fn dhchap_with_the_kernel_as_target_and_as_host() {
     );
     assert_eq!(out.fact("nvmet_hash"), "hmac(sha384)");
     assert_eq!(out.fact("nvmet_dhgroup"), "ffdhe2048");
-    for r in rounds.split(',') {
+    // nacred's NVMe/RDMA target, in the guest, with the kernel's nvme-rdma host (soft-RoCE).
+    assert_eq!(out.fact("nacred_rdma_listener"), "rdma:192.0.2.1:4422");
+    for r in rounds.split(',').chain(["nacred_rdma"]) {
         for (k, v) in [
             ("wrong_secret", "refused"),
             ("uni_secret_set", "yes"),

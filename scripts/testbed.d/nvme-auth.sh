@@ -19,7 +19,10 @@
 #          line says the path was lost rather than why), unidirectional and
 #          bidirectional attaches go live, and a 4 MiB O_DIRECT pattern written through nacred (its
 #          NVMe/TCP target, the kernel's nvme-tcp host as the client) reads back and is what the RAM
-#          disk holds. Skipped (TB-FACT rdma=skipped) when tb.rdma=0.
+#          disk holds. Then nacred's own target serves tb.host_subnqn over NVMe/RDMA
+#          (192.0.2.1:4422) with the host target's keys, and the kernel's nvme-rdma host runs the
+#          host round against it (facts nacred_rdma_*). Skipped (TB-FACT rdma=skipped) when
+#          tb.rdma=0.
 # Files (--file): key, ctrl_key, wrong_key (nacred's secrets for the shelf, DHHC-1 strings bound to
 # tb.hostnqn), host_key, host_ctrl_key, host_wrong_key (the guest host's secrets for the host target).
 SUBNQN=$(param subnqn nqn.2014-08.io.nacre.testbed:auth-shelf)
@@ -88,9 +91,11 @@ while :; do
 done
 dmesg | grep -i 'nvmet.*auth\|dhchap' | tail -n 20 || true
 
-# host_connect ARGS...: nvme connect to the host's target; its output in /tmp/connect.out
+# host_connect ARGS...: nvme connect to the host's target (or, for the rdma round, nacred's RDMA
+# listener in this guest: HOST_T, HOST_A, HOST_S); its output in /tmp/connect.out
+HOST_T=tcp HOST_A=10.0.2.100 HOST_S=4420
 host_connect() {
-    nvme connect -t tcp -a 10.0.2.100 -s 4420 -n "$HOST_SUBNQN" -i 1 "$@" > /tmp/connect.out 2>&1
+    nvme connect -t $HOST_T -a $HOST_A -s $HOST_S -n "$HOST_SUBNQN" -i 1 "$@" > /tmp/connect.out 2>&1
 }
 no_ctrl_for() { ! nvme_ctrl_for "$1"; }
 host_disconnect() {
@@ -219,3 +224,15 @@ cmp /tmp/pat /tmp/ram || fail "the RAM disk does not hold what was written throu
 fact rdma_verified yes
 run nvme disconnect -n $EXP
 run nacre remote list
+
+step "rdma: nacred's own NVMe/RDMA target for this guest's kernel host, with its DH-HMAC-CHAP keys"
+run nacre volume create hostv --size 32M --backend ram
+run nacre nvmf create "$HOST_SUBNQN"
+run nacre nvmf add-ns "$HOST_SUBNQN" --volume hostv
+run nacre nvmf add-host "$HOST_SUBNQN" "$GUEST_HOSTNQN" --dhchap-key /tmp/keys/host_key \
+    --dhchap-ctrl-key /tmp/keys/host_ctrl_key
+run nacre nvmf add-listener "$HOST_SUBNQN" --transport rdma --address 192.0.2.1 --port 4422
+modprobe nvme-rdma
+HOST_T=rdma HOST_A=192.0.2.1 HOST_S=4422
+fact nacred_rdma_listener "$(nacre nvmf list | grep -o 'rdma:192.0.2.1:4422' | head -1)"
+host_round nacred_rdma
