@@ -9,9 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use nacre_tests::blkio_client::{read, write, BlkioClient, ClientOptions};
 use nacre_tests::daemon::Nacred;
-use nacre_tests::fabric_support::pattern;
 use serde_json::{json, Value};
 
 const SUBNQN: &str = "nqn.2016-06.io.spdk:auth";
@@ -191,36 +189,6 @@ fn attach(
     n.call("remote_attach", p).map_err(|e| e.to_string())
 }
 
-/// Write through nacred (vhost-user-blk over the remote volume) and read it back.
-fn data_round_trip(n: &Nacred, remote: &str, seed: u64) {
-    let vol = format!("v{seed}");
-    n.ok(
-        "volume_create",
-        json!({"name": vol, "backend": "remote", "size": 0, "remote": {"extents": [format!("{remote}:1")]}}),
-    );
-    n.ok(
-        "vhost_blk_create",
-        json!({"name": vol, "volume": vol, "queues": 1}),
-    );
-    let sock = n.run_dir.join(format!("vhost-{vol}.sock"));
-    let mut c = BlkioClient::connect(&sock, &ClientOptions::default()).unwrap();
-    let mut qs = c.take_queues();
-    let mem = c.mem();
-    for i in 0..4u64 {
-        let off = i * (4 << 20) + 8192 * i;
-        let d = pattern(seed * 16 + i, off, 16384);
-        mem[..d.len()].copy_from_slice(&d);
-        assert_eq!(write(&mut qs[0], off, &mem[..d.len()]).unwrap(), 0);
-        mem[..d.len()].fill(0);
-        assert_eq!(read(&mut qs[0], off, &mut mem[..d.len()]).unwrap(), 0);
-        assert!(mem[..d.len()] == d[..], "data read back at {off}");
-    }
-    drop(qs);
-    drop(c);
-    n.ok("vhost_blk_delete", json!({"name": vol}));
-    n.ok("volume_delete", json!({"name": vol}));
-}
-
 /// The shelf drops the connections (its listener goes away and comes back): nacred
 /// reconnects, authenticating every queue again, and data flows.
 fn reconnect_authenticates(n: &Nacred, spdk: &Spdk, seed: u64) {
@@ -238,7 +206,7 @@ fn reconnect_authenticates(n: &Nacred, spdk: &Spdk, seed: u64) {
         assert!(t.elapsed() < Duration::from_secs(15), "no reconnect: {l}");
         std::thread::sleep(Duration::from_millis(100));
     }
-    data_round_trip(n, "bidi", seed);
+    n.remote_round_trip("bidi", seed);
 }
 
 /// Secret bytes (the base64 body of each representation) must not appear anywhere.
@@ -293,7 +261,7 @@ fn shelf_scenario(n: &Nacred, dir: &Path, digest: &str, dhgroup: &str, hmac: &st
         (r["state"].as_str(), r["dhchap"].as_str()),
         (Some("live"), Some("unidirectional"))
     );
-    data_round_trip(n, "uni", seed);
+    n.remote_round_trip("uni", seed);
     n.ok("remote_detach", json!({"name": "uni"}));
     // The shelf asks for authentication (Connect AUTHREQ.ATR): without a key, a clear error.
     let e = n
@@ -317,7 +285,7 @@ fn shelf_scenario(n: &Nacred, dir: &Path, digest: &str, dhgroup: &str, hmac: &st
         (Some("live"), Some("bidirectional"))
     );
     assert_eq!(r["io_queues"], 2);
-    data_round_trip(n, "bidi", seed + 1);
+    n.remote_round_trip("bidi", seed + 1);
     if seed == 10 {
         reconnect_authenticates(n, &spdk, seed + 2);
     }

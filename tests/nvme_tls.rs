@@ -517,3 +517,274 @@ fn nacre_and_nvme_cli_read_each_others_tls_keys() {
         );
     }
 }
+
+/// SPDK's `nvmf_tgt` as a TLS shelf: a TLS-only listener (`nvmf_subsystem_add_listener
+/// --secure-channel`) and one host with a PSK from SPDK's keyring (`nvmf_subsystem_add_host
+/// --psk`), exporting a 32 MiB malloc bdev.
+struct SpdkTlsShelf {
+    child: std::process::Child,
+    sock: PathBuf,
+    port: u16,
+    _tmp: tempfile::TempDir,
+}
+
+const SPDK_NQN: &str = "nqn.2016-06.io.spdk:tls-shelf";
+
+impl SpdkTlsShelf {
+    fn rpc(&self, args: &[&str]) {
+        let rpc = spdk_bin("rpc.py");
+        let out = Process::new("python3")
+            .arg(&rpc)
+            .arg("-s")
+            .arg(&self.sock)
+            .args(args)
+            .env("PYTHONPATH", rpc.parent().unwrap().join("../python"))
+            .output()
+            .expect("run rpc.py");
+        assert!(
+            out.status.success(),
+            "rpc.py {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    fn start(key: &Path, host: &str) -> SpdkTlsShelf {
+        let tmp = tempfile::Builder::new()
+            .prefix("spdk-tls-")
+            .tempdir()
+            .unwrap();
+        let sock = tmp.path().join("spdk.sock");
+        let log = std::fs::File::create(tmp.path().join("nvmf_tgt.log")).unwrap();
+        let child = Process::new(spdk_bin("nvmf_tgt"))
+            .args(["-m", "0x1", "--no-huge", "-s", "1024", "-r"])
+            .arg(&sock)
+            .stdout(std::process::Stdio::from(log.try_clone().unwrap()))
+            .stderr(std::process::Stdio::from(log))
+            .spawn()
+            .expect("start nvmf_tgt");
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let s = SpdkTlsShelf {
+            child,
+            sock,
+            port,
+            _tmp: tmp,
+        };
+        let t = Instant::now();
+        while !s.sock.exists() {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "nvmf_tgt's RPC socket did not appear"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let port = s.port.to_string();
+        s.rpc(&["keyring_file_add_key", "key0", key.to_str().unwrap()]);
+        s.rpc(&["nvmf_create_transport", "-t", "TCP"]);
+        s.rpc(&["bdev_malloc_create", "-b", "Malloc0", "32", "512"]);
+        s.rpc(&["nvmf_create_subsystem", SPDK_NQN, "-s", "SPDKTLS1"]);
+        s.rpc(&["nvmf_subsystem_add_ns", SPDK_NQN, "Malloc0"]);
+        s.rpc(&[
+            "nvmf_subsystem_add_listener",
+            SPDK_NQN,
+            "-t",
+            "tcp",
+            "-a",
+            "127.0.0.1",
+            "-s",
+            &port,
+            "--secure-channel",
+        ]);
+        s.rpc(&["nvmf_subsystem_add_host", SPDK_NQN, host, "--psk", "key0"]);
+        s
+    }
+}
+
+impl Drop for SpdkTlsShelf {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `nacre remote attach ... --psk FILE` to the shelf at `port`: the CLI's output.
+fn attach_tls(
+    n: &nacre_tests::daemon::Nacred,
+    name: &str,
+    port: u16,
+    subnqn: &str,
+    psk: Option<&Path>,
+) -> std::process::Output {
+    let port = port.to_string();
+    let mut args = vec![
+        "remote",
+        "attach",
+        name,
+        "--address",
+        "127.0.0.1",
+        "--port",
+        &port,
+        "--subnqn",
+        subnqn,
+        "--hostnqn",
+        HOST256,
+        "--io-queues",
+        "2",
+        "--ctrl-loss-timeout-sec",
+        "60",
+    ];
+    if let Some(k) = psk {
+        args.extend(["--psk", k.to_str().unwrap()]);
+    }
+    n.cli(&args)
+}
+
+/// A refused attach: one line of error naming `want`, one connection attempt in nacred's log
+/// (no retry: the reconnect machinery would go on for the 60 s of ctrl-loss-timeout), and no
+/// remote left behind.
+fn assert_refused(n: &nacre_tests::daemon::Nacred, out: &std::process::Output, want: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "attach succeeded: {out:?}");
+    assert!(
+        err.contains(want) && err.trim_end().lines().count() == 1,
+        "not one line naming {want:?}: {err}"
+    );
+    let attempts = n
+        .log_text()
+        .lines()
+        .filter(|l| {
+            l.contains("controller=bad")
+                && (l.contains("connection attempt failed") || l.contains("controller failed"))
+        })
+        .count();
+    assert_eq!(attempts, 1, "{}", n.log_text());
+    let list = n.ok("remote_list", serde_json::json!({}));
+    assert_eq!(list.as_array().map(Vec::len), Some(0), "{list}");
+}
+
+/// nacred's initiator over TLS 1.3 (`remote attach --psk`): to SPDK's `nvmf_tgt` with a TLS
+/// listener, and to nacred's own; a wrong PSK and a plain attach to a TLS listener are refused
+/// at once with the reason; data goes through; the remote comes back after a restart with
+/// its PSK read again from the file; the key is in no state, log or --json output.
+#[test]
+fn nacreds_initiator_attaches_over_tls_to_spdk_and_to_nacred() {
+    use nacre_tests::daemon::Nacred;
+    use serde_json::json;
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("host.psk");
+    let wrong = dir.path().join("wrong.psk");
+    TlsPsk::generate(1, None).unwrap().write_file(&key).unwrap();
+    TlsPsk::generate(1, None)
+        .unwrap()
+        .write_file(&wrong)
+        .unwrap();
+    let key_body = std::fs::read_to_string(&key)
+        .unwrap()
+        .split(':')
+        .nth(2)
+        .unwrap()
+        .to_string();
+
+    let _one = SPDK.lock().unwrap_or_else(|p| p.into_inner());
+    let shelf = SpdkTlsShelf::start(&key, HOST256);
+    let mut n = Nacred::start_args(&["--no-default"]);
+
+    let out = attach_tls(&n, "bad", shelf.port, SPDK_NQN, Some(&wrong));
+    assert_refused(&n, &out, "TLS handshake");
+    let out = attach_tls(&n, "bad", shelf.port, SPDK_NQN, None);
+    assert!(
+        !out.status.success(),
+        "a plain attach to a TLS listener: {out:?}"
+    );
+
+    let out = attach_tls(&n, "spdk", shelf.port, SPDK_NQN, Some(&key));
+    assert!(out.status.success(), "{out:?}");
+    let r = n.ok("remote_list", json!({"name": "spdk"}));
+    assert_eq!(
+        (r[0]["state"].as_str(), r[0]["secure_channel"].as_str()),
+        (Some("live"), Some("tls")),
+        "{r}"
+    );
+    assert_eq!(r[0]["io_queues"], 2, "{r}");
+    n.remote_round_trip("spdk", 1);
+
+    // nacred's own TLS listener as the shelf.
+    let t = Nacred::start_args(&["--no-default"]);
+    t.ok(
+        "volume_create",
+        json!({"name": "tv", "size": 32 << 20, "block_size": 512, "backend": "ram"}),
+    );
+    t.ok("nvmf_subsystem_create", json!({"nqn": NQN}));
+    t.ok("nvmf_subsystem_add_ns", json!({"nqn": NQN, "volume": "tv"}));
+    let out = t.cli(&[
+        "nvmf",
+        "add-host",
+        NQN,
+        HOST256,
+        "--psk",
+        key.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let tport = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let out = t.cli(&[
+        "nvmf",
+        "add-listener",
+        NQN,
+        "--address",
+        "127.0.0.1",
+        "--port",
+        &tport.to_string(),
+        "--secure-channel",
+        "tls",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let out = attach_tls(&n, "nacred", tport, NQN, Some(&key));
+    assert!(out.status.success(), "{out:?}");
+    n.remote_round_trip("nacred", 2);
+
+    // Replayed from the state after a restart: the PSK read again from its file.
+    n.restart();
+    let t0 = Instant::now();
+    loop {
+        let l = n.ok("remote_list", json!({}));
+        let live = l
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["state"] == "live")
+            .count();
+        if live == 2 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "not live after a restart: {l}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    n.remote_round_trip("spdk", 3);
+    n.remote_round_trip("nacred", 4);
+
+    let state = std::fs::read_to_string(n.state_dir.join("state.json")).unwrap();
+    assert!(
+        state.contains(key.to_str().unwrap()),
+        "the state keeps the key's path"
+    );
+    let list = n.cli(&["--json", "remote", "list"]);
+    for (what, text) in [
+        ("state.json", state),
+        ("nacred's log", n.log_text()),
+        (
+            "remote list --json",
+            String::from_utf8_lossy(&list.stdout).into_owned(),
+        ),
+    ] {
+        assert!(!text.contains(&key_body), "{what} holds the PSK");
+    }
+    assert!(n.stop(), "nacred did not stop cleanly");
+}

@@ -110,6 +110,12 @@ pub struct AttachArgs {
     /// every queue, whether the shelf asks for authentication or not.
     #[arg(long, value_name = "FILE", requires = "dhchap_secret")]
     pub dhchap_ctrl_secret: Option<std::path::PathBuf>,
+    /// NVMe/TCP over TLS 1.3: a file (mode 0600) holding the PSK the shelf has for this host,
+    /// NVMeTLSkey-1:HH:...: (see `nacre nvmf gen-tls-key`; nvme-cli's and SPDK's keys are the
+    /// same format). Every queue starts with a TLS handshake; a shelf that refuses it fails
+    /// the attach, without retries. TCP only.
+    #[arg(long, value_name = "FILE")]
+    pub psk: Option<std::path::PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -158,6 +164,7 @@ pub fn run(ctx: &mut Ctx, cmd: RemoteCmd) -> Result<()> {
             for (k, path) in [
                 ("dhchap_secret", &a.dhchap_secret),
                 ("dhchap_ctrl_secret", &a.dhchap_ctrl_secret),
+                ("psk", &a.psk),
             ] {
                 if let Some(path) = path {
                     let abs = std::fs::canonicalize(path)

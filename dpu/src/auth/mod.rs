@@ -15,6 +15,8 @@
 //! * [`tls_psk`] — pre-shared keys for NVMe/TCP over TLS 1.3 (TP 8011): the
 //!   `NVMeTLSkey-1:HH:...:` interchange format, the retained PSK, the PSK identity and the
 //!   TLS PSK.
+//! * [`tls_channel`] — the TLS 1.3 channel with such a PSK, as server (nacred's target) and
+//!   as client (its initiator), and the relay between it and a reactor.
 //! * `key_text` — the text form both key formats share (prefix, hash identifier, base64 of
 //!   the key and its CRC-32).
 //!
@@ -28,6 +30,7 @@ mod ffdhe;
 mod key_text;
 pub mod queue;
 pub mod secret;
+pub mod tls_channel;
 pub mod tls_psk;
 
 pub use chap::{AuthFailure, CtrlAuth, CtrlAuthConfig, HostAuth, HostAuthConfig};

@@ -172,6 +172,10 @@ pub struct RemoteRecord {
     pub dhchap_secret: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dhchap_ctrl_secret: Option<String>,
+    /// NVMe/TCP over TLS: the path of the file (mode 0600) holding the configured PSK; the
+    /// key itself is never in the state document.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub psk: Option<String>,
     /// The namespaces found at attach: a reconnect that finds other identities fails the
     /// controller instead of writing to a different namespace.
     #[serde(default)]

@@ -72,6 +72,7 @@ pub fn discover_over(
         kato_ms: 0,
         icd_max: 0,
         timeout,
+        tls: None,
     };
     let (q, _) = queue::open(&cfg, params, &cd, 0, weak)?;
     let deadline = Instant::now() + timeout * 4;

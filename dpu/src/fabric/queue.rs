@@ -103,6 +103,9 @@ pub struct QueueParams {
     pub icd_max: usize,
     /// Bound on the transport connect and on each step of initialisation.
     pub timeout: Duration,
+    /// NVMe/TCP over TLS 1.3 with this PSK (NVMe/TCP Transport §3.6): the connection starts
+    /// with the TLS handshake, before ICReq. NVMe/TCP only.
+    pub tls: Option<std::sync::Arc<crate::auth::tls_channel::ClientPsk>>,
 }
 
 /// One NVMe-oF queue of any transport.

@@ -182,6 +182,7 @@ pub fn nvmf_initiator(data: &[u8]) {
         kato_ms: 0,
         icd_max: 4096,
         timeout: Duration::from_secs(5),
+        tls: None,
     };
     let connect = ConnectData {
         hostid: [0x42; 16],

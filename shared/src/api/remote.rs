@@ -74,6 +74,12 @@ pub struct RemoteAttach {
     /// The file of the controller's secret: every queue then also authenticates the shelf.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dhchap_ctrl_secret: Option<String>,
+    /// NVMe/TCP over TLS 1.3 (TP 8011): the absolute path of a file, mode 0600, holding the
+    /// configured PSK (`NVMeTLSkey-1:HH:...:`). Every queue then starts with a TLS handshake
+    /// offering the PSK identity `NVMe0R0S <hostnqn> <subnqn>`. Only the path is sent and
+    /// persisted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub psk: Option<String>,
 }
 
 fn default_transport() -> String {
@@ -148,6 +154,9 @@ pub struct RemoteInfo {
     /// checks the other); absent without authentication.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dhchap: Option<String>,
+    /// `tls` when the queues run over TLS with a PSK; absent for plain NVMe/TCP and RDMA.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secure_channel: Option<String>,
     /// `connecting`, `live`, `failed` or `closed`.
     pub state: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -264,6 +264,7 @@ fn create_path(
         // OPI's pinned storage API carries no DH-HMAC-CHAP secrets for a remote controller.
         dhchap_secret: None,
         dhchap_ctrl_secret: None,
+        psk: None,
     })
     .map_err(status)?;
     if let Err(e) = r.bind_opi(

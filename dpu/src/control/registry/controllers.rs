@@ -155,5 +155,6 @@ fn config(rec: &RemoteRecord) -> ControllerConfig {
     c.quiesce_time = Duration::from_millis(rec.quiesce_time_ms as u64);
     c.dhchap_secret = rec.dhchap_secret.as_ref().map(Into::into);
     c.dhchap_ctrl_secret = rec.dhchap_ctrl_secret.as_ref().map(Into::into);
+    c.tls_psk = rec.psk.as_ref().map(Into::into);
     c
 }

@@ -255,6 +255,7 @@ impl Registry {
                 (Some(_), None) => Some("unidirectional".into()),
                 (Some(_), Some(_)) => Some("bidirectional".into()),
             },
+            secure_channel: rec.psk.as_ref().map(|_| "tls".into()),
             state: phase_name(st.as_ref().map(|s| s.phase)).into(),
             model: info.as_ref().map(|i| i.model.clone()),
             serial: info.as_ref().map(|i| i.serial.clone()),
@@ -432,6 +433,23 @@ fn new_record(state: &State, p: &RemoteAttach) -> Result<RemoteRecord, RpcError>
                 .map_err(|e| RpcError::invalid_params(format!("{what}: {e}")))?;
         }
     }
+    if let Some(path) = &p.psk {
+        if p.transport != "tcp" {
+            return Err(RpcError::invalid_params(format!(
+                "psk secures NVMe/TCP only (transport is {}; NVMe/RDMA has no TLS)",
+                p.transport
+            )));
+        }
+        let path = std::path::Path::new(path);
+        if !path.is_absolute() {
+            return Err(RpcError::invalid_params(format!(
+                "psk must be an absolute path (got {})",
+                path.display()
+            )));
+        }
+        crate::auth::tls_psk::TlsPsk::load(path)
+            .map_err(|e| RpcError::invalid_params(format!("psk: {e}")))?;
+    }
     Ok(RemoteRecord {
         name: p.name.clone(),
         transport: p.transport.clone(),
@@ -453,6 +471,7 @@ fn new_record(state: &State, p: &RemoteAttach) -> Result<RemoteRecord, RpcError>
         quiesce_time_ms: p.quiesce_time_ms.unwrap_or(1000),
         dhchap_secret: p.dhchap_secret.clone(),
         dhchap_ctrl_secret: p.dhchap_ctrl_secret.clone(),
+        psk: p.psk.clone(),
         namespaces: Vec::new(),
     })
 }

@@ -21,6 +21,8 @@ use tracing::debug;
 
 use super::admin::admin_cmd;
 use super::ControllerConfig;
+use crate::auth::tls_channel::ClientPsk;
+use crate::auth::tls_psk::TlsPsk;
 use crate::auth::{AuthFailure, HostAuth, HostAuthConfig, Secret};
 use crate::fabric::cmd::Dir;
 use crate::fabric::queue::FabricQueue;
@@ -50,6 +52,28 @@ pub(super) fn load_keys(cfg: &ControllerConfig) -> Result<Option<HostAuthConfig>
         host,
         ctrl,
     )))
+}
+
+/// The TLS PSK the queues offer (NVMe/TCP Transport §3.6), read from its file (`None`: plain
+/// NVMe/TCP). Read at each session, like the DH-HMAC-CHAP secrets, and kept only as the
+/// derived TLS PSK.
+pub(super) fn load_tls_psk(
+    cfg: &ControllerConfig,
+) -> Result<Option<std::sync::Arc<ClientPsk>>, FabricError> {
+    let Some(path) = &cfg.tls_psk else {
+        return Ok(None);
+    };
+    if cfg.transport != crate::fabric::queue::Transport::Tcp {
+        return Err(FabricError::Auth(
+            "a TLS PSK secures NVMe/TCP only (NVMe/RDMA has no TLS)".into(),
+        ));
+    }
+    let psk = TlsPsk::load(path).map_err(|e| FabricError::Auth(format!("TLS PSK: {e}")))?;
+    Ok(Some(std::sync::Arc::new(ClientPsk::new(
+        &psk,
+        &cfg.hostnqn,
+        &cfg.subnqn,
+    ))))
 }
 
 /// Authenticate queue `q` if its Connect response (`connect_dw0`) requires it or a

@@ -87,6 +87,9 @@ pub struct ControllerConfig {
     /// the controller (bidirectional), whether or not the controller asks for
     /// authentication.
     pub dhchap_ctrl_secret: Option<std::path::PathBuf>,
+    /// NVMe/TCP over TLS 1.3 (NVMe/TCP Transport §3.6): the file holding the configured PSK
+    /// (`NVMeTLSkey-1:...`, mode 0600), read at each session like the secrets above.
+    pub tls_psk: Option<std::path::PathBuf>,
     /// The NVMe/TCP initiator reactors that serve its queues (default: the process's shared
     /// pool, [`crate::fabric::tcp::Reactors::shared`]).
     pub tcp_reactors: crate::fabric::tcp::Reactors,
@@ -118,6 +121,7 @@ impl ControllerConfig {
             shutdown_timeout: Duration::from_millis(500),
             dhchap_secret: None,
             dhchap_ctrl_secret: None,
+            tls_psk: None,
             tcp_reactors: crate::fabric::tcp::Reactors::shared(),
         }
     }

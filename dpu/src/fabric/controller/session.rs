@@ -391,7 +391,9 @@ impl Ctrl {
             kato_ms: cfg.keep_alive_timeout.as_millis().min(u32::MAX as u128) as u32,
             icd_max: 0,
             timeout: cfg.connect_timeout,
+            tls: auth::load_tls_psk(cfg)?,
         };
+        let tls = params.tls.clone();
         let keys = auth::load_keys(cfg)?;
         let (admin, cqe) = queue::open(cfg, params, &cd, id, owner.clone())?;
         let guard = ShutdownGuard(vec![admin.clone()]);
@@ -422,6 +424,7 @@ impl Ctrl {
                 kato_ms: 0,
                 icd_max: info_icd(cfg, &info),
                 timeout: cfg.connect_timeout,
+                tls: tls.clone(),
             };
             let (q, cqe) = queue::open(cfg, p, &cd, id, owner.clone())?;
             guard.0.push(q.clone());

@@ -335,6 +335,7 @@ mod test {
             kato_ms: 0,
             icd_max: 0,
             timeout: Duration::from_millis(200),
+            tls: None,
         };
         let cd = ConnectData {
             hostid: [0; 16],

@@ -208,6 +208,27 @@ impl QueueConn {
         let stream = TcpStream::connect_timeout(&addr, params.timeout)
             .map_err(|e| FabricError::Connect(format!("cannot connect to {addr}: {e}")))?;
         let _ = stream.set_nodelay(true);
+        // TLS (§3.6.1): the handshake comes first, then everything, ICReq included, goes
+        // through the relay's plaintext end. A refused handshake is not retried: a wrong or
+        // missing PSK does not become right by trying again.
+        let stream = match &params.tls {
+            None => stream,
+            Some(psk) => {
+                let (plain, relay) = crate::auth::tls_channel::connect(stream, psk, params.timeout)
+                    .map_err(|e| {
+                        FabricError::Auth(format!(
+                            "queue {}: {addr} as {}: {e}",
+                            params.qid,
+                            psk.identity()
+                        ))
+                    })?;
+                std::thread::Builder::new()
+                    .name(format!("fabric-tls-{}", params.qid))
+                    .spawn(relay)
+                    .map_err(FabricError::io)?;
+                plain
+            }
+        };
         let neg = initialize(&stream, &params)?;
         // From here on the socket never blocks: the reactor reads when it is readable, and
         // senders send what it takes; a silent controller is caught by keep-alive and the

@@ -77,6 +77,7 @@ fn a_command_stored_after_the_reactor_emptied_the_table_comes_back_to_its_submit
         kato_ms: 0,
         icd_max: ADMIN_ICD,
         timeout: Duration::from_secs(5),
+        tls: None,
     };
     let connect = ConnectData {
         hostid: [0x42; 16],
@@ -241,6 +242,7 @@ fn params(qid: u16, digests: Digests) -> QueueParams {
         kato_ms: 0,
         icd_max: 0,
         timeout: Duration::from_secs(10),
+        tls: None,
     }
 }
 
