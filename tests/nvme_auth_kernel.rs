@@ -12,7 +12,10 @@
 //!   the host (guestfwd) with `--dhchap-secret` / `--dhchap-ctrl-secret`: refused with a wrong
 //!   secret or controller secret, connected and O_DIRECT-verified with the right ones. The
 //!   target is SPDK's `nvmf_tgt`, then, in a second round in the same boot, nacred's own target
-//!   (`nacre nvmf add-host --dhchap-key`).
+//!   (`nacre nvmf add-host --dhchap-key`), and in a third nacred's TLS-only listener
+//!   (`--secure-channel tls`, `add-host --psk`): a plain connect is refused, and with `tlshd`
+//!   (ktls-utils) and the PSK in the kernel's `.nvme` keyring `nvme connect --tls` connects and
+//!   verifies.
 //! * rdma — nacred inside the guest attaches the same nvmet subsystem over NVMe/RDMA on
 //!   soft-RoCE with the same keys: the same refusals, unidirectional and bidirectional
 //!   attaches, 4 MiB written through nacred read back and found on the RAM disk. Then the other
@@ -355,6 +358,50 @@ fn nacred_target(port: u16, keys: &Keys) -> Nacred {
     t
 }
 
+/// nacred's own NVMe/TCP target, TLS-only (`--secure-channel tls`), as the guest host's peer:
+/// the same volume and subsystem as [`nacred_target`], GUEST_HOSTNQN with a TLS PSK.
+fn nacred_tls_target(port: u16, psk: &Path) -> Nacred {
+    let t = Nacred::start_args(&["--no-default"]);
+    t.ok(
+        "volume_create",
+        json!({"name": "tv", "size": 32 * MIB, "block_size": 512, "backend": "ram"}),
+    );
+    t.ok("nvmf_subsystem_create", json!({"nqn": HOST_SUBNQN}));
+    t.ok(
+        "nvmf_subsystem_add_ns",
+        json!({"nqn": HOST_SUBNQN, "volume": "tv"}),
+    );
+    for args in [
+        vec![
+            "nvmf",
+            "add-host",
+            HOST_SUBNQN,
+            GUEST_HOSTNQN,
+            "--psk",
+            psk.to_str().unwrap(),
+        ],
+        vec![
+            "nvmf",
+            "add-listener",
+            HOST_SUBNQN,
+            "--address",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "--secure-channel",
+            "tls",
+        ],
+    ] {
+        let out = t.cli(&args);
+        assert!(
+            out.status.success(),
+            "nacre {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    t
+}
+
 /// One round of the guest's host against the target now listening: wait for its facts.
 fn host_round(g: &Guest, label: &str) {
     let before = g.lines().len();
@@ -407,6 +454,28 @@ fn dhchap_with_the_kernel_as_target_and_as_host() {
     );
     let (host_ctrl, _) = gen_key(&n, dir, "host_ctrl_key", &["--key-length", "64"]);
     let (host_wrong, _) = gen_key(&n, dir, "host_wrong_key", &[]);
+    let tls_psk = dir.join("tls_psk");
+    let out = n.cli(&["nvmf", "gen-tls-key", "--output", tls_psk.to_str().unwrap()]);
+    assert!(out.status.success(), "nacre nvmf gen-tls-key: {out:?}");
+    // The TLS PSK nacred derives for the guest's host, as a line of nvme-cli's key file
+    // (`nvme tls-key --import`): the guest's nvme-cli 2.13 derives another one.
+    let tls_keyfile = dir.join("tls_keyfile");
+    let out = n.cli(&[
+        "nvmf",
+        "check-tls-key",
+        "--file",
+        tls_psk.to_str().unwrap(),
+        "--hostnqn",
+        GUEST_HOSTNQN,
+        "--subnqn",
+        HOST_SUBNQN,
+        "--keyfile",
+        tls_keyfile.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "nacre nvmf check-tls-key --keyfile: {out:?}"
+    );
     let keys = Keys {
         key,
         ctrl,
@@ -439,13 +508,15 @@ fn dhchap_with_the_kernel_as_target_and_as_host() {
         .param("dhgroup", "ffdhe2048")
         .param("host_subnqn", HOST_SUBNQN)
         .param("guest_hostnqn", GUEST_HOSTNQN)
-        .param("host_rounds", rounds)
+        .param("host_rounds", &format!("{rounds},tls"))
         .file("key", &keys.key)
         .file("ctrl_key", &keys.ctrl)
         .file("wrong_key", &keys.wrong)
         .file("host_key", &keys.host_key)
         .file("host_ctrl_key", &keys.host_ctrl)
         .file("host_wrong_key", &keys.host_wrong)
+        .file("tls_psk", &tls_psk)
+        .file("tls_keyfile", &tls_keyfile)
         .pack(bin("nacred"))
         .pack(bin("nacre"))
         .ctl()
@@ -485,6 +556,14 @@ fn dhchap_with_the_kernel_as_target_and_as_host() {
         let _t = nacred_target(target_port, &keys);
         host_round(&g, "nacred");
     }
+    {
+        let t = nacred_tls_target(target_port, &tls_psk);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| host_round(&g, "tls")));
+        if let Err(e) = r {
+            eprintln!("nacred's log (TLS target):\n{}", t.log_text());
+            std::panic::resume_unwind(e);
+        }
+    }
     eprintln!("guest host part: {:?}", t.elapsed());
 
     let t = Instant::now();
@@ -505,6 +584,14 @@ fn dhchap_with_the_kernel_as_target_and_as_host() {
     );
     assert_eq!(out.fact("nvmet_hash"), "hmac(sha384)");
     assert_eq!(out.fact("nvmet_dhgroup"), "ffdhe2048");
+    // NVMe/TCP over TLS 1.3: the kernel host with tlshd against nacred's TLS-only listener.
+    assert_eq!(out.fact("tls_plain"), "refused");
+    // Debian 13's nvme-cli derives the TLS PSK with HKDF-Expand-Label's length prefixes left
+    // out (docs/nvme-tls.md): its `check-tls-key --insert` key is refused, as SPDK refuses it.
+    assert_eq!(out.fact("tls_nvme_cli_derived"), "refused");
+    assert_eq!(out.fact("tls_connected"), "yes");
+    assert_eq!(out.fact("tls_key_set"), "yes");
+    assert_eq!(out.fact("tls_verified"), "yes");
     // nacred's NVMe/RDMA target, in the guest, with the kernel's nvme-rdma host (soft-RoCE).
     assert_eq!(out.fact("nacred_rdma_listener"), "rdma:192.0.2.1:4422");
     for r in rounds.split(',').chain(["nacred_rdma"]) {

@@ -12,6 +12,9 @@
 #          refused, the right one connects (unidirectional), O_DIRECT verify; with the controller
 #          secret (bidirectional), O_DIRECT verify; a wrong controller secret is refused. Facts are
 #          prefixed LABEL_. The host target is told which round ended by `TB-FACT round_done=LABEL`.
+#          The round labelled tls is another: the host's target is TLS-only, with tb.tls_psk for
+#          tb.guest_hostnqn; a plain connect is refused, and with tlshd (ktls-utils) and the PSK
+#          in the kernel's .nvme keyring `nvme connect --tls` connects and verifies (facts tls_*).
 #  rdma    nacred inside the guest (--pack nacred, nacre) attaches the same nvmet subsystem over
 #          NVMe/RDMA on soft-RoCE (rxe on dummy0, 192.0.2.1:4420) as tb.hostnqn with the same keys: a
 #          wrong secret and a wrong controller secret are one-line errors after a single connection
@@ -24,7 +27,8 @@
 #          host round against it (facts nacred_rdma_*). Skipped (TB-FACT rdma=skipped) when
 #          tb.rdma=0.
 # Files (--file): key, ctrl_key, wrong_key (nacred's secrets for the shelf, DHHC-1 strings bound to
-# tb.hostnqn), host_key, host_ctrl_key, host_wrong_key (the guest host's secrets for the host target).
+# tb.hostnqn), host_key, host_ctrl_key, host_wrong_key (the guest host's secrets for the host target),
+# tls_psk (the guest host's TLS PSK, NVMeTLSkey-1:01:...:, for the tls round).
 SUBNQN=$(param subnqn nqn.2014-08.io.nacre.testbed:auth-shelf)
 HOSTNQN=$(param hostnqn)
 HASH=$(param hash "hmac(sha384)")
@@ -41,10 +45,11 @@ echo "$GUEST_HOSTNQN" > /etc/nvme/hostnqn
 
 # secrets from fw_cfg into 0600 files (nacred refuses a key file others can read)
 mkdir -p /tmp/keys; chmod 700 /tmp/keys
-for k in key ctrl_key wrong_key host_key host_ctrl_key host_wrong_key; do
+for k in key ctrl_key wrong_key host_key host_ctrl_key host_wrong_key tls_psk; do
     tr -d '\n' < "$(tb_file $k)" > /tmp/keys/$k
     chmod 600 /tmp/keys/$k
 done
+cp "$(tb_file tls_keyfile)" /tmp/keys/tls_keyfile; chmod 600 /tmp/keys/tls_keyfile
 
 modprobe virtio_pci; modprobe virtio_net
 modprobe nvmet-tcp; modprobe nvme-tcp
@@ -152,9 +157,62 @@ host_round() {
     nvme_ctrl_for "$HOST_SUBNQN" && fail "a controller is left after the refused connect"
     fact round_done "$r"
 }
+# tls_round: the host's target is TLS-only with tb.tls_psk for this host (NVMe/TCP over TLS 1.3):
+# a plain connect is refused; with tlshd running and the PSK in the kernel's .nvme keyring,
+# `nvme connect --tls` connects and O_DIRECT-verifies.
+tls_round() {
+    local c dev
+    step "tls: a plain connect to the TLS listener is refused"
+    if host_connect; then fail "a plain nvme connect to a TLS-only listener succeeded"; fi
+    cat /tmp/connect.out
+    fact tls_plain refused
+    nvme_ctrl_for "$HOST_SUBNQN" && fail "a controller is left after the refused connect"
+
+    step "tls: tlshd, the TLS PSK nacred derives imported as it is (nvme tls-key --import), nvme connect --tls"
+    modprobe tls
+    modprobe nvme-keyring 2>/dev/null || true
+    printf '[debug]\nloglevel=0\ntls=0\nnl=0\n[authenticate]\nkeyrings=.nvme\n' > /etc/tlshd.conf
+    # tlshd names its peer (getnameinfo) before any handshake and gives up when it cannot: the
+    # guest has no DNS, so the target's address gets a name in /etc/hosts
+    echo "hosts: files" > /etc/nsswitch.conf
+    echo "10.0.2.100 nacre-target" >> /etc/hosts
+    tlshd -s > /tmp/tlshd.log 2>&1 &
+    TLSHD=$!
+    nvme tls-key --import --keyfile=/tmp/keys/tls_keyfile > /tmp/import.out 2>&1 ||
+        { cat /tmp/import.out; fail "nvme tls-key --import"; }
+    cat /tmp/import.out
+    grep -q "Failed" /tmp/import.out && fail "nvme tls-key --import: $(cat /tmp/import.out)"
+    host_connect --tls || { cat /tmp/connect.out /tmp/tlshd.log; fail "nvme connect --tls"; }
+    c=$(nvme_ctrl_for "$HOST_SUBNQN") || fail "no controller for $HOST_SUBNQN"
+    fact tls_connected yes
+    fact tls_key_set "$([ -n "$(cat /sys/class/nvme/"$c"/tls_key 2>/dev/null)" ] && echo yes || echo no)"
+    wait_until 30 nvme_ns_dev "$HOST_SUBNQN" 1 || fail "no namespace"
+    dev=/dev/$(nvme_ns_dev "$HOST_SUBNQN" 1)
+    verify_rw "$dev" 4 12
+    fact tls_verified yes
+    host_disconnect
+
+    step "tls: the PSK as this nvme-cli derives it (check-tls-key --insert) is refused"
+    # nvme-cli 2.13 (libnvme 1.13) encodes HKDF-Expand-Label without its length prefixes: the
+    # key it derives is not the one RFC 8446's encoding (nacred's, SPDK's) gives
+    nvme check-tls-key --insert --keydata="$(cat /tmp/keys/tls_psk)" --hostnqn="$GUEST_HOSTNQN" \
+        --subsysnqn="$HOST_SUBNQN" > /tmp/check.out 2>&1 || { cat /tmp/check.out; fail "nvme check-tls-key --insert"; }
+    cat /tmp/check.out
+    if host_connect --tls; then
+        fact tls_nvme_cli_derived accepted
+        host_disconnect
+    else
+        fact tls_nvme_cli_derived refused
+    fi
+    kill $TLSHD 2>/dev/null || true
+    fact round_done tls
+}
 for r in $(echo "$ROUNDS" | tr ',' ' '); do
     wait_host "target-$r" 300
-    host_round "$r"
+    case $r in
+        tls) tls_round ;;
+        *) host_round "$r" ;;
+    esac
 done
 
 if [ "$RDMA" != 1 ]; then fact rdma skipped; exit 0; fi

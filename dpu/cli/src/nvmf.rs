@@ -225,7 +225,7 @@ pub enum NvmfCmd {
     /// key), and with --hostnqn and --subnqn the PSK identity a host offers.
     #[command(
         name = "check-tls-key",
-        after_help = "Examples:\n  nacre nvmf check-tls-key --file /etc/nacre/keys/host1.psk\n  nacre nvmf check-tls-key NVMeTLSkey-1:01:...: --hostnqn HOSTNQN --subnqn SUBNQN"
+        after_help = "Examples:\n  nacre nvmf check-tls-key --file /etc/nacre/keys/host1.psk\n  nacre nvmf check-tls-key NVMeTLSkey-1:01:...: --hostnqn HOSTNQN --subnqn SUBNQN\n  nacre nvmf check-tls-key --file host1.psk --hostnqn HOSTNQN --subnqn SUBNQN --keyfile host1.keys\n    then on the Linux host: nvme tls-key --import --keyfile host1.keys"
     )]
     CheckTlsKey {
         /// The key, NVMeTLSkey-1:HH:...: (or give --file).
@@ -240,6 +240,12 @@ pub enum NvmfCmd {
         /// The subsystem NQN, to print the PSK identity.
         #[arg(long, requires = "hostnqn")]
         subnqn: Option<String>,
+        /// Also write the TLS PSK this host derives for this subsystem, with its identity, to
+        /// this file (mode 0600) in the format of nvme-cli's key file, for `nvme tls-key
+        /// --import --keyfile FILE` on a Linux host whose nvme-cli derives another key
+        /// (nvme-cli 2.13, Debian 13's: see docs/nvme-tls.md). The file holds a key.
+        #[arg(long, value_name = "FILE", requires = "hostnqn")]
+        keyfile: Option<std::path::PathBuf>,
     },
 }
 
@@ -350,6 +356,7 @@ pub fn run_local(cmd: NvmfCmd, json: bool) -> Result<()> {
             file,
             hostnqn,
             subnqn,
+            keyfile,
         } => {
             use nacre_dpu::auth::tls_psk::{identity, TlsPsk};
             let k = match (&key, &file) {
@@ -361,6 +368,9 @@ pub fn run_local(cmd: NvmfCmd, json: bool) -> Result<()> {
                 (Some(h), Some(s)) => Some(identity(k.cipher_suite(), h, s)),
                 _ => None,
             };
+            if let (Some(out), Some(h), Some(s)) = (&keyfile, &hostnqn, &subnqn) {
+                k.write_keyring_line(h, s, out)?;
+            }
             let v = json!({
                 "valid": true, "hmac": k.hash(), "key_length": k.key_len(),
                 "cipher_suite": k.cipher_suite().name(), "identity": id,

@@ -241,6 +241,36 @@ impl TlsPsk {
         (id, psk)
     }
 
+    /// Write the TLS PSK `hostnqn` uses toward `subnqn` as one line of the key file Linux's
+    /// nvme-cli reads (`nvme tls-key --import --keyfile`): the identity, a space, and the
+    /// derived key in the interchange format (`NVMeTLSkey-1:HH:...:`; nvme-cli 2.13 exports
+    /// `NVMeTLSkey-0:` there but imports only version 1), created mode 0600. nvme-cli imports
+    /// such a line into the
+    /// kernel's `.nvme` keyring as it is, without deriving anything: the way to give a Linux
+    /// host the key nacred derives when its own nvme-cli derives another one (nvme-cli 2.13
+    /// and libnvme 1.13, Debian 13's, encode HKDF-Expand-Label without its length prefixes,
+    /// so `nvme check-tls-key --insert` makes a key neither nacred nor SPDK accepts).
+    pub fn write_keyring_line(
+        &self,
+        hostnqn: &str,
+        subnqn: &str,
+        path: &Path,
+    ) -> Result<(), TlsPskError> {
+        let (id, psk) = self.tls_psk(hostnqn, subnqn);
+        let hash = match self.cipher_suite() {
+            CipherSuite::Aes128GcmSha256 => 1,
+            CipherSuite::Aes256GcmSha384 => 2,
+        };
+        let key = super::key_text::format(INTERCHANGE_PREFIX, hash, &psk);
+        let line = Zeroizing::new(format!("{id} {}\n", &*key));
+        super::key_text::write_private_file(path, line.as_bytes()).map_err(|err| {
+            TlsPskError::File {
+                path: path.display().to_string(),
+                err,
+            }
+        })
+    }
+
     /// Read a configured PSK from a file that only its owner may read (mode 0600 or
     /// stricter).
     pub fn load(path: &Path) -> Result<TlsPsk, TlsPskError> {
@@ -384,6 +414,30 @@ mod test {
 
     const HOST: &str = "nqn.2016-06.io.spdk:host1";
     const SUB: &str = "nqn.2016-06.io.spdk:cnode1";
+
+    /// nvme-cli's key-file line: the identity, a space, the derived TLS PSK in the
+    /// interchange format (what `nvme tls-key --import` splits at the last space), mode 0600.
+    #[test]
+    fn keyring_line_holds_the_identity_and_the_derived_key() {
+        use std::os::unix::fs::PermissionsExt;
+        for hash in [1, 2] {
+            let k = TlsPsk::generate(hash, None).unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            let p = dir.path().join("keys");
+            k.write_keyring_line(HOST, SUB, &p).unwrap();
+            let text = std::fs::read_to_string(&p).unwrap();
+            let (id, key) = text.trim_end().rsplit_once(' ').unwrap();
+            let (want_id, want_key) = k.tls_psk(HOST, SUB);
+            assert_eq!(id, want_id);
+            let got = TlsPsk::parse(key).unwrap();
+            assert_eq!(got.hash(), hash);
+            assert_eq!(&*got.key, &*want_key);
+            assert_eq!(
+                std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
+                0o600
+            );
+        }
+    }
     /// The key SPDK's TLS tests configure (test/nvmf/target/tls.sh): the ASCII string
     /// "00112233445566778899aabbccddeeff" with hash 01.
     const SPDK_KEY: &str = "NVMeTLSkey-1:01:MDAxMTIyMzM0NDU1NjY3Nzg4OTlhYWJiY2NkZGVlZmZwJEiQ:";
