@@ -508,7 +508,7 @@ fn dhchap_with_the_kernel_as_target_and_as_host() {
         .param("dhgroup", "ffdhe2048")
         .param("host_subnqn", HOST_SUBNQN)
         .param("guest_hostnqn", GUEST_HOSTNQN)
-        .param("host_rounds", &format!("{rounds},tls"))
+        .param("host_rounds", format!("{rounds},tls"))
         .file("key", &keys.key)
         .file("ctrl_key", &keys.ctrl)
         .file("wrong_key", &keys.wrong)
