@@ -940,7 +940,10 @@ fn nvme_tcp_against_nacred() {
 /// nacred's PCIe NVMe controller over vfio-user in a guest (trixie-backports' QEMU, the only
 /// one here with `vfio-user-pci`): the guest's own `nvme` driver binds it, `nvme list` shows
 /// model nacre on transport pcie with one I/O queue per vCPU (4), and 64 MiB written
-/// O_DIRECT by four writers read back identical.
+/// O_DIRECT by four writers read back identical. Then a controller reset from the guest
+/// (`reset_controller`), an unbind and rebind of the nvme driver, and a namespace attached and
+/// detached by nacred while the guest runs (the guest sees `nvme0n2` come and go): the data
+/// survives each.
 #[test]
 fn nvme_pcie_over_vfio_user_in_a_guest() {
     use serde_json::json;
@@ -970,12 +973,14 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
         r#"{{"driver":"vfio-user-pci","socket":{{"path":"{}","type":"unix"}}}}"#,
         sock.display()
     );
-    let out = Boot::new("nvme-pcie")
+    let g = Boot::new("nvme-pcie")
         .param("model", "nacre")
         .param("bytes", 128 * MIB)
         .param("queues", 4)
         .param("mib", 64)
+        .param("hotplug", 1)
         .smp(4)
+        .ctl()
         .qemu_binary(qemu)
         .qemu([
             "-object",
@@ -986,8 +991,26 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
             device.as_str(),
         ])
         .timeout(Duration::from_secs(300))
-        .run()
+        .spawn()
         .expect("guest");
+    // A namespace attached and detached while the guest has the controller: the guest's
+    // driver hears of each by a Namespace Attribute Changed event and rescans.
+    if g.wait_for("TB-WAIT add-ns", Duration::from_secs(240)).is_ok() {
+        d.ok(
+            "volume_create",
+            json!({"name": "pv2", "size": 16 * MIB, "block_size": 512, "backend": "ram"}),
+        );
+        d.ok(
+            "nvmf_subsystem_add_ns",
+            json!({"nqn": nqn, "volume": "pv2", "nsid": 2}),
+        );
+        g.signal("add-ns").unwrap();
+        if g.wait_for("TB-WAIT remove-ns", Duration::from_secs(120)).is_ok() {
+            d.ok("nvmf_subsystem_remove_ns", json!({"nqn": nqn, "nsid": 2}));
+            g.signal("remove-ns").unwrap();
+        }
+    }
+    let out = g.wait(Duration::from_secs(300)).expect("guest");
     assert!(
         out.success(),
         "{}\nnacred log tail:\n{}",
@@ -1000,4 +1023,9 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
     assert_eq!(out.fact("transport"), "pcie");
     assert_eq!(out.fact("queues"), "4");
     assert_eq!(out.fact("verified"), "64MiB");
+    assert_eq!(out.fact("reset_verified"), "yes");
+    assert_eq!(out.fact("rebind_verified"), "yes");
+    assert_eq!(out.fact("hot_added"), (16 * MIB).to_string());
+    assert_eq!(out.fact("hot_added_verified"), "yes");
+    assert_eq!(out.fact("hot_removed"), "yes");
 }

@@ -1,7 +1,12 @@
-# the guest's own nvme driver binds nacred's PCIe NVMe controller (vfio-user-pci): PCI identity, nvme list, O_DIRECT verify
-# Params: model, serial, bytes (expected namespace size), queues (expected I/O queues), mib (verify size).
+# the guest's own nvme driver binds nacred's PCIe NVMe controller (vfio-user-pci): PCI identity, nvme list, O_DIRECT verify;
+# then what a guest does to a controller in its life: a controller reset (nvme reset), an unbind and
+# rebind of the nvme driver, and (with --ctl) a namespace the host attaches and detaches while the
+# guest runs, which the guest learns of by a Namespace Attribute Changed event.
+# Params: model, serial, bytes (expected namespace size), queues (expected I/O queues), mib (verify size),
+# hotplug (1: wait for the host's add-ns and remove-ns on the control channel).
 # Facts: pci (vendor:device class of the NVMe function), model, serial, transport, bytes, queues, bound_s
-# (seconds from modprobe to /dev/nvme0n1), verified.
+# (seconds from modprobe to /dev/nvme0n1), verified, reset_verified, rebind_verified, hot_added
+# (bytes of nvme0n2 once it appeared), hot_added_verified, hot_removed.
 mib=$(param mib 64)
 step "PCI functions"
 dev=""
@@ -37,6 +42,45 @@ done
 wait
 dd if=/dev/nvme0n1 of=/tmp/back bs=1M count="$mib" iflag=direct 2>/dev/null
 cmp /tmp/pat /tmp/back || fail "read-back differs"
+fact verified "${mib}MiB"
+
+# the first MiB read again and compared with what was written
+reread() {
+    dd if=/dev/nvme0n1 of=/tmp/again bs=1M count=1 iflag=direct 2>/dev/null || return 1
+    cmp -n 1048576 /tmp/pat /tmp/again
+}
+step "controller reset from the guest (CC.EN 1 -> 0 -> 1, queues created again)"
+echo 1 > $c/reset_controller || fail "reset_controller"
+wait_until 30 sh -c "[ \"\$(cat $c/state)\" = live ]" || fail "controller not live after reset: $(cat $c/state)"
+reread || fail "data differs after a controller reset"
+dd if=/tmp/pat of=/dev/nvme0n1 bs=1M count=1 seek=1 skip=1 oflag=direct 2>/dev/null || fail "write after reset"
+fact reset_verified yes
+
+step "unbind and rebind the nvme driver"
+bdf=$(basename "$dev")
+echo "$bdf" > /sys/bus/pci/drivers/nvme/unbind || fail "unbind"
+wait_until 20 sh -c '! test -e /dev/nvme0n1' || fail "/dev/nvme0n1 still there after unbind"
+echo "$bdf" > /sys/bus/pci/drivers/nvme/bind || fail "bind"
+wait_until 30 test -b /dev/nvme0n1 || fail "no /dev/nvme0n1 after rebind"
+reread || fail "data differs after a driver rebind"
+fact rebind_verified yes
+
+if [ "$(param hotplug 0)" = 1 ]; then
+    step "namespace 2 attached by the host while the guest runs"
+    wait_host add-ns 120
+    wait_until 30 test -b /dev/nvme0n2 || fail "no /dev/nvme0n2 after the host attached namespace 2"
+    fact hot_added "$(blk_bytes nvme0n2)"
+    dd if=/dev/urandom of=/tmp/pat2 bs=1M count=4 2>/dev/null
+    dd if=/tmp/pat2 of=/dev/nvme0n2 bs=1M count=4 oflag=direct 2>/dev/null || fail "write nvme0n2"
+    dd if=/dev/nvme0n2 of=/tmp/back2 bs=1M count=4 iflag=direct 2>/dev/null || fail "read nvme0n2"
+    cmp /tmp/pat2 /tmp/back2 || fail "nvme0n2 read-back differs"
+    fact hot_added_verified yes
+    step "namespace 2 detached by the host"
+    wait_host remove-ns 120
+    wait_until 30 sh -c '! test -e /dev/nvme0n2' || fail "/dev/nvme0n2 still there after the host detached it"
+    reread || fail "namespace 1 changed when namespace 2 went"
+    fact hot_removed yes
+fi
+
 step "flush and shut down the controller"
 blockdev --flushbufs /dev/nvme0n1
-fact verified "${mib}MiB"
