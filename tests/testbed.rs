@@ -943,7 +943,8 @@ fn nvme_tcp_against_nacred() {
 /// O_DIRECT by four writers read back identical. Then a controller reset from the guest
 /// (`reset_controller`), an unbind and rebind of the nvme driver, and a namespace attached and
 /// detached by nacred while the guest runs (the guest sees `nvme0n2` come and go): the data
-/// survives each.
+/// survives each. The hot-attached namespace is an encrypted volume: what the guest wrote is
+/// ciphertext in its file, which pyca/cryptography's XTS decrypts to the guest's bytes.
 #[test]
 fn nvme_pcie_over_vfio_user_in_a_guest() {
     use serde_json::json;
@@ -995,17 +996,29 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
         .expect("guest");
     // A namespace attached and detached while the guest has the controller: the guest's
     // driver hears of each by a Namespace Attribute Changed event and rescans.
-    if g.wait_for("TB-WAIT add-ns", Duration::from_secs(240)).is_ok() {
+    if g.wait_for("TB-WAIT add-ns", Duration::from_secs(240))
+        .is_ok()
+    {
+        // An encrypted volume (AES-XTS, a tenant's key): the same PCIe path, through the
+        // crypto layer.
+        std::fs::write(dir.path().join("t.kek"), [0x5a; 32]).unwrap();
+        d.ok(
+            "tenant_create",
+            json!({"name": "t", "kek": {"key_file": dir.path().join("t.kek")}}),
+        );
         d.ok(
             "volume_create",
-            json!({"name": "pv2", "size": 16 * MIB, "block_size": 512, "backend": "ram"}),
+            json!({"name": "pv2", "size": 16 * MIB, "block_size": 4096, "backend": "file",
+                   "tenant": "t", "encrypt": true}),
         );
         d.ok(
             "nvmf_subsystem_add_ns",
             json!({"nqn": nqn, "volume": "pv2", "nsid": 2}),
         );
         g.signal("add-ns").unwrap();
-        if g.wait_for("TB-WAIT remove-ns", Duration::from_secs(120)).is_ok() {
+        if g.wait_for("TB-WAIT remove-ns", Duration::from_secs(120))
+            .is_ok()
+        {
             d.ok("nvmf_subsystem_remove_ns", json!({"nqn": nqn, "nsid": 2}));
             g.signal("remove-ns").unwrap();
         }
@@ -1028,4 +1041,34 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
     assert_eq!(out.fact("hot_added"), (16 * MIB).to_string());
     assert_eq!(out.fact("hot_added_verified"), "yes");
     assert_eq!(out.fact("hot_removed"), "yes");
+    // What the guest wrote to the encrypted namespace is ciphertext in the volume's file, and
+    // an independent XTS (pyca/cryptography) decrypts it with the volume's key to those bytes.
+    let key = dir.path().join("pv2.key");
+    d.ok(
+        "volume_export_key",
+        json!({"name": "pv2", "path": key, "confirm": true}),
+    );
+    let image = d.state_dir.join("volumes/pv2.img");
+    let plain = nacre_tests::xts_oracle::python_decrypt_file(
+        &image,
+        &std::fs::read(&key).unwrap(),
+        4096,
+        "plain64",
+        0,
+        4 * MIB as usize,
+        0,
+    )
+    .expect("the XTS oracle (python3-cryptography)");
+    let dec = dir.path().join("pv2.plain");
+    std::fs::write(&dec, &plain).unwrap();
+    assert_eq!(
+        testbed::sha256_of_range(&dec, 0, 4 * MIB).unwrap(),
+        out.fact("hot_added_sha256"),
+        "the oracle's plaintext of the encrypted namespace"
+    );
+    assert_ne!(
+        testbed::sha256_of_range(&image, 0, 4 * MIB).unwrap(),
+        out.fact("hot_added_sha256"),
+        "plaintext at rest"
+    );
 }

@@ -6,7 +6,8 @@
 # hotplug (1: wait for the host's add-ns and remove-ns on the control channel).
 # Facts: pci (vendor:device class of the NVMe function), model, serial, transport, bytes, queues, bound_s
 # (seconds from modprobe to /dev/nvme0n1), verified, reset_verified, rebind_verified, hot_added
-# (bytes of nvme0n2 once it appeared), hot_added_verified, hot_removed.
+# (bytes of nvme0n2 once it appeared), hot_added_verified, hot_added_sha256 (of the 4 MiB written
+# at its start), hot_removed.
 mib=$(param mib 64)
 step "PCI functions"
 dev=""
@@ -75,6 +76,7 @@ if [ "$(param hotplug 0)" = 1 ]; then
     dd if=/dev/nvme0n2 of=/tmp/back2 bs=1M count=4 iflag=direct 2>/dev/null || fail "read nvme0n2"
     cmp /tmp/pat2 /tmp/back2 || fail "nvme0n2 read-back differs"
     fact hot_added_verified yes
+    fact hot_added_sha256 "$(sha256sum /tmp/pat2 | cut -d' ' -f1)"
     step "namespace 2 detached by the host"
     wait_host remove-ns 120
     wait_until 30 sh -c '! test -e /dev/nvme0n2' || fail "/dev/nvme0n2 still there after the host detached it"
