@@ -674,18 +674,28 @@ fn nacreds_initiator_attaches_over_tls_to_spdk_and_to_nacred() {
     use serde_json::json;
     let dir = tempfile::tempdir().unwrap();
     let key = dir.path().join("host.psk");
+    let key384 = dir.path().join("host384.psk");
     let wrong = dir.path().join("wrong.psk");
     TlsPsk::generate(1, None).unwrap().write_file(&key).unwrap();
+    TlsPsk::generate(2, None)
+        .unwrap()
+        .write_file(&key384)
+        .unwrap();
     TlsPsk::generate(1, None)
         .unwrap()
         .write_file(&wrong)
         .unwrap();
-    let key_body = std::fs::read_to_string(&key)
-        .unwrap()
-        .split(':')
-        .nth(2)
-        .unwrap()
-        .to_string();
+    let bodies: Vec<String> = [&key, &key384]
+        .iter()
+        .map(|k| {
+            std::fs::read_to_string(k)
+                .unwrap()
+                .split(':')
+                .nth(2)
+                .unwrap()
+                .to_string()
+        })
+        .collect();
 
     let _one = SPDK.lock().unwrap_or_else(|p| p.into_inner());
     let shelf = SpdkTlsShelf::start(&key, HOST256);
@@ -710,7 +720,8 @@ fn nacreds_initiator_attaches_over_tls_to_spdk_and_to_nacred() {
     assert_eq!(r[0]["io_queues"], 2, "{r}");
     n.remote_round_trip("spdk", 1);
 
-    // nacred's own TLS listener as the shelf.
+    // nacred's own TLS listener as the shelf, with a 48-byte key: TLS_AES_256_GCM_SHA384
+    // (SPDK's leg above used a 32-byte key: TLS_AES_128_GCM_SHA256).
     let t = Nacred::start_args(&["--no-default"]);
     t.ok(
         "volume_create",
@@ -724,7 +735,7 @@ fn nacreds_initiator_attaches_over_tls_to_spdk_and_to_nacred() {
         NQN,
         HOST256,
         "--psk",
-        key.to_str().unwrap(),
+        key384.to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{out:?}");
     let tport = {
@@ -743,9 +754,14 @@ fn nacreds_initiator_attaches_over_tls_to_spdk_and_to_nacred() {
         "tls",
     ]);
     assert!(out.status.success(), "{out:?}");
-    let out = attach_tls(&n, "nacred", tport, NQN, Some(&key));
+    let out = attach_tls(&n, "nacred", tport, NQN, Some(&key384));
     assert!(out.status.success(), "{out:?}");
     n.remote_round_trip("nacred", 2);
+    assert!(
+        t.log_text().contains("TLS_AES_256_GCM_SHA384"),
+        "the target's log does not show the SHA-384 suite:\n{}",
+        t.log_text()
+    );
 
     // Replayed from the state after a restart: the PSK read again from its file.
     n.restart();
@@ -784,7 +800,9 @@ fn nacreds_initiator_attaches_over_tls_to_spdk_and_to_nacred() {
             String::from_utf8_lossy(&list.stdout).into_owned(),
         ),
     ] {
-        assert!(!text.contains(&key_body), "{what} holds the PSK");
+        for body in &bodies {
+            assert!(!text.contains(body.as_str()), "{what} holds a PSK");
+        }
     }
     assert!(n.stop(), "nacred did not stop cleanly");
 }
