@@ -944,7 +944,10 @@ fn nvme_tcp_against_nacred() {
 /// (`reset_controller`), an unbind and rebind of the nvme driver, and a namespace attached and
 /// detached by nacred while the guest runs (the guest sees `nvme0n2` come and go): the data
 /// survives each. The hot-attached namespace is an encrypted volume: what the guest wrote is
-/// ciphertext in its file, which pyca/cryptography's XTS decrypts to the guest's bytes.
+/// ciphertext in its file, which pyca/cryptography's XTS decrypts to the guest's bytes. Last,
+/// nacred is killed while the guest has the controller and started again: the guest's I/O
+/// fails and its driver removes the controller (QEMU does not reconnect), and the write it had
+/// acknowledged before the kill is in the volume's file.
 #[test]
 fn nvme_pcie_over_vfio_user_in_a_guest() {
     use serde_json::json;
@@ -954,10 +957,10 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
     };
     let qemu = testbed::trixie_qemu().expect("a QEMU with vfio-user-pci");
     let nqn = "nqn.2024-01.io.nacre:pcie";
-    let d = Nacred::start_args(&["--no-default"]);
+    let mut d = Nacred::start_args(&["--no-default"]);
     d.ok(
         "volume_create",
-        json!({"name": "pv", "size": 128 * MIB, "block_size": 512, "backend": "ram"}),
+        json!({"name": "pv", "size": 128 * MIB, "block_size": 512, "backend": "file"}),
     );
     d.ok(
         "nvmf_subsystem_create",
@@ -980,6 +983,7 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
         .param("queues", 4)
         .param("mib", 64)
         .param("hotplug", 1)
+        .param("failure", 1)
         .smp(4)
         .ctl()
         .qemu_binary(qemu)
@@ -1023,6 +1027,22 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
             g.signal("remove-ns").unwrap();
         }
     }
+    // nacred killed while the guest has the controller, then started again: what the guest
+    // sees (facts killed_*, restarted_*), and the write it had acknowledged before.
+    if g.wait_for("TB-WAIT kill", Duration::from_secs(120)).is_ok() {
+        d.kill();
+        g.signal("kill").unwrap();
+        if g.wait_for("TB-WAIT restarted", Duration::from_secs(120))
+            .is_ok()
+        {
+            d.spawn_again();
+            let t = std::time::Instant::now();
+            while !sock.exists() && t.elapsed() < Duration::from_secs(30) {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            g.signal("restarted").unwrap();
+        }
+    }
     let out = g.wait(Duration::from_secs(300)).expect("guest");
     assert!(
         out.success(),
@@ -1041,6 +1061,21 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
     assert_eq!(out.fact("hot_added"), (16 * MIB).to_string());
     assert_eq!(out.fact("hot_added_verified"), "yes");
     assert_eq!(out.fact("hot_removed"), "yes");
+    // nacred killed: QEMU's vfio-user client stays up but its socket is gone; the guest's next
+    // command times out (io_timeout 5 s), CSTS reads all ones, the driver gives the controller
+    // up and removes it, and the I/O fails with an error. Started again, nacred serves its
+    // listener, but QEMU does not connect again: the guest keeps no disk.
+    assert_eq!(out.fact("killed_io"), "error");
+    assert_ne!(out.fact("killed_state"), "live");
+    assert_eq!(out.fact("restarted_io"), "error");
+    assert_eq!(out.fact("restarted_state"), "gone");
+    // The write the guest had acknowledged (O_DIRECT, then a flush) before the kill is in the
+    // volume's file.
+    assert_eq!(
+        testbed::sha256_of_range(&d.state_dir.join("volumes/pv.img"), 16 * MIB, 2 * MIB).unwrap(),
+        out.fact("acked_sha256"),
+        "an acknowledged write lost when nacred was killed"
+    );
     // What the guest wrote to the encrypted namespace is ciphertext in the volume's file, and
     // an independent XTS (pyca/cryptography) decrypts it with the volume's key to those bytes.
     let key = dir.path().join("pv2.key");

@@ -17,6 +17,8 @@ done
 [ -n "$dev" ] || fail "no NVM Express function (class 010802) on the PCI bus"
 fact pci "$(cat "$dev/vendor"):$(cat "$dev/device") $(cat "$dev/class")"
 t0=$(up)
+# short command timeouts (Linux's default is 30 s): with failure=1 the controller goes away
+modprobe nvme_core io_timeout=5 admin_timeout=5
 modprobe nvme
 wait_until 30 test -b /dev/nvme0n1 || fail "no /dev/nvme0n1 after modprobe nvme"
 fact bound_s "$(elapsed "$t0")"
@@ -82,6 +84,36 @@ if [ "$(param hotplug 0)" = 1 ]; then
     wait_until 30 sh -c '! test -e /dev/nvme0n2' || fail "/dev/nvme0n2 still there after the host detached it"
     reread || fail "namespace 1 changed when namespace 2 went"
     fact hot_removed yes
+fi
+
+if [ "$(param failure 0)" = 1 ]; then
+    step "an acknowledged write (O_DIRECT, then a flush), then the host kills nacred"
+    dd if=/dev/urandom of=/tmp/acked bs=1M count=2 2>/dev/null
+    dd if=/tmp/acked of=/dev/nvme0n1 bs=1M seek=16 count=2 oflag=direct conv=fsync 2>/dev/null ||
+        fail "the write before the kill"
+    fact acked_sha256 "$(sha256sum /tmp/acked | cut -d' ' -f1)"
+    wait_host kill 120
+    step "the guest's I/O with nacred gone"
+    t=$(up)
+    if timeout 60 dd if=/dev/nvme0n1 of=/dev/null bs=4k count=1 skip=4096 iflag=direct 2>/tmp/ioerr; then
+        fact killed_io ok
+    else
+        fact killed_io error
+    fi
+    fact killed_io_s "$(elapsed "$t")"
+    fact killed_state "$(cat $c/state 2>/dev/null || echo gone)"
+    dmesg | grep -i 'nvme' | tail -n 8
+    wait_host restarted 120
+    step "the guest's I/O once nacred is back"
+    sleep 2
+    if timeout 60 dd if=/dev/nvme0n1 of=/dev/null bs=4k count=1 skip=8192 iflag=direct 2>/tmp/ioerr; then
+        fact restarted_io ok
+    else
+        fact restarted_io error
+    fi
+    fact restarted_state "$(cat $c/state 2>/dev/null || echo gone)"
+    dmesg | grep -i 'nvme' | tail -n 4
+    exit 0
 fi
 
 step "flush and shut down the controller"
