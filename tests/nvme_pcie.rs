@@ -495,6 +495,22 @@ fn a_hostile_host_gets_error_statuses_and_cannot_write_outside_its_memory() {
     assert!(after == before, "a refused write changed the volume");
     // A Read whose data would land outside the memory changed nothing in it either.
     assert!(h.mem.at(DATA, 4096).iter().all(|&b| b == 0));
+    // Doorbell Buffer Config with a buffer outside the memory, a misaligned one, or one page
+    // for both: Invalid Field, and the registers stay in charge (the I/O below still works).
+    for (shadow, event_idx) in [
+        (outside, DATA),
+        (DATA, outside),
+        (DATA + 8, DATA + 0x1000),
+        (DATA, DATA),
+        (0, DATA),
+    ] {
+        assert_eq!(
+            code(h.submit(0, sqe(0x7C, 0, shadow, event_idx, 0, 0, 0)).0),
+            INVALID_FIELD,
+            "Doorbell Buffer Config {shadow:#x} {event_idx:#x}"
+        );
+    }
+    assert_eq!(code(h.submit(1, sqe(0x02, 1, DATA, 0, 0, 0, 0)).0), 0);
     // A doorbell beyond the queue's size: Controller Fatal Status, and nothing more is
     // served until the host resets the controller.
     h.ring(1, QSIZE as u32 + 5);

@@ -1056,6 +1056,12 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
     assert_eq!(out.fact("transport"), "pcie");
     assert_eq!(out.fact("queues"), "4");
     assert_eq!(out.fact("verified"), "64MiB");
+    // Linux's driver configured shadow doorbells (Identify Controller OACS bit 8) and its I/O
+    // went through them.
+    assert!(
+        d.log_text().contains("shadow doorbells configured"),
+        "the guest did not configure shadow doorbells"
+    );
     assert_eq!(out.fact("reset_verified"), "yes");
     assert_eq!(out.fact("rebind_verified"), "yes");
     assert_eq!(out.fact("hot_added"), (16 * MIB).to_string());

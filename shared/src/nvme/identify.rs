@@ -61,6 +61,8 @@ pub mod oncs {
 
 /// OAES bit 8: Namespace Attribute Notices are supported.
 pub const OAES_NS_ATTR: u32 = 1 << 8;
+/// OACS bit 8: the Doorbell Buffer Config command is supported.
+pub const OACS_DOORBELL_BUFFER_CONFIG: u16 = 1 << 8;
 
 /// SGLS bits (bytes 536-539): bit 0 SGLs supported (no alignment requirement), bit 20
 /// the Offset subtype of SGL Data Block descriptors (in-capsule data).

@@ -48,6 +48,9 @@ pub mod admin_opcode {
     pub const GET_FEATURES: u8 = 0x0A;
     pub const ASYNC_EVENT_REQUEST: u8 = 0x0C;
     pub const KEEP_ALIVE: u8 = 0x18;
+    /// Doorbell Buffer Config (NVMe Base 2.0 §5.8): the host's shadow doorbells and EventIdx
+    /// buffers, for emulated PCIe controllers.
+    pub const DOORBELL_BUFFER_CONFIG: u8 = 0x7C;
     /// All Fabrics commands share this opcode; byte 4 (`fctype`) selects the command.
     pub const FABRICS: u8 = 0x7F;
 }

@@ -395,8 +395,10 @@ impl TargetController {
         };
         if self.admin_pcie() {
             // PRPs only (no SGLs), and no fabrics fields; CTRATT's 128-bit host identifier
-            // is a fabrics requirement.
+            // is a fabrics requirement. Shadow doorbells (Doorbell Buffer Config), which
+            // hosts use on emulated controllers.
             return IdentifyController {
+                oacs: identify::OACS_DOORBELL_BUFFER_CONFIG,
                 sgls: 0,
                 ioccsz: 0,
                 iorcsz: 0,

@@ -459,6 +459,9 @@ impl PcieController {
             admin_opcode::CREATE_IO_SQ => reply(self.create_sq(c), 0),
             admin_opcode::DELETE_IO_SQ => reply(self.delete_sq(c.cdw10 as u16), 0),
             admin_opcode::DELETE_IO_CQ => reply(self.delete_cq(c.cdw10 as u16), 0),
+            admin_opcode::DOORBELL_BUFFER_CONFIG => {
+                reply(self.doorbell_buffer_config(mem, prp1, prp2), 0)
+            }
             _ => {
                 let Some(ctrl) = lock(&self.ctrl).clone() else {
                     return reply(Status::COMMAND_SEQUENCE_ERROR, 0);
@@ -477,6 +480,31 @@ impl PcieController {
                 }
             }
         }
+    }
+
+    /// Doorbell Buffer Config (NVMe Base 2.0 §5.8): PRP1 the shadow doorbell buffer, PRP2
+    /// the EventIdx buffer, each a page-aligned page of the host's mapped memory.
+    fn doorbell_buffer_config(&self, mem: &GuestMemoryMmap, prp1: u64, prp2: u64) -> Status {
+        use vm_memory::{GuestAddress, GuestMemory};
+        let usable = |a: u64| {
+            a != 0
+                && a % prp::PAGE == 0
+                && mem.check_range(
+                    GuestAddress(a),
+                    prp::PAGE as usize,
+                    vm_memory::Permissions::ReadWrite,
+                )
+        };
+        if !usable(prp1) || !usable(prp2) || prp1 == prp2 {
+            return Status::INVALID_FIELD;
+        }
+        self.doorbells.configure_shadow(prp1, prp2);
+        debug!(
+            shadow = prp1,
+            event_idx = prp2,
+            "nvme pcie: shadow doorbells configured"
+        );
+        Status::SUCCESS
     }
 
     fn create_cq(&self, c: &Command) -> Status {

@@ -33,7 +33,8 @@
 //!
 //! What it does today: one client at a time per controller; a poller thread per controller
 //! (busy while there is work, then backing off to 1 ms sleeps); interrupts without
-//! coalescing; no Doorbell Buffer Config, no SGLs, 4 KiB pages only (CAP.MPSMAX = 0).
+//! coalescing; shadow doorbells (Doorbell Buffer Config, `queue`); no SGLs, 4 KiB pages only
+//! (CAP.MPSMAX = 0).
 
 mod config;
 mod ctrl;

@@ -6,9 +6,17 @@
 //! a host rings a doorbell with a plain store and nothing reaches nacred: the controller's
 //! poller reads the page. A doorbell value beyond the queue's size is a host error the
 //! controller cannot recover from; the controller then reports Controller Fatal Status.
+//!
+//! Shadow doorbells (Doorbell Buffer Config, §5.8; Linux uses them on emulated controllers):
+//! once the host has given a shadow doorbell buffer and an EventIdx buffer, each a page of its
+//! memory laid out like the doorbell registers, the I/O queues' doorbell values are read from
+//! the shadow buffer, and after each pass the controller writes into the EventIdx buffer the
+//! value it has consumed, so that the host rings the register only when the controller asks
+//! (Linux's `nvme_dbbuf_need_event`). The admin queue keeps its registers (Linux does not
+//! shadow it).
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use nacre_shared::nvme::Status;
@@ -24,9 +32,12 @@ pub const DOORBELLS: u64 = 0x1000;
 /// Doorbell registers in the page: SQyTDBL at 2y, CQyHDBL at 2y + 1 (DSTRD = 0).
 pub const DOORBELL_SLOTS: usize = 1024;
 
-/// The doorbell page: a view of shared memory the client writes at any time.
+/// The doorbell page: a view of shared memory the client writes at any time; and the host's
+/// shadow doorbell and EventIdx buffers once it has configured them (0: none).
 pub struct Doorbells {
     regs: *const AtomicU32,
+    shadow: AtomicU64,
+    event_idx: AtomicU64,
 }
 
 // SAFETY: the page is only accessed through atomics, which any thread may use.
@@ -41,7 +52,50 @@ impl Doorbells {
     pub unsafe fn new(page: *mut u8) -> Self {
         Doorbells {
             regs: page as *const AtomicU32,
+            shadow: AtomicU64::new(0),
+            event_idx: AtomicU64::new(0),
         }
+    }
+
+    /// Doorbell Buffer Config: the guest addresses of the shadow doorbell buffer and the
+    /// EventIdx buffer (page-aligned pages the caller has checked are mapped).
+    pub fn configure_shadow(&self, shadow: u64, event_idx: u64) {
+        self.event_idx.store(event_idx, Ordering::Release);
+        self.shadow.store(shadow, Ordering::Release);
+    }
+
+    /// The shadow buffer's guest address of doorbell slot `i`, for an I/O queue's slot when
+    /// the host has configured shadow doorbells.
+    fn shadow_at(&self, i: usize) -> Option<GuestAddress> {
+        let base = self.shadow.load(Ordering::Acquire);
+        (base != 0 && i >= 2).then(|| GuestAddress(base + 4 * i as u64))
+    }
+
+    /// A doorbell value: the shadow buffer's for I/O queues once configured (a shadow slot
+    /// no longer mapped reads as the register), else the register's.
+    fn value(&self, i: usize, mem: &GuestMemoryMmap) -> u32 {
+        match self.shadow_at(i) {
+            Some(a) => mem
+                .load::<u32>(a, Ordering::Acquire)
+                .map(u32::from_le)
+                .unwrap_or_else(|_| self.slot(i).load(Ordering::Acquire)),
+            None => self.slot(i).load(Ordering::Acquire),
+        }
+    }
+
+    /// Tell the host, through the EventIdx buffer, the value of doorbell slot `i` the
+    /// controller has consumed: it rings the register only once it moves past it.
+    fn consumed(&self, i: usize, value: u32, mem: &GuestMemoryMmap) {
+        if self.shadow_at(i).is_none() {
+            return;
+        }
+        let base = self.event_idx.load(Ordering::Acquire);
+        // A buffer the host unmapped loses the hint, never memory outside the mapping.
+        let _ = mem.store(
+            value.to_le(),
+            GuestAddress(base + 4 * i as u64),
+            Ordering::Release,
+        );
     }
 
     fn slot(&self, i: usize) -> &AtomicU32 {
@@ -50,12 +104,12 @@ impl Doorbells {
         unsafe { &*self.regs.add(i) }
     }
 
-    pub fn sq_tail(&self, qid: u16) -> u32 {
-        self.slot(2 * qid as usize).load(Ordering::Acquire)
+    pub fn sq_tail(&self, qid: u16, mem: &GuestMemoryMmap) -> u32 {
+        self.value(2 * qid as usize, mem)
     }
 
-    pub fn cq_head(&self, qid: u16) -> u32 {
-        self.slot(2 * qid as usize + 1).load(Ordering::Acquire)
+    pub fn cq_head(&self, qid: u16, mem: &GuestMemoryMmap) -> u32 {
+        self.value(2 * qid as usize + 1, mem)
     }
 
     /// A doorbell write that arrived as a vfio-user region write (the client did not mmap
@@ -80,8 +134,10 @@ impl Doorbells {
         }
     }
 
-    /// Zero every doorbell (controller reset).
+    /// Zero every doorbell and forget the shadow buffers (controller reset).
     pub fn clear(&self) {
+        self.shadow.store(0, Ordering::Release);
+        self.event_idx.store(0, Ordering::Release);
         for i in 0..DOORBELL_SLOTS {
             self.slot(i).store(0, Ordering::Release);
         }
@@ -174,10 +230,11 @@ impl Cq {
         mem: &GuestMemoryMmap,
         db: &Doorbells,
     ) -> Result<bool, Fatal> {
-        let head = db.cq_head(self.qid);
+        let head = db.cq_head(self.qid, mem);
         if head >= self.size as u32 {
             return Err(Fatal::Doorbell);
         }
+        db.consumed(2 * self.qid as usize + 1, head, mem);
         let mut posted = false;
         while let Some(c) = st.pending.front().copied() {
             let next = (st.tail + 1) % self.size;
@@ -215,7 +272,7 @@ pub fn fetch(
     db: &Doorbells,
     max: usize,
 ) -> Result<Vec<(u16, [u8; SQE_LEN as usize])>, Fatal> {
-    let tail = db.sq_tail(sq.qid);
+    let tail = db.sq_tail(sq.qid, mem);
     if tail >= sq.size as u32 {
         return Err(Fatal::Doorbell);
     }
@@ -230,6 +287,7 @@ pub fn fetch(
         let _ = mem.read_slice(&mut e, GuestAddress(at));
         out.push((*head, e));
     }
+    db.consumed(2 * sq.qid as usize, *head as u32, mem);
     Ok(out)
 }
 
@@ -283,5 +341,64 @@ mod tests {
         assert_eq!(fetch(&sq, &mem, &db, 64).unwrap_err(), Fatal::Doorbell);
         db.store(2 * 4, &2u32.to_le_bytes());
         assert_eq!(fetch(&sq, &mem, &db, 64).unwrap().len(), 2);
+    }
+
+    /// With shadow doorbells configured, an I/O queue's doorbells are read from the host's
+    /// shadow buffer and the consumed values written to its EventIdx buffer; the admin
+    /// queue keeps its registers; a controller reset forgets the buffers.
+    #[test]
+    fn shadow_doorbells_replace_the_io_queues_registers() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap();
+        let mut page = vec![0u32; DOORBELL_SLOTS];
+        // SAFETY: `page` outlives `db` and holds DOORBELL_SLOTS aligned u32s.
+        let db = unsafe { Doorbells::new(page.as_mut_ptr() as *mut u8) };
+        let (shadow, event_idx) = (0x8000u64, 0x9000u64);
+        db.configure_shadow(shadow, event_idx);
+        let sq = |qid| Sq {
+            qid,
+            base: 0x2000,
+            size: 8,
+            cqid: qid,
+            head: Mutex::new(0),
+        };
+        // SQ 1: the register says 5, the shadow 3: the shadow wins.
+        db.store(2 * 4, &5u32.to_le_bytes());
+        mem.write_obj(3u32, GuestAddress(shadow + 2 * 4)).unwrap();
+        assert_eq!(fetch(&sq(1), &mem, &db, 64).unwrap().len(), 3);
+        assert_eq!(
+            mem.read_obj::<u32>(GuestAddress(event_idx + 2 * 4))
+                .unwrap(),
+            3
+        );
+        // The admin queue: its register.
+        db.store(0, &2u32.to_le_bytes());
+        mem.write_obj(6u32, GuestAddress(shadow)).unwrap();
+        assert_eq!(fetch(&sq(0), &mem, &db, 64).unwrap().len(), 2);
+        assert_eq!(mem.read_obj::<u32>(GuestAddress(event_idx)).unwrap(), 0);
+        // A shadow value beyond the queue is as fatal as a register's.
+        mem.write_obj(8u32, GuestAddress(shadow + 2 * 4)).unwrap();
+        assert_eq!(fetch(&sq(1), &mem, &db, 64).unwrap_err(), Fatal::Doorbell);
+        // CQ 1's head from the shadow: it frees the entries the register does not.
+        let cq = Cq::new(1, 0x1000, 2, 0, true);
+        let c = Pending {
+            dw0: 0,
+            sqhd: 0,
+            sqid: 1,
+            cid: 1,
+            status: Status::SUCCESS,
+        };
+        assert!(cq.post(&mem, &db, c).unwrap());
+        assert!(!cq.post(&mem, &db, c).unwrap(), "a queue of 2 holds 1");
+        mem.write_obj(1u32, GuestAddress(shadow + 3 * 4)).unwrap();
+        assert!(cq.flush(&mem, &db).unwrap());
+        assert_eq!(
+            mem.read_obj::<u32>(GuestAddress(event_idx + 3 * 4))
+                .unwrap(),
+            1
+        );
+        // Reset: registers again.
+        db.clear();
+        db.store(2 * 4, &1u32.to_le_bytes());
+        assert_eq!(fetch(&sq(1), &mem, &db, 64).unwrap().len(), 1);
     }
 }
