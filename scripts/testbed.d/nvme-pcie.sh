@@ -3,11 +3,14 @@
 # rebind of the nvme driver, and (with --ctl) a namespace the host attaches and detaches while the
 # guest runs, which the guest learns of by a Namespace Attribute Changed event.
 # Params: model, serial, bytes (expected namespace size), queues (expected I/O queues), mib (verify size),
-# hotplug (1: wait for the host's add-ns and remove-ns on the control channel).
+# hotplug (1: wait for the host's add-ns and remove-ns on the control channel), failure (1: an
+# acknowledged write, then wait for the host to kill nacred (kill) and start it again (restarted),
+# and report what the guest's I/O does each time; the scenario ends there).
 # Facts: pci (vendor:device class of the NVMe function), model, serial, transport, bytes, queues, bound_s
 # (seconds from modprobe to /dev/nvme0n1), verified, reset_verified, rebind_verified, hot_added
 # (bytes of nvme0n2 once it appeared), hot_added_verified, hot_added_sha256 (of the 4 MiB written
-# at its start), hot_removed.
+# at its start), hot_removed, acked_sha256, killed_io (ok/error), killed_io_s, killed_state,
+# restarted_io, restarted_state (the controller's sysfs state, or gone).
 mib=$(param mib 64)
 step "PCI functions"
 dev=""
