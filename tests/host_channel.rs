@@ -752,6 +752,6 @@ fn the_agent_reconnects_after_nacred_restarts_and_stops_on_sigterm() {
         log.contains("connected to nacred") && log.contains("reconnecting"),
         "{log}"
     );
-    // (The first session ended with the nacred that held it; the second ends now.)
+    // (The first connection ended with the nacred that held it; the second ends now.)
     wait_log(&d, "host disconnected", 1);
 }

@@ -323,9 +323,8 @@ fn shelf(n: &Nacred, g: &Guest, port: u16, keys: &Keys) {
     }
 }
 
-/// nacred's own NVMe/TCP target as the guest host's peer: a 32 MiB RAM volume as HOST_SUBNQN
-/// for GUEST_HOSTNQN only, with its DH-HMAC-CHAP keys.
-fn nacred_target(port: u16, keys: &Keys) -> Nacred {
+/// A nacred serving a 32 MiB RAM volume as HOST_SUBNQN, no host or listener yet.
+fn host_subsystem() -> Nacred {
     let t = Nacred::start_args(&["--no-default"]);
     t.ok(
         "volume_create",
@@ -336,6 +335,13 @@ fn nacred_target(port: u16, keys: &Keys) -> Nacred {
         "nvmf_subsystem_add_ns",
         json!({"nqn": HOST_SUBNQN, "volume": "tv"}),
     );
+    t
+}
+
+/// nacred's own NVMe/TCP target as the guest host's peer: a 32 MiB RAM volume as HOST_SUBNQN
+/// for GUEST_HOSTNQN only, with its DH-HMAC-CHAP keys.
+fn nacred_target(port: u16, keys: &Keys) -> Nacred {
+    let t = host_subsystem();
     let out = t.cli(&[
         "nvmf",
         "add-host",
@@ -361,16 +367,7 @@ fn nacred_target(port: u16, keys: &Keys) -> Nacred {
 /// nacred's own NVMe/TCP target, TLS-only (`--secure-channel tls`), as the guest host's peer:
 /// the same volume and subsystem as [`nacred_target`], GUEST_HOSTNQN with a TLS PSK.
 fn nacred_tls_target(port: u16, psk: &Path) -> Nacred {
-    let t = Nacred::start_args(&["--no-default"]);
-    t.ok(
-        "volume_create",
-        json!({"name": "tv", "size": 32 * MIB, "block_size": 512, "backend": "ram"}),
-    );
-    t.ok("nvmf_subsystem_create", json!({"nqn": HOST_SUBNQN}));
-    t.ok(
-        "nvmf_subsystem_add_ns",
-        json!({"nqn": HOST_SUBNQN, "volume": "tv"}),
-    );
+    let t = host_subsystem();
     for args in [
         vec![
             "nvmf",

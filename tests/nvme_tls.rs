@@ -348,22 +348,7 @@ fn nacred_serves_a_tls_listener_from_the_cli_and_replays_it_without_storing_the_
     ]);
     assert!(out.status.success(), "{out:?}");
 
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let out = n.cli(&[
-        "nvmf",
-        "add-listener",
-        NQN,
-        "--address",
-        "127.0.0.1",
-        "--port",
-        &port.to_string(),
-        "--secure-channel",
-        "tls",
-    ]);
-    assert!(out.status.success(), "{out:?}");
+    let port = add_tls_listener(&n);
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
 
     let (ok, out) = tls_perf(addr, HOST384, &key);
@@ -394,6 +379,27 @@ fn nacred_serves_a_tls_listener_from_the_cli_and_replays_it_without_storing_the_
     ]);
     assert!(!ok, "the replayed listener accepted a plain host:\n{out}");
     assert!(n.stop(), "nacred did not stop cleanly");
+}
+
+/// `nacre nvmf add-listener NQN --secure-channel tls` on a free loopback port of `n`: the port.
+fn add_tls_listener(n: &nacre_tests::daemon::Nacred) -> u16 {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let out = n.cli(&[
+        "nvmf",
+        "add-listener",
+        NQN,
+        "--address",
+        "127.0.0.1",
+        "--port",
+        &port.to_string(),
+        "--secure-channel",
+        "tls",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    port
 }
 
 /// One NVMe/TCP PDU read from a TLS stream: its bytes.
@@ -738,22 +744,7 @@ fn nacreds_initiator_attaches_over_tls_to_spdk_and_to_nacred() {
         key384.to_str().unwrap(),
     ]);
     assert!(out.status.success(), "{out:?}");
-    let tport = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        l.local_addr().unwrap().port()
-    };
-    let out = t.cli(&[
-        "nvmf",
-        "add-listener",
-        NQN,
-        "--address",
-        "127.0.0.1",
-        "--port",
-        &tport.to_string(),
-        "--secure-channel",
-        "tls",
-    ]);
-    assert!(out.status.success(), "{out:?}");
+    let tport = add_tls_listener(&t);
     let out = attach_tls(&n, "nacred", tport, NQN, Some(&key384));
     assert!(out.status.success(), "{out:?}");
     n.remote_round_trip("nacred", 2);

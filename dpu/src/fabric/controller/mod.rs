@@ -668,8 +668,9 @@ impl Ctrl {
         st.since + cqt.max(self.cfg.quiesce_time)
     }
 
-    /// Hold a command for the next session, or fail it if the knobs say so. `sent`: it went
-    /// out on a session that was lost (so it must not be resent before the quiesce time).
+    /// Hold a command for the controller's next association (its next set of queues), or fail
+    /// it if the knobs say so. `sent`: it went out on queues that were lost (so it must not
+    /// be resent before the quiesce time).
     fn hold(&self, cmd: Cmd) {
         self.hold_cmd(cmd, false)
     }

@@ -5,7 +5,7 @@
 //! (transport error, protocol violation, keep-alive timeout) ends the whole session — its
 //! other queues are shut down at once — and the controller goes to `Connecting`:
 //! * Outstanding and new I/O is **held**, not failed. The commands have not been completed
-//!   to anyone, and a held command is resent on the next session as if new.
+//!   to anyone, and a held command is resent on the next association as if new.
 //! * Reconnection is tried at once (after the controller's Command Quiesce Time, CQT), then
 //!   every `reconnect_delay`.
 //! * After `fast_io_fail_timeout` held I/O fails with [`IoError::PathLost`] and new I/O fails
