@@ -5,13 +5,15 @@
 //! never each other:
 //!
 //! ```text
-//!   nvmf_tcp (NvmfTarget: TCP listeners, reactors)    nvmf_rdma (RdmaPorts)
-//!          │                                               │
-//!          └──────────────────────┬────────────────────────┘
-//!                                 │   queues implement ctrl::CtrlQueue
+//!   nvmf_tcp (NvmfTarget:        nvmf_rdma (RdmaPorts)    nvme_pcie (vfio-user
+//!   TCP listeners, reactors)            │                 PCIe controllers)
+//!          │                            │                        │
+//!          └────────────────────────────┼────────────────────────┘
+//!                                       │   queues implement ctrl::CtrlQueue
 //!   nvme (this module): TargetInner ─ the target: subsystems, CNTLIDs, PORTIDs,
 //!          │                         keep-alive, host queue caps, management operations
 //!          ├─ fabrics    Connect (NVMe-oF 1.1 §3.3), Property Get/Set, I/O error statuses
+//!          ├─ io         the NVM command set's I/O commands: what each becomes at the volumes
 //!          ├─ ctrl       a controller: properties, admin commands, features, log pages,
 //!          │             asynchronous events, keep-alive
 //!          ├─ subsystem  subsystems, namespaces, the discovery log page
@@ -25,13 +27,17 @@
 //! this module for everything a controller decides. The test at the end of this file holds
 //! the core's files to that direction: none of them names a transport module.
 //!
-//! Today each transport maps the I/O command set onto [`crate::volume::BlockDevice`] itself
-//! (`nvmf_tcp::command`, `nvmf_rdma::queue`); the fabrics helpers they share
-//! ([`fabrics::io_status`], [`fabrics::QueueRules`]) live here.
+//! The I/O command set is decided here too ([`io::plan`]): which volume requests a command
+//! becomes and in which order, so every transport serves the same NVM commands with the same
+//! statuses and none of them waits on a volume from its queue thread. A transport checks its
+//! own data pointers (NVMe/TCP and RDMA SGLs, PCIe PRPs) and moves the bytes. The fabrics
+//! helpers the fabric transports share ([`fabrics::QueueRules`]) live here as well; a second
+//! test below holds the transports to that split.
 
 pub(crate) mod admission;
 pub(crate) mod ctrl;
 pub(crate) mod fabrics;
+pub(crate) mod io;
 pub mod limits;
 pub(crate) mod subsystem;
 
@@ -483,6 +489,7 @@ mod dependencies {
         ("admission.rs", include_str!("admission.rs")),
         ("ctrl.rs", include_str!("ctrl.rs")),
         ("fabrics.rs", include_str!("fabrics.rs")),
+        ("io.rs", include_str!("io.rs")),
         ("limits.rs", include_str!("limits.rs")),
         ("subsystem.rs", include_str!("subsystem.rs")),
     ];
@@ -506,6 +513,47 @@ mod dependencies {
             .filter(|l| l.starts_with("pub mod ") || l.starts_with("pub(crate) mod "))
             .count();
         assert_eq!(declared + 1, CORE.len());
+    }
+
+    /// The transports' files that serve I/O queues.
+    const TRANSPORT: &[(&str, &str)] = &[
+        (
+            "nvmf_tcp/command.rs",
+            include_str!("../nvmf_tcp/command.rs"),
+        ),
+        ("nvmf_rdma/conn.rs", include_str!("../nvmf_rdma/conn.rs")),
+        ("nvmf_rdma/queue.rs", include_str!("../nvmf_rdma/queue.rs")),
+        ("nvme_pcie/ctrl.rs", include_str!("../nvme_pcie/ctrl.rs")),
+        ("nvme_pcie/queue.rs", include_str!("../nvme_pcie/queue.rs")),
+    ];
+
+    /// What an I/O command does is decided in `io` only: a transport that names an I/O
+    /// command's semantics (a Flush, a Force Unit Access, a Deallocate's ranges) or waits
+    /// on a volume from its queue has grown its own copy again.
+    #[test]
+    fn io_commands_are_decided_once() {
+        for (file, src) in TRANSPORT {
+            let code = src.split("#[cfg(test)]").next().unwrap_or_default();
+            for line in code.lines().map(str::trim) {
+                if line.starts_with("//") {
+                    continue;
+                }
+                for t in [
+                    "io_opcode::READ",
+                    "io_opcode::FLUSH",
+                    "io_opcode::WRITE_ZEROES",
+                    "DatasetManagement",
+                    "IoKind::Discard",
+                    ".fua()",
+                    "NSID_ALL",
+                ] {
+                    assert!(
+                        !line.contains(t),
+                        "{file} decides an I/O command ({t}): {line}"
+                    );
+                }
+            }
+        }
     }
 }
 

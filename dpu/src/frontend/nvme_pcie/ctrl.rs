@@ -15,9 +15,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use nacre_shared::nvme::dsm::{DatasetManagement, Range as DsmRange, RANGE_LEN};
 use nacre_shared::nvme::registers::{self, cc, csts};
-use nacre_shared::nvme::{admin_opcode, io_opcode, Command, Status};
+use nacre_shared::nvme::{admin_opcode, Command, Status};
 use tracing::{debug, warn};
 use vm_memory::GuestMemoryMmap;
 
@@ -25,9 +24,9 @@ use super::config::ConfigSpace;
 use super::prp;
 use super::queue::{self, Cq, Doorbells, Fatal, Pending, Sq};
 use crate::frontend::nvme::ctrl::{AdminReply, CtrlQueue, TargetController};
-use crate::frontend::nvme::fabrics::io_status;
+use crate::frontend::nvme::io::{self, Arrived, Io, Plan, Then};
 use crate::frontend::nvme::{limits, lock, Subsystem, TargetInner};
-use crate::volume::{BlockDevice, IoCompletion, IoKind, IoRequest, IoResult};
+use crate::volume::{IoCompletion, IoKind, IoRequest, IoResult};
 
 /// BAR0 registers not in `registers` (§3.1.4).
 const AQA: u64 = 0x24;
@@ -602,120 +601,51 @@ impl PcieController {
         prp2: u64,
     ) {
         let fail = |s: Status| self.complete(sqid, sqhd, c.cid, s, 0);
-        if c.flags & 0xC0 != 0 || c.fuse() != 0 {
+        if c.flags & 0xC0 != 0 {
             return fail(Status::INVALID_FIELD);
         }
-        if c.opcode == io_opcode::FLUSH && c.nsid == 0xFFFF_FFFF {
-            // Every namespace, one after the other.
-            let mut reqs: Vec<_> = self
-                .subsys
-                .namespace_table()
-                .into_values()
-                .map(|ns| (ns.volume.clone(), IoRequest::new(IoKind::Flush, 0, 0, 0)))
-                .collect();
-            let Some(first) = reqs.pop() else {
-                return fail(Status::SUCCESS);
-            };
-            return self.submit(mem, sqid, sqhd, c.cid, false, first, reqs);
-        }
-        let Some(ns) = self.subsys.namespace(c.nsid) else {
-            return fail(Status::INVALID_NAMESPACE);
-        };
-        let bs = ns.block_size as u64;
-        let vol = ns.volume.clone();
-        let range = || -> Result<(u64, u64), Status> {
-            let off = c.slba().checked_mul(bs).ok_or(Status::LBA_OUT_OF_RANGE)?;
-            Ok((off, c.nlb() as u64 * bs))
-        };
-        match c.opcode {
-            io_opcode::READ | io_opcode::WRITE => {
-                let (off, len) = match range() {
-                    Ok(r) => r,
-                    Err(s) => return fail(s),
-                };
-                let spans = match prp::walk(mem, prp1, prp2, len) {
-                    Ok(s) => s,
-                    Err(s) => return fail(s),
-                };
-                let read = c.opcode == io_opcode::READ;
-                let kind = if read { IoKind::Read } else { IoKind::Write };
-                let req = IoRequest::new(kind, off, len, 0).with_segments(spans);
-                let then = if !read && c.fua() {
-                    vec![(vol.clone(), IoRequest::new(IoKind::Flush, 0, 0, 0))]
-                } else {
-                    Vec::new()
-                };
-                self.submit(mem, sqid, sqhd, c.cid, read, (vol, req), then)
-            }
-            io_opcode::FLUSH => self.submit(
-                mem,
-                sqid,
-                sqhd,
-                c.cid,
-                false,
-                (vol, IoRequest::new(IoKind::Flush, 0, 0, 0)),
-                Vec::new(),
-            ),
-            io_opcode::WRITE_ZEROES => {
-                let (off, len) = match range() {
-                    Ok(r) => r,
-                    Err(s) => return fail(s),
-                };
-                self.submit(
-                    mem,
-                    sqid,
-                    sqhd,
-                    c.cid,
-                    false,
-                    (vol, IoRequest::new(IoKind::WriteZeroes, off, len, 0)),
-                    Vec::new(),
-                )
-            }
-            io_opcode::DATASET_MANAGEMENT => {
-                let d = DatasetManagement::from_command(c);
+        let plan = match io::plan(c, &*self.subsys) {
+            Plan::Ranges(ns, d) => {
+                // The range list, copied out of the host's memory.
                 let mut buf = vec![0u8; d.data_len()];
                 match prp::walk(mem, prp1, prp2, buf.len() as u64) {
                     Ok(spans) => prp::copy_in(&spans, &mut buf),
                     Err(s) => return fail(s),
                 }
-                if !d.deallocate {
-                    return fail(Status::SUCCESS);
-                }
-                let mut reqs = Vec::new();
-                for r in buf.chunks_exact(RANGE_LEN).map(DsmRange::decode) {
-                    let Some(off) = r.slba.checked_mul(bs) else {
-                        return fail(Status::LBA_OUT_OF_RANGE);
-                    };
-                    if r.nlb > 0 {
-                        reqs.push((
-                            vol.clone(),
-                            IoRequest::new(IoKind::Discard, off, r.nlb as u64 * bs, 0),
-                        ));
-                    }
-                }
-                reqs.reverse();
-                let Some(first) = reqs.pop() else {
-                    return fail(Status::SUCCESS);
-                };
-                self.submit(mem, sqid, sqhd, c.cid, false, first, reqs)
+                io::deallocate(ns, &d, &buf)
             }
-            _ => fail(Status::INVALID_OPCODE),
-        }
+            p => p,
+        };
+        let (io, spans) = match plan {
+            Plan::Done(s) => return fail(s),
+            Plan::Read(io) | Plan::Write(io) => {
+                // Reads and writes go straight to and from the host's pages.
+                match prp::walk(mem, prp1, prp2, io.len) {
+                    Ok(spans) => (io, Some(spans)),
+                    Err(s) => return fail(s),
+                }
+            }
+            Plan::Run(io) => (io, None),
+            Plan::Ranges(..) => unreachable!("deallocate gives Done or Run"),
+        };
+        self.submit(mem, sqid, sqhd, c.cid, io, spans);
     }
 
-    /// Submit `first`, then each of `then` (last first) after the previous one succeeded;
-    /// the command completes with the first failure or after the last.
-    #[allow(clippy::too_many_arguments)]
+    /// Submit `io`'s first request (with the host's pages `spans` for its data) through its
+    /// namespace's path; its completion runs the rest of the command.
     fn submit(
         self: &Arc<Self>,
         mem: &Arc<GuestMemoryMmap>,
         sqid: u16,
         sqhd: u16,
         cid: u16,
-        read: bool,
-        first: (Arc<dyn BlockDevice>, IoRequest),
-        then: Vec<(Arc<dyn BlockDevice>, IoRequest)>,
+        mut io: Io,
+        spans: Option<prp::Spans>,
     ) {
+        let mut req = io.request(0);
+        if let Some(spans) = spans {
+            req = req.with_segments(spans);
+        }
         let done = Arc::new_cyclic(|me| Inflight {
             me: me.clone(),
             dev: Arc::downgrade(self),
@@ -723,11 +653,11 @@ impl PcieController {
             sqid,
             sqhd,
             cid,
-            read,
-            then: Mutex::new(then),
+            read: io.is_read(),
+            state: Mutex::new((std::mem::take(&mut io.then), io.arrive())),
         });
         let d: Arc<dyn IoCompletion> = done;
-        first.0.submit(first.1, &d);
+        io.ns.path.submit(req, &d);
     }
 }
 
@@ -741,25 +671,35 @@ struct Inflight {
     sqhd: u16,
     cid: u16,
     read: bool,
-    then: Mutex<Vec<(Arc<dyn BlockDevice>, IoRequest)>>,
+    /// The command's requests still to run, and its arrival in its volume's statistics.
+    state: Mutex<(Then, Arrived)>,
 }
 
 impl IoCompletion for Inflight {
     fn complete(&self, _tag: u64, result: IoResult) {
-        if result.is_ok() {
-            let next = lock(&self.then).pop();
-            if let (Some((vol, req)), Some(me)) = (next, self.me.upgrade()) {
-                let d: Arc<dyn IoCompletion> = me;
-                vol.submit(req, &d);
-                return;
+        let next = {
+            let mut st = lock(&self.state);
+            let next = st.0.next(result.is_ok());
+            if next.is_none() {
+                if let Some((m, a)) = st.1.take() {
+                    m.complete(&a, result.is_err());
+                }
             }
-        }
-        let status = match &result {
-            Ok(()) => Status::SUCCESS,
-            Err(e) => io_status(e, self.read),
+            next
         };
+        if let (Some((vol, req)), Some(me)) = (next, self.me.upgrade()) {
+            let d: Arc<dyn IoCompletion> = me;
+            vol.submit(req, &d);
+            return;
+        }
         if let Some(dev) = self.dev.upgrade() {
-            dev.complete(self.sqid, self.sqhd, self.cid, status, 0);
+            dev.complete(
+                self.sqid,
+                self.sqhd,
+                self.cid,
+                io::status(&result, self.read),
+                0,
+            );
         }
     }
 }

@@ -16,7 +16,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nacre_shared::nvme::command::{sgl, SQE_LEN};
-use nacre_shared::nvme::dsm::DatasetManagement;
 use nacre_shared::nvme::fabrics::{connect_sqe_offset, fctype, Connect};
 use nacre_shared::nvme::{admin_opcode, get_u32, get_u64, io_opcode, Command, Status};
 use rdma_sys::*;
@@ -30,12 +29,11 @@ use super::queue::{
 use super::verbs;
 use crate::auth::queue::QueueAuth;
 use crate::frontend::nvme::ctrl::{AdminReply, TargetController};
-use crate::frontend::nvme::fabrics::{
-    self, fabrics_connect, invalid_param, io_status, HostQueue, QueueRules,
-};
+use crate::frontend::nvme::fabrics::{self, fabrics_connect, invalid_param, HostQueue, QueueRules};
+use crate::frontend::nvme::io::{self, Io, Plan};
 use crate::frontend::nvme::subsystem::{Namespace, Subsystem};
 use crate::frontend::nvme::{limits, lock, ConnSlot, TargetInner};
-use crate::volume::{self, IoKind, IoRequest, Segment};
+use crate::volume::{self, IoKind, Segment};
 
 /// How long the queue thread keeps polling its completion queue after the last work before
 /// it sleeps on the completion channel: long enough to catch the next command of a busy
@@ -571,132 +569,68 @@ impl Conn {
         }
     }
 
-    /// Execute an I/O command in slot `s`; `None` when it went to the volume (whose
-    /// completion responds).
+    /// Execute an I/O command in slot `s` ([`io::plan`]); `None` when it went to the volume
+    /// (whose completion responds).
     fn io(&mut self, s: usize, cmd: &Command, data_len: usize) -> Option<Status> {
-        if cmd.opcode == admin_opcode::FABRICS || cmd.fuse() != 0 {
-            return Some(Status::INVALID_FIELD);
+        if cmd.opcode == admin_opcode::FABRICS {
+            return Some(Status::INVALID_OPCODE);
         }
         self.refresh_namespaces();
-        if cmd.opcode == io_opcode::FLUSH && cmd.nsid == 0xFFFF_FFFF {
-            for ns in self.ns.values() {
-                if let Err(e) = ns
-                    .volume
-                    .submit_wait(IoRequest::new(IoKind::Flush, 0, 0, 0))
-                {
-                    return Some(io_status(&e, false));
-                }
+        let plan = match io::plan(cmd, &self.ns) {
+            Plan::Ranges(ns, d) => {
+                // The range list was fetched (RDMA READ) or came in the capsule.
+                // SAFETY: we hold slot s; no transfer on its buffer is in flight.
+                let data = unsafe { self.q.buf(s, data_len) }.to_vec();
+                io::deallocate(ns, &d, &data)
             }
-            return Some(Status::SUCCESS);
-        }
-        let Some(ns) = self.ns.get(&cmd.nsid).cloned() else {
-            return Some(Status::INVALID_NAMESPACE);
+            p => p,
         };
-        let bs = ns.block_size as u64;
-        let len = cmd.nlb() as u64 * bs;
-        let Some(offset) = cmd.slba().checked_mul(bs) else {
-            return Some(Status::LBA_OUT_OF_RANGE);
-        };
-        match cmd.opcode {
-            io_opcode::READ => {
-                if len as usize > limits::MAX_TRANSFER {
-                    return Some(Status::INVALID_FIELD);
-                }
+        match plan {
+            Plan::Done(st) => Some(st),
+            Plan::Read(io) => {
                 let Some(k) = lock(&self.q.slots[s]).keyed else {
                     return Some(Status::SGL_DESCRIPTOR_TYPE_INVALID);
                 };
-                if (k.len as u64) < len {
+                if (k.len as u64) < io.len {
                     return Some(Status::DATA_SGL_LENGTH_INVALID);
                 }
                 self.q.reads.fetch_add(1, Ordering::Relaxed);
-                self.q.read_bytes.fetch_add(len, Ordering::Relaxed);
-                self.submit(&ns, s, IoKind::Read, offset, len as usize)
+                self.q.read_bytes.fetch_add(io.len, Ordering::Relaxed);
+                self.submit(s, io)
             }
-            io_opcode::WRITE => {
-                if data_len as u64 != len {
+            Plan::Write(io) => {
+                if data_len as u64 != io.len {
                     return Some(Status::DATA_SGL_LENGTH_INVALID);
                 }
                 self.q.writes.fetch_add(1, Ordering::Relaxed);
-                self.q.write_bytes.fetch_add(len, Ordering::Relaxed);
-                if cmd.fua() {
-                    // FUA: durable before completion.
-                    // SAFETY: we hold slot s; submit_wait returns after the volume is done
-                    // with the segment.
-                    let seg = unsafe { Segment::from_slice(self.q.buf(s, len as usize)) };
-                    let req = IoRequest::new(IoKind::Write, offset, len, 0).with_segments([seg]);
-                    let r = ns.volume.submit_wait(req).and_then(|()| {
-                        ns.volume
-                            .submit_wait(IoRequest::new(IoKind::Flush, 0, 0, 0))
-                    });
-                    return Some(r.err().map_or(Status::SUCCESS, |e| io_status(&e, false)));
-                }
-                self.submit(&ns, s, IoKind::Write, offset, len as usize)
+                self.q.write_bytes.fetch_add(io.len, Ordering::Relaxed);
+                self.submit(s, io)
             }
-            io_opcode::WRITE_ZEROES => {
-                self.submit(&ns, s, IoKind::WriteZeroes, offset, len as usize)
-            }
-            io_opcode::FLUSH => self.submit(&ns, s, IoKind::Flush, 0, 0),
-            io_opcode::DATASET_MANAGEMENT => {
-                // SAFETY: we hold slot s.
-                let data = unsafe { self.q.buf(s, data_len) }.to_vec();
-                Some(dsm(&ns, cmd, &data))
-            }
-            _ => Some(Status::INVALID_OPCODE),
+            Plan::Run(io) => self.submit(s, io),
+            Plan::Ranges(..) => unreachable!("deallocate gives Done or Run"),
         }
     }
 
-    fn submit(
-        &mut self,
-        ns: &Namespace,
-        s: usize,
-        kind: IoKind,
-        offset: u64,
-        len: usize,
-    ) -> Option<Status> {
-        let seg = matches!(kind, IoKind::Read | IoKind::Write).then(|| {
+    /// Submit `io`'s first request from slot `s`; its data (if any) is the slot's buffer.
+    fn submit(&mut self, s: usize, mut io: Io) -> Option<Status> {
+        let len = io.len as usize;
+        let seg = matches!(io.kind, IoKind::Read | IoKind::Write).then(|| {
             // SAFETY: slot s is held until the volume calls `complete` for tag s, so the
             // segment stays valid and exclusively the volume's while the request runs; the
             // buffer lives in `q`, which the completion handle keeps alive.
             unsafe { Segment::from_slice(self.q.buf(s, len)) }
         });
+        let mut req = io.request(s as u64);
         {
             let mut sl = lock(&self.q.slots[s]);
-            sl.read_len = if kind == IoKind::Read { len } else { 0 };
-            sl.stats = ns
-                .path
-                .metrics()
-                .map(|m| (m.clone(), m.arrive(kind, len as u64)));
+            sl.read_len = if io.is_read() { len } else { 0 };
+            sl.stats = io.arrive();
+            sl.then = std::mem::take(&mut io.then);
         }
-        let mut req = IoRequest::new(kind, offset, len as u64, s as u64);
         if let Some(seg) = seg {
             req = req.with_segments([seg]);
         }
-        ns.path.submit(req, &self.done);
+        io.ns.path.submit(req, &self.done);
         None
     }
-}
-
-/// Dataset Management (NVM Command Set 1.0 §3.2.3): only Deallocate acts.
-fn dsm(ns: &Namespace, cmd: &Command, data: &[u8]) -> Status {
-    let d = DatasetManagement::from_command(cmd);
-    let Some(ranges) = d.ranges(data) else {
-        return Status::DATA_SGL_LENGTH_INVALID;
-    };
-    if !d.deallocate {
-        return Status::SUCCESS;
-    }
-    let bs = ns.block_size as u64;
-    for r in ranges.filter(|r| r.nlb != 0) {
-        let (Some(off), Some(len)) = (r.slba.checked_mul(bs), (r.nlb as u64).checked_mul(bs))
-        else {
-            return Status::LBA_OUT_OF_RANGE;
-        };
-        if let Err(e) = ns
-            .volume
-            .submit_wait(IoRequest::new(IoKind::Discard, off, len, 0))
-        {
-            return io_status(&e, false);
-        }
-    }
-    Status::SUCCESS
 }

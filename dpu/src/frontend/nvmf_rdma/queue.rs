@@ -21,7 +21,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use nacre_shared::nvme::command::SQE_LEN;
 use nacre_shared::nvme::{Command, Completion, Status};
@@ -31,7 +31,7 @@ use tracing::{debug, warn};
 use super::cm::{self, CmRequest};
 use super::verbs::{self, EventChannel, RegBuf};
 use crate::frontend::nvme::ctrl::CtrlQueue;
-use crate::frontend::nvme::fabrics::io_status;
+use crate::frontend::nvme::io::{self, Then};
 use crate::frontend::nvme::{limits, lock, ConnSlot};
 use crate::telemetry::{Arrival, VolumeMetrics};
 use crate::volume::{self, IoResult};
@@ -121,10 +121,14 @@ pub(super) struct Slot {
     /// Bytes to RDMA WRITE to the host on success (reads).
     pub(super) read_len: usize,
     pub(super) stats: Option<(Arc<VolumeMetrics>, Arrival)>,
+    /// The command's volume requests still to run once the current one succeeds.
+    pub(super) then: Then,
 }
 
 /// The queue's verbs objects and buffers, and the state completing threads share.
 pub(super) struct RdmaQueue {
+    /// The queue itself, for submitting the next request of a command from a completion.
+    me: Weak<RdmaQueue>,
     /// The queue's own CM event channel (the id is migrated here from the listener's).
     pub(super) ch: EventChannel,
     pub(super) id: *mut rdma_cm_id,
@@ -374,19 +378,24 @@ impl volume::IoCompletion for RdmaQueue {
         if s >= self.slots.len() {
             return;
         }
-        let read_len = {
+        let (read_len, next) = {
             let mut sl = lock(&self.slots[s]);
-            let status_ok = result.is_ok();
-            if let Some((m, a)) = sl.stats.take() {
-                m.complete(&a, !status_ok);
+            let next = sl.then.next(result.is_ok());
+            if next.is_none() {
+                if let Some((m, a)) = sl.stats.take() {
+                    m.complete(&a, result.is_err());
+                }
             }
-            sl.read_len
+            (sl.read_len, next)
         };
-        let status = match &result {
-            Ok(()) => Status::SUCCESS,
-            Err(e) => io_status(e, read_len > 0),
-        };
-        self.respond(s, status, 0, 0, read_len);
+        // The next request of the command, submitted outside the slot's lock (a volume may
+        // complete it on this thread).
+        if let (Some((dev, req)), Some(me)) = (next, self.me.upgrade()) {
+            let done: Arc<dyn volume::IoCompletion> = me;
+            dev.submit(req, &done);
+            return;
+        }
+        self.respond(s, io::status(&result, read_len > 0), 0, 0, read_len);
     }
 }
 
@@ -401,6 +410,7 @@ pub(super) fn setup(inc: &mut Incoming) -> Result<Arc<RdmaQueue>, (u16, String)>
     let entries = inc.req.entries() as usize;
     let nslots = entries;
     let mut q = RdmaQueue {
+        me: Weak::new(),
         ch,
         id: std::mem::replace(&mut inc.id, std::ptr::null_mut()),
         pd: std::ptr::null_mut(),
@@ -512,5 +522,8 @@ pub(super) fn setup(inc: &mut Incoming) -> Result<Arc<RdmaQueue>, (u16, String)>
     if rc != 0 {
         return Err(fail(q, "rdma_accept", verbs::errno()));
     }
-    Ok(Arc::new(q))
+    Ok(Arc::new_cyclic(move |me| {
+        q.me = me.clone();
+        q
+    }))
 }

@@ -1,18 +1,18 @@
 //! Command capsules (NVMe/TCP 1.0 §3.3.2) and what they do: Fabrics commands (Connect,
 //! Property Get/Set; NVMe-oF 1.1 §3; Authentication Send/Receive, NVMe Base 2.0 §6.2-6.3,
 //! on a queue whose host must authenticate: [`fabrics::authentication`]), admin commands
-//! (handed to the controller) and the NVM command set mapped onto
-//! [`crate::volume::BlockDevice`] (NVM Command Set 1.0 §3).
+//! (handed to the controller) and the NVM command set, as the target core decides it
+//! ([`io::plan`], NVM Command Set 1.0 §3): this file only checks the transport's SGL and
+//! moves the data through a slot's buffer.
 //!
 //! Nothing here blocks the reactor: a command that needs several volume requests (a
 //! Force Unit Access write and its Flush, Dataset Management ranges, a Flush of every
-//! namespace) runs them one after the other from their completions.
+//! namespace) runs them one after the other from their completions ([`io::Then`]).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use nacre_shared::nvme::command::sgl;
-use nacre_shared::nvme::dsm::DatasetManagement;
 use nacre_shared::nvme::fabrics::{
     connect_sqe_offset, fctype, Connect, ConnectData, CATTR_DISABLE_SQ_FLOW,
 };
@@ -24,11 +24,12 @@ use super::conn::Conn;
 use super::pdu::{fatal, End};
 use super::transfer::GATHER_MIN;
 use crate::frontend::nvme::ctrl::AdminReply;
-use crate::frontend::nvme::fabrics::{self, fabrics_connect, invalid_param, io_status, QueueRules};
+use crate::frontend::nvme::fabrics::{self, fabrics_connect, invalid_param, QueueRules};
+use crate::frontend::nvme::io::{self, Io, Plan, Then};
 use crate::frontend::nvme::limits;
-use crate::frontend::nvme::subsystem::{Namespace, Subsystem};
+use crate::frontend::nvme::subsystem::Subsystem;
 use crate::telemetry::{trace, Arrival, VolumeMetrics};
-use crate::volume::{BlockDevice, IoKind, IoRequest, IoResult, Segment};
+use crate::volume::{IoKind, IoResult, Segment};
 
 /// A command at the volumes; indexed by the request tag.
 #[derive(Default)]
@@ -40,8 +41,8 @@ pub(super) struct Slot {
     pub(super) buf: Vec<u8>,
     /// The namespace volume's statistics and this request's arrival in them.
     stats: Option<(Arc<VolumeMetrics>, Arrival)>,
-    /// Requests still to run once the current one succeeds, the next one last.
-    then: Vec<(Arc<dyn BlockDevice>, IoRequest)>,
+    /// Requests still to run once the current one succeeds.
+    then: Then,
 }
 
 /// Host data of a command: in the capsule, or gathered by R2T/H2CData.
@@ -264,110 +265,42 @@ impl Conn {
         }
     }
 
-    /// Execute an I/O command; `None` when it went to the volume (the completion replies).
+    /// Execute an I/O command ([`io::plan`]); `None` when it went to the volume (the
+    /// completion replies).
     fn io(&mut self, cmd: &Command, data: Payload<'_>) -> Option<Status> {
         if cmd.opcode == admin_opcode::FABRICS {
             return Some(Status::INVALID_OPCODE);
         }
-        if cmd.fuse() != 0 {
-            return Some(Status::INVALID_FIELD);
-        }
         self.refresh_namespaces();
-        if cmd.opcode == io_opcode::FLUSH && cmd.nsid == 0xFFFF_FFFF {
-            // Flush every namespace (NVM Command Set 1.0 §3.2.2, broadcast NSID).
-            let flushes = self
-                .ns
-                .values()
-                .map(|ns| (ns.volume.clone(), IoRequest::new(IoKind::Flush, 0, 0, 0)))
-                .collect();
-            return self.chain(cmd.cid, flushes);
-        }
-        let Some(ns) = self.ns.get(&cmd.nsid).cloned() else {
-            return Some(Status::INVALID_NAMESPACE);
+        let plan = match io::plan(cmd, &self.ns) {
+            // The range list came with the command (in the capsule or by R2T).
+            Plan::Ranges(ns, d) => io::deallocate(ns, &d, data.as_slice()),
+            p => p,
         };
-        let bs = ns.block_size as u64;
-        match cmd.opcode {
-            io_opcode::READ | io_opcode::WRITE | io_opcode::WRITE_ZEROES => {
-                let len = cmd.nlb() as u64 * bs;
-                let Some(offset) = cmd.slba().checked_mul(bs) else {
-                    return Some(Status::LBA_OUT_OF_RANGE);
-                };
-                match cmd.opcode {
-                    io_opcode::READ => {
-                        if len as usize > limits::MAX_TRANSFER {
-                            return Some(Status::INVALID_FIELD);
-                        }
-                        if cmd.sgl.kind >> 4 != sgl::TYPE_TRANSPORT_DATA_BLOCK {
-                            return Some(Status::SGL_DESCRIPTOR_TYPE_INVALID);
-                        }
-                        if (cmd.sgl.len as u64) < len {
-                            return Some(Status::DATA_SGL_LENGTH_INVALID);
-                        }
-                        self.q.reads.fetch_add(1, Ordering::Relaxed);
-                        self.q.read_bytes.fetch_add(len, Ordering::Relaxed);
-                        self.submit(
-                            &ns,
-                            IoKind::Read,
-                            offset,
-                            len as usize,
-                            cmd.cid,
-                            data,
-                            false,
-                        )
-                    }
-                    io_opcode::WRITE => {
-                        if data.as_slice().len() as u64 != len {
-                            return Some(Status::DATA_SGL_LENGTH_INVALID);
-                        }
-                        self.q.writes.fetch_add(1, Ordering::Relaxed);
-                        self.q.write_bytes.fetch_add(len, Ordering::Relaxed);
-                        // FUA: the write must be durable before completion, so a Flush
-                        // follows it before the reply.
-                        self.submit(
-                            &ns,
-                            IoKind::Write,
-                            offset,
-                            len as usize,
-                            cmd.cid,
-                            data,
-                            cmd.fua(),
-                        )
-                    }
-                    _ => {
-                        let len = cmd.nlb() as u64 * bs;
-                        self.submit_nodata(&ns, IoKind::WriteZeroes, offset, len, cmd.cid)
-                    }
+        match plan {
+            Plan::Done(s) => Some(s),
+            Plan::Read(io) => {
+                if cmd.sgl.kind >> 4 != sgl::TYPE_TRANSPORT_DATA_BLOCK {
+                    return Some(Status::SGL_DESCRIPTOR_TYPE_INVALID);
                 }
+                if (cmd.sgl.len as u64) < io.len {
+                    return Some(Status::DATA_SGL_LENGTH_INVALID);
+                }
+                self.q.reads.fetch_add(1, Ordering::Relaxed);
+                self.q.read_bytes.fetch_add(io.len, Ordering::Relaxed);
+                self.submit(io, cmd.cid, data)
             }
-            io_opcode::FLUSH => self.submit_nodata(&ns, IoKind::Flush, 0, 0, cmd.cid),
-            io_opcode::DATASET_MANAGEMENT => self.dsm(&ns, cmd, data.as_slice()),
-            _ => Some(Status::INVALID_OPCODE),
+            Plan::Write(io) => {
+                if data.as_slice().len() as u64 != io.len {
+                    return Some(Status::DATA_SGL_LENGTH_INVALID);
+                }
+                self.q.writes.fetch_add(1, Ordering::Relaxed);
+                self.q.write_bytes.fetch_add(io.len, Ordering::Relaxed);
+                self.submit(io, cmd.cid, data)
+            }
+            Plan::Run(io) => self.submit(io, cmd.cid, Payload::None),
+            Plan::Ranges(..) => unreachable!("deallocate gives Done or Run"),
         }
-    }
-
-    /// Dataset Management (NVM Command Set 1.0 §3.2.3): only the Attribute – Deallocate
-    /// bit acts; the other attributes are hints nacre may ignore.
-    fn dsm(&mut self, ns: &Namespace, cmd: &Command, data: &[u8]) -> Option<Status> {
-        let d = DatasetManagement::from_command(cmd);
-        let Some(ranges) = d.ranges(data) else {
-            return Some(Status::DATA_SGL_LENGTH_INVALID);
-        };
-        if !d.deallocate {
-            return Some(Status::SUCCESS);
-        }
-        let bs = ns.block_size as u64;
-        let mut discards = Vec::new();
-        for r in ranges.filter(|r| r.nlb != 0) {
-            let (Some(off), Some(len)) = (r.slba.checked_mul(bs), (r.nlb as u64).checked_mul(bs))
-            else {
-                return Some(Status::LBA_OUT_OF_RANGE);
-            };
-            discards.push((
-                ns.volume.clone(),
-                IoRequest::new(IoKind::Discard, off, len, 0),
-            ));
-        }
-        self.chain(cmd.cid, discards)
     }
 
     /// Take a free slot for a command.
@@ -378,103 +311,42 @@ impl Conn {
         Some(tag)
     }
 
-    /// Run `reqs` one after the other, straight on their devices, and reply once all
-    /// succeeded or one failed.
-    fn chain(
-        &mut self,
-        cid: u16,
-        mut reqs: Vec<(Arc<dyn BlockDevice>, IoRequest)>,
-    ) -> Option<Status> {
-        if reqs.is_empty() {
-            return Some(Status::SUCCESS);
-        }
+    /// Submit `io`'s first request through its namespace's path; reads and writes move
+    /// their data through the slot's buffer (a write's `data` becomes it).
+    fn submit(&mut self, mut io: Io, cid: u16, data: Payload<'_>) -> Option<Status> {
         let Some(tag) = self.alloc_slot() else {
             warn!("host exceeded its queue size");
             return Some(Status::INTERNAL_ERROR);
         };
-        for (_, r) in &mut reqs {
-            r.tag = tag as u64;
-        }
-        reqs.reverse();
-        let (dev, first) = reqs.pop().expect("not empty");
-        let s = &mut self.slots[tag as usize];
-        s.cid = cid;
-        s.read_len = 0;
-        s.stats = None;
-        s.then = reqs;
-        let _span = self.io_span(cid);
-        dev.submit(first, &self.done);
-        None
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn submit(
-        &mut self,
-        ns: &Namespace,
-        kind: IoKind,
-        offset: u64,
-        len: usize,
-        cid: u16,
-        data: Payload<'_>,
-        then_flush: bool,
-    ) -> Option<Status> {
-        let Some(tag) = self.alloc_slot() else {
-            warn!("host exceeded its queue size");
-            return Some(Status::INTERNAL_ERROR);
-        };
-        let buf = match (kind, data) {
+        let len = io.len as usize;
+        let moves_data = matches!(io.kind, IoKind::Read | IoKind::Write);
+        let buf = match (io.kind, data) {
             (IoKind::Write, Payload::Owned(v)) => v,
             (IoKind::Write, d) => {
                 let mut b = self.pool.take(0);
                 b.extend_from_slice(d.as_slice());
                 b
             }
-            _ => self.pool.take(len),
+            (IoKind::Read, _) => self.pool.take(len),
+            _ => Vec::new(),
         };
+        let mut req = io.request(tag as u64);
         let s = &mut self.slots[tag as usize];
         s.cid = cid;
         s.buf = buf;
-        s.read_len = if kind == IoKind::Read { len } else { 0 };
-        s.stats = ns
-            .path
-            .metrics()
-            .map(|m| (m.clone(), m.arrive(kind, len as u64)));
-        if then_flush {
-            s.then.push((
-                ns.volume.clone(),
-                IoRequest::new(IoKind::Flush, 0, 0, tag as u64),
-            ));
+        s.read_len = if io.is_read() { len } else { 0 };
+        s.stats = io.arrive();
+        s.then = std::mem::take(&mut io.then);
+        if moves_data {
+            // SAFETY: the slot's buffer is not touched again until the volume completes
+            // this tag (the slot is busy until then, and a connection whose slots are busy
+            // is kept, or its busy buffers leaked, never freed), so the segment stays valid
+            // and exclusively the volume's while the request runs.
+            let seg = unsafe { Segment::new(s.buf.as_mut_ptr(), len) };
+            req = req.with_segments([seg]);
         }
-        // SAFETY: the slot's buffer is not touched again until the volume completes this
-        // tag (the slot is busy until then, and a connection whose slots are busy is kept,
-        // or its busy buffers leaked, never freed), so the segment stays valid and
-        // exclusively the volume's while the request runs.
-        let seg = unsafe { Segment::new(s.buf.as_mut_ptr(), len) };
-        let req = IoRequest::new(kind, offset, len as u64, tag as u64).with_segments([seg]);
         let _span = self.io_span(cid);
-        ns.path.submit(req, &self.done);
-        None
-    }
-
-    fn submit_nodata(
-        &mut self,
-        ns: &Namespace,
-        kind: IoKind,
-        offset: u64,
-        len: u64,
-        cid: u16,
-    ) -> Option<Status> {
-        let Some(tag) = self.alloc_slot() else {
-            warn!("host exceeded its queue size");
-            return Some(Status::INTERNAL_ERROR);
-        };
-        let s = &mut self.slots[tag as usize];
-        s.cid = cid;
-        s.read_len = 0;
-        s.stats = ns.path.metrics().map(|m| (m.clone(), m.arrive(kind, len)));
-        let req = IoRequest::new(kind, offset, len, tag as u64);
-        let _span = self.io_span(cid);
-        ns.path.submit(req, &self.done);
+        io.ns.path.submit(req, &self.done);
         None
     }
 
@@ -483,17 +355,11 @@ impl Conn {
         let Some(s) = self.slots.get_mut(tag as usize).filter(|s| s.busy) else {
             return;
         };
-        if result.is_ok() && self.sock.is_some() {
-            if let Some((dev, req)) = s.then.pop() {
-                dev.submit(req, &self.done);
-                return;
-            }
+        if let Some((dev, req)) = s.then.next(result.is_ok() && self.sock.is_some()) {
+            dev.submit(req, &self.done);
+            return;
         }
-        s.then.clear();
-        let status = match &result {
-            Ok(()) => Status::SUCCESS,
-            Err(e) => io_status(e, s.read_len > 0),
-        };
+        let status = io::status(&result, s.read_len > 0);
         let stats = s.stats.take();
         if let Some((m, a)) = &stats {
             m.complete(a, !status.is_success());
