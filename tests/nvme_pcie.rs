@@ -640,6 +640,32 @@ fn nacred_serves_a_vfio_user_listener_added_by_the_cli_and_replays_it() {
         out.contains(&format!("Serial Number:                         {SERIAL}")),
         "{out}"
     );
+    // The controller's I/O is counted in its volume's statistics, like every transport's.
+    run_spdk(
+        "spdk_nvme_perf",
+        &[
+            "--no-huge",
+            "-s",
+            "1024",
+            "-q",
+            "4",
+            "-o",
+            "4096",
+            "-w",
+            "randrw",
+            "-M",
+            "50",
+            "-t",
+            "1",
+            "-r",
+            &trid(dir.path()),
+        ],
+    );
+    let st = n.ok("stats_get", json!({"volume": "pv"}))[0].clone();
+    assert!(
+        st["read_ops"].as_u64() > Some(0) && st["write_ops"].as_u64() > Some(0),
+        "PCIe I/O missing from the volume's statistics: {st}"
+    );
     let subs = n.ok("nvmf_get_subsystems", json!({}));
     let listed = format!("vfio-user:{path}");
     assert!(subs.to_string().contains(&listed), "{subs}");
