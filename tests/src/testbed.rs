@@ -598,7 +598,8 @@ impl Qmp {
 
     /// `device_del` of device `id`, then wait for its `DEVICE_DELETED` event: a PCI device goes
     /// only once the guest has let it go (ACPI or native PCIe hot-plug), so this waits on the
-    /// guest too.
+    /// guest too. (QEMU 11.1.3 aborts while it frees a `vfio-user-pci` function with MSI-X;
+    /// see docs/nvme-pcie.md.)
     pub fn device_del(&mut self, id: &str, timeout: Duration) -> Result<()> {
         self.execute("device_del", serde_json::json!({ "id": id }))?;
         self.wait_event(
