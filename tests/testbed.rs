@@ -1119,6 +1119,7 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
     assert_ne!(out.fact("killed_state"), "live");
     assert_eq!(out.fact("restarted_io"), "error");
     assert_eq!(out.fact("restarted_state"), "gone");
+    assert_eq!(out.fact("restarted_disk"), "gone");
     // Every block the guest had acknowledged (written O_DIRECT, then flushed) before the kill
     // reads back through a function plugged in after the restart (QMP device_add; the guest's
     // hot-plug driver finds it beside the dead one, its nvme driver binds it), and is in the

@@ -19,7 +19,8 @@
 # at its start), hot_removed, rebooted (the second boot found the marker), reboot_verified,
 # killed_io (ok/error), killed_io_s, writer (error: the writer stopped on a failed write or flush),
 # acked_blocks (blocks acknowledged before the kill), killed_state, restarted_io, restarted_state
-# (the controller's sysfs state, or gone), replugged_functions (NVMe functions on the bus then),
+# (the controller's sysfs state, or gone), restarted_disk (namespace 1's block device, or gone),
+# replugged_functions (NVMe functions on the bus then),
 # replugged_acked (acknowledged blocks read back intact through the new function).
 mib=$(param mib 64)
 step "PCI functions"
@@ -180,6 +181,7 @@ if [ "$(param failure 0)" = 1 ]; then
         fact restarted_io error
     fi
     fact restarted_state "$(cat $c/state 2>/dev/null || echo gone)"
+    fact restarted_disk "$(ns1 || echo gone)"
     dmesg | grep -i 'nvme' | tail -n 4
     if [ "$(param replug 0)" = 1 ]; then
         step "the host plugs a new function in (QMP device_add): every acknowledged block"
