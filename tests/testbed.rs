@@ -1052,8 +1052,8 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
         g.signal("reboot").unwrap();
     }
     // nacred killed while the guest writes, then started again: what the guest sees (facts
-    // killed_*, restarted_*); then the operator's recovery, the function unplugged and plugged
-    // again so that QEMU connects to the new nacred, and every block the guest had acknowledged.
+    // killed_*, restarted_*); then the operator's recovery, a function plugged in again so that
+    // QEMU connects to the new nacred, and every block the guest had acknowledged.
     if g.wait_for("TB-WAIT kill", Duration::from_secs(180)).is_ok() {
         d.kill();
         g.signal("kill").unwrap();
