@@ -1,23 +1,48 @@
 # the guest's own nvme driver binds nacred's PCIe NVMe controller (vfio-user-pci): PCI identity, nvme list, O_DIRECT verify;
 # then what a guest does to a controller in its life: a controller reset (nvme reset), an unbind and
-# rebind of the nvme driver, and (with --ctl) a namespace the host attaches and detaches while the
-# guest runs, which the guest learns of by a Namespace Attribute Changed event.
+# rebind of the nvme driver, (with --ctl) a namespace the host attaches and detaches while the
+# guest runs, which the guest learns of by a Namespace Attribute Changed event, and a reboot.
+# The scenario runs again after the reboot: a marker block the first boot writes at 96 MiB
+# ("nacre-tb-reboot SHA256", of the first 4 MiB) tells the second boot apart; the second boot
+# checks those 4 MiB and goes on with the failure part.
 # Params: model, serial, bytes (expected namespace size), queues (expected I/O queues), mib (verify size),
-# hotplug (1: wait for the host's add-ns and remove-ns on the control channel), failure (1: an
-# acknowledged write, then wait for the host to kill nacred (kill) and start it again (restarted),
-# and report what the guest's I/O does each time; the scenario ends there).
+# hotplug (1: wait for the host's add-ns and remove-ns on the control channel), reboot (1: write
+# the marker, wait for the host's reboot (it makes a guest reboot reset the VM), reboot -f),
+# failure (1: a writer of numbered 4 KiB blocks from 64 MiB on, each written O_DIRECT and flushed
+# (conv=fsync) before it counts as acknowledged; the host kills nacred meanwhile (kill) and starts
+# it again (restarted); what the guest's I/O does each time; the scenario ends there),
+# replug (1, with failure=1: then the host plugs a new function in (replug, QMP device_add) and
+# the guest reads every acknowledged block back through it).
 # Facts: pci (vendor:device class of the NVMe function), model, serial, transport, bytes, queues, bound_s
 # (seconds from modprobe to /dev/nvme0n1), verified, reset_verified, rebind_verified, hot_added
 # (bytes of nvme0n2 once it appeared), hot_added_verified, hot_added_sha256 (of the 4 MiB written
-# at its start), hot_removed, acked_sha256, killed_io (ok/error), killed_io_s, killed_state,
-# restarted_io, restarted_state (the controller's sysfs state, or gone).
+# at its start), hot_removed, rebooted (the second boot found the marker), reboot_verified,
+# killed_io (ok/error), killed_io_s, writer (error: the writer stopped on a failed write or flush),
+# acked_blocks (blocks acknowledged before the kill), killed_state, restarted_io, restarted_state
+# (the controller's sysfs state, or gone), restarted_disk (namespace 1's block device, or gone),
+# replugged_functions (NVMe functions on the bus then),
+# replugged_acked (acknowledged blocks read back intact through the new function).
 mib=$(param mib 64)
 step "PCI functions"
-dev=""
-for d in /sys/bus/pci/devices/*; do
-    [ "$(cat "$d/class")" = 0x010802 ] && dev=$d
-done
-[ -n "$dev" ] || fail "no NVM Express function (class 010802) on the PCI bus"
+# nvme_fn: the sysfs directory of the NVM Express function (class 010802), if there is one
+nvme_fn() {
+    local d
+    for d in /sys/bus/pci/devices/*; do
+        [ "$(cat "$d/class")" = 0x010802 ] && { echo "$d"; return 0; }
+    done
+    return 1
+}
+# ns1: the block device of namespace 1 (the controller's instance number changes when the function
+# is plugged again while an old controller is still being released)
+ns1() {
+    local d
+    for d in /sys/block/nvme*n*; do
+        case ${d##*/} in nvme*c*) continue ;; esac
+        [ "$(cat "$d/nsid" 2>/dev/null)" = 1 ] && { echo "/dev/${d##*/}"; return 0; }
+    done
+    return 1
+}
+dev=$(nvme_fn) || fail "no NVM Express function (class 010802) on the PCI bus"
 fact pci "$(cat "$dev/vendor"):$(cat "$dev/device") $(cat "$dev/class")"
 t0=$(up)
 # short command timeouts (Linux's default is 30 s): with failure=1 the controller goes away
@@ -39,6 +64,18 @@ nvme list
 [ "$(sed 's/ *$//' "$c/model")" = "$(param model)" ] || fail "wrong model"
 [ "$(blk_bytes nvme0n1)" = "$(param bytes)" ] || fail "wrong size"
 [ "$(ls "$mq" | wc -l)" = "$(param queues)" ] || fail "wrong number of I/O queues"
+
+# The reboot marker: one 4 KiB block at 96 MiB, "nacre-tb-reboot SHA256" (of the first 4 MiB).
+MARK=$((96 * 256))
+marker() { dd if=/dev/nvme0n1 bs=4096 skip=$MARK count=1 iflag=direct 2>/dev/null | head -n 1; }
+m=$(marker)
+if [ "${m%% *}" = nacre-tb-reboot ]; then
+    step "second boot: the data written before the reboot"
+    fact rebooted yes
+    [ "$(dd if=/dev/nvme0n1 bs=1M count=4 iflag=direct 2>/dev/null | sha256sum | cut -d' ' -f1)" = "${m#* }" ] ||
+        fail "the first 4 MiB differ from what the first boot wrote"
+    fact reboot_verified yes
+else
 step "write ${mib} MiB O_DIRECT from four writers, read back"
 dd if=/dev/urandom of=/tmp/pat bs=1M count="$mib" 2>/dev/null
 q=$((mib / 4))
@@ -52,7 +89,7 @@ fact verified "${mib}MiB"
 
 # the first MiB read again and compared with what was written
 reread() {
-    dd if=/dev/nvme0n1 of=/tmp/again bs=1M count=1 iflag=direct 2>/dev/null || return 1
+    dd if="${1:-/dev/nvme0n1}" of=/tmp/again bs=1M count=1 iflag=direct 2>/dev/null || return 1
     cmp -n 1048576 /tmp/pat /tmp/again
 }
 step "controller reset from the guest (CC.EN 1 -> 0 -> 1, queues created again)"
@@ -89,33 +126,79 @@ if [ "$(param hotplug 0)" = 1 ]; then
     fact hot_removed yes
 fi
 
+if [ "$(param reboot 0)" = 1 ]; then
+    step "reboot"
+    d1=$(ns1)
+    printf 'nacre-tb-reboot %s\n' "$(head -c 4194304 /tmp/pat | sha256sum | cut -d' ' -f1)" |
+        dd of="$d1" bs=4096 seek=$MARK count=1 conv=sync,fsync oflag=direct 2>/dev/null ||
+        fail "writing the reboot marker"
+    wait_host reboot 120
+    reboot -f
+    sleep 30
+    fail "still running 30 s after reboot -f"
+fi
+fi
+
 if [ "$(param failure 0)" = 1 ]; then
-    step "an acknowledged write (O_DIRECT, then a flush), then the host kills nacred"
-    dd if=/dev/urandom of=/tmp/acked bs=1M count=2 2>/dev/null
-    dd if=/tmp/acked of=/dev/nvme0n1 bs=1M seek=16 count=2 oflag=direct conv=fsync 2>/dev/null ||
-        fail "the write before the kill"
-    fact acked_sha256 "$(sha256sum /tmp/acked | cut -d' ' -f1)"
+    # Block i at 64 MiB + 4 KiB * i holds "nacre-tb-block i" (zero-padded); it counts as
+    # acknowledged once its write and the flush after it (fsync: Flush, the cache is volatile)
+    # both returned success.
+    step "numbered 4 KiB blocks written O_DIRECT and flushed, one after another; the host kills nacred"
+    BASE=$((64 * 256))
+    d1=$(ns1)
+    : > /tmp/acked
+    (
+        i=0
+        while printf 'nacre-tb-block %d\n' $i |
+            dd of="$d1" bs=4096 seek=$((BASE + i)) count=1 conv=sync,fsync oflag=direct 2>/dev/null; do
+            echo $i >> /tmp/acked
+            i=$((i + 1))
+        done
+        exit 1  # only a failed write or flush ends the loop
+    ) &
+    writer=$!
+    wait_until 60 sh -c '[ "$(wc -l < /tmp/acked)" -ge 8 ]' || fail "the writer acknowledged no 8 blocks"
     wait_host kill 120
     step "the guest's I/O with nacred gone"
     t=$(up)
-    if timeout 60 dd if=/dev/nvme0n1 of=/dev/null bs=4k count=1 skip=4096 iflag=direct 2>/tmp/ioerr; then
+    if timeout 60 dd if="$d1" of=/dev/null bs=4k count=1 skip=4096 iflag=direct 2>/tmp/ioerr; then
         fact killed_io ok
     else
         fact killed_io error
     fi
     fact killed_io_s "$(elapsed "$t")"
+    wait $writer && fail "the writer ended without an error" || fact writer error
+    acked=$(wc -l < /tmp/acked)
+    fact acked_blocks "$acked"
     fact killed_state "$(cat $c/state 2>/dev/null || echo gone)"
     dmesg | grep -i 'nvme' | tail -n 8
     wait_host restarted 120
     step "the guest's I/O once nacred is back"
     sleep 2
-    if timeout 60 dd if=/dev/nvme0n1 of=/dev/null bs=4k count=1 skip=8192 iflag=direct 2>/tmp/ioerr; then
+    if timeout 60 dd if="$d1" of=/dev/null bs=4k count=1 skip=8192 iflag=direct 2>/tmp/ioerr; then
         fact restarted_io ok
     else
         fact restarted_io error
     fi
     fact restarted_state "$(cat $c/state 2>/dev/null || echo gone)"
+    fact restarted_disk "$(ns1 || echo gone)"
     dmesg | grep -i 'nvme' | tail -n 4
+    if [ "$(param replug 0)" = 1 ]; then
+        step "the host plugs a new function in (QMP device_add): every acknowledged block"
+        wait_host replug 120
+        wait_until 30 ns1 || fail "no namespace 1 block device after the host plugged a new function in"
+        fact replugged_functions "$(for d in /sys/bus/pci/devices/*; do cat "$d/class"; done | grep -c 0x010802)"
+        d1=$(ns1)
+        dd if="$d1" of=/tmp/blocks bs=4096 skip=$BASE count="$acked" iflag=direct 2>/dev/null ||
+            fail "reading the acknowledged blocks back"
+        i=0
+        while [ $i -lt "$acked" ]; do
+            [ "$(dd if=/tmp/blocks bs=4096 skip=$i count=1 2>/dev/null | head -n 1)" = "nacre-tb-block $i" ] ||
+                fail "acknowledged block $i lost"
+            i=$((i + 1))
+        done
+        fact replugged_acked "$acked"
+    fi
     exit 0
 fi
 

@@ -9,6 +9,9 @@
 //!   ([`Guest::signal`]);
 //! - `TB-RESULT name=NAME rc=RC` — turned into the exit status of `scripts/testbed run`.
 //!
+//! A boot with [`Boot::qmp`] also gives the test QEMU's machine protocol ([`Qmp`]): hot-plug
+//! (`device_add`, `device_del`) and the VM's run state, as an operator's management layer has.
+//!
 //! Guests are slow under TCG (no KVM here): [`exclusive`] serialises scenarios within a test binary
 //! so two tests never fight for the two CPUs, and every wait has a deadline.
 
@@ -123,6 +126,7 @@ pub struct Boot {
     packs: Vec<PathBuf>,
     qemu: Vec<String>,
     ctl: bool,
+    qmp: bool,
     timeout: Duration,
     qemu_binary: Option<PathBuf>,
     smp: Option<u32>,
@@ -140,6 +144,7 @@ impl Boot {
             packs: Vec::new(),
             qemu: Vec::new(),
             ctl: false,
+            qmp: false,
             timeout: Duration::from_secs(240),
             qemu_binary: None,
             smp: None,
@@ -207,6 +212,12 @@ impl Boot {
         self
     }
 
+    /// Give the test QEMU's QMP monitor (a Unix socket QEMU listens on) for [`Guest::qmp`].
+    pub fn qmp(mut self) -> Self {
+        self.qmp = true;
+        self
+    }
+
     /// Hard limit for the whole boot (QEMU is killed after it).
     pub fn timeout(mut self, t: Duration) -> Self {
         self.timeout = t;
@@ -217,6 +228,7 @@ impl Boot {
     pub fn spawn(self) -> Result<Guest> {
         let tmp = tempfile::Builder::new().prefix("nacre-tb-").tempdir()?;
         let ctl_path = self.ctl.then(|| tmp.path().join("ctl.sock"));
+        let qmp_path = self.qmp.then(|| tmp.path().join("qmp.sock"));
         let mut cmd = Command::new(script());
         cmd.arg("run")
             .arg(&self.scenario)
@@ -246,6 +258,10 @@ impl Boot {
             cmd.env("NACRE_TESTBED_QEMU", q);
         }
         cmd.arg("--").args(&self.qemu);
+        if let Some(q) = &qmp_path {
+            cmd.arg("-qmp")
+                .arg(format!("unix:{},server=on,wait=off", q.display()));
+        }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -286,6 +302,7 @@ impl Boot {
             readers,
             ctl_path,
             ctl: Mutex::new(None),
+            qmp_path,
             _tmp: tmp,
         })
     }
@@ -321,6 +338,7 @@ pub struct Guest {
     readers: Vec<thread::JoinHandle<()>>,
     ctl_path: Option<PathBuf>,
     ctl: Mutex<Option<UnixStream>>,
+    qmp_path: Option<PathBuf>,
     _tmp: tempfile::TempDir,
 }
 
@@ -391,6 +409,28 @@ impl Guest {
             .context("writing to the guest's control channel")
     }
 
+    /// A QMP connection to this guest's QEMU (booted with [`Boot::qmp`]), capabilities negotiated.
+    /// QEMU serves one QMP client at a time on the socket: keep the one this returns.
+    pub fn qmp(&self) -> Result<Qmp> {
+        let path = self
+            .qmp_path
+            .as_ref()
+            .with_context(|| format!("{}: booted without .qmp()", self.boot.name))?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let stream = loop {
+            match UnixStream::connect(path) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() >= deadline => {
+                    return Err(e).with_context(|| {
+                        format!("{}: connecting QMP at {}", self.boot.name, path.display())
+                    })
+                }
+                Err(_) => thread::sleep(Duration::from_millis(100)),
+            }
+        };
+        Qmp::negotiate(stream, &self.boot.name)
+    }
+
     /// QEMU's pid, once the script has started it.
     pub fn qemu_pid(&self) -> Option<u32> {
         self.qemu_pid.lock().unwrap().map(|p| p as u32)
@@ -432,6 +472,142 @@ impl Drop for Guest {
         if let Some(mut child) = self.child.take() {
             stop(&mut child, &self.qemu_pid);
         }
+    }
+}
+
+/// A QEMU Machine Protocol client (JSON objects, one per line, over the Unix socket of
+/// [`Boot::qmp`]): commands and their answers, with the asynchronous events kept for
+/// [`Qmp::wait_event`]. Every read has a deadline.
+pub struct Qmp {
+    name: String,
+    reader: BufReader<UnixStream>,
+    writer: UnixStream,
+    events: Vec<serde_json::Value>,
+}
+
+/// How long a QMP command may take to answer.
+const QMP_REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl Qmp {
+    /// Read the greeting and leave capabilities negotiation mode (`qmp_capabilities`).
+    fn negotiate(stream: UnixStream, name: &str) -> Result<Self> {
+        let mut q = Qmp {
+            name: name.to_string(),
+            reader: BufReader::new(stream.try_clone()?),
+            writer: stream,
+            events: Vec::new(),
+        };
+        let greeting = q.read(Instant::now() + QMP_REPLY_TIMEOUT)?;
+        if greeting.get("QMP").is_none() {
+            bail!("{}: QMP greeting expected, got {greeting}", q.name);
+        }
+        q.execute("qmp_capabilities", serde_json::json!({}))?;
+        Ok(q)
+    }
+
+    /// The next JSON object from QEMU, before `deadline`.
+    fn read(&mut self, deadline: Instant) -> Result<serde_json::Value> {
+        let mut line = String::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                bail!("{}: QMP: nothing from QEMU before the deadline", self.name);
+            }
+            self.reader.get_ref().set_read_timeout(Some(left))?;
+            match self.reader.read_line(&mut line) {
+                Ok(0) => bail!("{}: QMP: QEMU closed the socket", self.name),
+                Ok(_) if line.ends_with('\n') => {
+                    return serde_json::from_str(line.trim())
+                        .with_context(|| format!("{}: QMP: not JSON: {line}", self.name));
+                }
+                Ok(_) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
+                Err(e) => return Err(e).context("reading QMP"),
+            }
+        }
+    }
+
+    /// Run `command` with `arguments`; its `return` value, or its `error` as an error. Events
+    /// that arrive meanwhile are kept.
+    pub fn execute(
+        &mut self,
+        command: &str,
+        arguments: serde_json::Value,
+    ) -> Result<serde_json::Value> {
+        let msg = serde_json::json!({"execute": command, "arguments": arguments});
+        eprintln!("[{}] QMP -> {msg}", self.name);
+        self.writer
+            .write_all(format!("{msg}\n").as_bytes())
+            .with_context(|| format!("{}: QMP: sending {command}", self.name))?;
+        let deadline = Instant::now() + QMP_REPLY_TIMEOUT;
+        loop {
+            let v = self
+                .read(deadline)
+                .with_context(|| format!("QMP {command}"))?;
+            if let Some(r) = v.get("return") {
+                return Ok(r.clone());
+            }
+            if let Some(e) = v.get("error") {
+                bail!("{}: QMP {command} failed: {e}", self.name);
+            }
+            if v.get("event").is_some() {
+                eprintln!("[{}] QMP <- {v}", self.name);
+                self.events.push(v);
+            }
+        }
+    }
+
+    /// Wait for an event named `event` whose `data` satisfies `matches` (kept ones first).
+    pub fn wait_event(
+        &mut self,
+        event: &str,
+        matches: impl Fn(&serde_json::Value) -> bool,
+        timeout: Duration,
+    ) -> Result<serde_json::Value> {
+        let hit = |v: &serde_json::Value| {
+            v.get("event").and_then(|e| e.as_str()) == Some(event)
+                && matches(v.get("data").unwrap_or(&serde_json::Value::Null))
+        };
+        if let Some(i) = self.events.iter().position(hit) {
+            return Ok(self.events.remove(i));
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            let v = self
+                .read(deadline)
+                .with_context(|| format!("waiting {timeout:?} for QMP event {event}"))?;
+            if hit(&v) {
+                eprintln!("[{}] QMP <- {v}", self.name);
+                return Ok(v);
+            }
+            if v.get("event").is_some() {
+                eprintln!("[{}] QMP <- {v}", self.name);
+                self.events.push(v);
+            }
+        }
+    }
+
+    /// `device_add` with these properties (`driver`, `id`, `bus` and the driver's own).
+    pub fn device_add(&mut self, properties: serde_json::Value) -> Result<()> {
+        self.execute("device_add", properties).map(drop)
+    }
+
+    /// `device_del` of device `id`, then wait for its `DEVICE_DELETED` event: a PCI device goes
+    /// only once the guest has let it go (ACPI or native PCIe hot-plug), so this waits on the
+    /// guest too. (QEMU 11.1.3 aborts while it frees a `vfio-user-pci` function with MSI-X;
+    /// see docs/nvme-pcie.md.)
+    pub fn device_del(&mut self, id: &str, timeout: Duration) -> Result<()> {
+        self.execute("device_del", serde_json::json!({ "id": id }))?;
+        self.wait_event(
+            "DEVICE_DELETED",
+            |d| d.get("device").and_then(|v| v.as_str()) == Some(id),
+            timeout,
+        )
+        .map(drop)
     }
 }
 
