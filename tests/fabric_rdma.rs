@@ -36,7 +36,7 @@ fn attach(name: &str, transport: &str) -> Value {
 }
 
 fn no_rdma_here() -> bool {
-    nacre_dpu::frontend::nvmf_rdma::device_count() == 0
+    nacre_dpu::rdma::device_count() == 0
 }
 
 /// The part of the error that depends on whether this machine has RDMA devices.

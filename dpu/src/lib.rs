@@ -19,5 +19,6 @@ pub mod frontend;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod rdma;
 pub mod telemetry;
 pub mod volume;

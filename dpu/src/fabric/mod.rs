@@ -24,7 +24,7 @@
 //! * [`discovery`] — the discovery log page of a portal.
 //!
 //! The wire formats come from `nacre_shared::nvme` and `nacre_shared::nvme_tcp`, shared with
-//! nacred's target, and the RDMA CM private data from [`crate::frontend::nvmf_rdma::cm`].
+//! nacred's target, and the RDMA CM private data from [`crate::rdma::cm`].
 
 pub mod cmd;
 pub mod controller;

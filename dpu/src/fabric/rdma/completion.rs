@@ -16,7 +16,7 @@ use super::connect::event_name;
 use super::{RdmaQueue, BUSY_POLL, IDLE_WAKE_MS, POLL_BATCH, RSP_LEN, WR_RECV, WR_SEND};
 use crate::fabric::cmd::{Cmd, Dir};
 use crate::fabric::queue::split_cid;
-use crate::frontend::nvmf_rdma::verbs;
+use crate::rdma::verbs;
 use crate::volume::IoError;
 
 impl RdmaQueue {

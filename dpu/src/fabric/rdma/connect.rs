@@ -10,8 +10,8 @@ use std::time::Instant;
 use rdma_sys::*;
 
 use crate::fabric::FabricError;
-use crate::frontend::nvmf_rdma::cm;
-use crate::frontend::nvmf_rdma::verbs::{self, EventChannel};
+use crate::rdma::cm;
+use crate::rdma::verbs::{self, EventChannel};
 
 /// Why no RDMA queue could be made on this machine at all (no device or no RDMA CM).
 pub(super) fn no_rdma(what: &str) -> FabricError {

@@ -15,7 +15,7 @@ use super::{
 };
 use crate::fabric::cmd::{Cmd, Dir};
 use crate::fabric::queue::cid_of;
-use crate::frontend::nvmf_rdma::verbs;
+use crate::rdma::verbs;
 use crate::telemetry::clock;
 
 impl RdmaQueue {

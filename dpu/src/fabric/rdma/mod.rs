@@ -8,7 +8,7 @@
 //! `rdma_resolve_addr` → `rdma_resolve_route` → protection domain, completion queue with its
 //! completion channel, queue pair, registered buffers, RECV ring posted → `rdma_connect`
 //! with the RDMA_CM_REQUEST private data (RECFMT 0, QID, HRQSIZE, HSQSIZE, CNTLID: the
-//! layout is shared with nacred's target, [`crate::frontend::nvmf_rdma::cm`]) → ESTABLISHED,
+//! layout is shared with nacred's target, [`crate::rdma::cm`]) → ESTABLISHED,
 //! or an RDMA_CM_REJECT whose private data carries the NVMe RDMA status, turned into an
 //! error that names it. Every step is bounded by the controller's `connect_timeout`. Then
 //! Fabrics Connect goes out as the first capsule, as on TCP.
@@ -77,7 +77,7 @@ use rdma_sys::*;
 
 use super::cmd::Cmd;
 use super::queue::{FabricQueue, QueueOwner};
-use crate::frontend::nvmf_rdma::verbs::{EventChannel, RegBuf};
+use crate::rdma::verbs::{EventChannel, RegBuf};
 use crate::telemetry::clock;
 use crate::volume::IoError;
 use pd::{Direct, Pd};

@@ -10,7 +10,7 @@ use tracing::debug;
 
 use super::RdmaQueue;
 use crate::fabric::cmd::Cmd;
-use crate::frontend::nvmf_rdma::verbs;
+use crate::rdma::verbs;
 use crate::volume::dma;
 
 /// A protection domain shared by every queue the initiator opens on one RDMA device: memory

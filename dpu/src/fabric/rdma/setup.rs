@@ -19,8 +19,8 @@ use super::{RdmaQueue, Slot, Slots, MAX_RESPONDER_RESOURCES, MAX_TRANSFER, RSP_L
 use crate::fabric::cmd::{AdminWait, Cmd, Dir, Target};
 use crate::fabric::queue::{FabricQueue, Queue, QueueOwner, QueueParams, MAX_DEPTH};
 use crate::fabric::{ControllerConfig, FabricError};
-use crate::frontend::nvmf_rdma::cm::{self, CmRequest};
-use crate::frontend::nvmf_rdma::verbs::{self, EventChannel, RawAddr, RegBuf};
+use crate::rdma::cm::{self, CmRequest};
+use crate::rdma::verbs::{self, EventChannel, RawAddr, RegBuf};
 use crate::telemetry::clock;
 use crate::volume::IoError;
 
@@ -272,30 +272,15 @@ impl RdmaQueue {
             let pd = Pd::for_queue(ctx).map_err(|e| ("ibv_alloc_pd", e))?;
             self.pd = pd.pd;
             self.shared_pd = Some(pd);
-            self.comp = ibv_create_comp_channel(ctx);
-            if self.comp.is_null() {
-                return Err(("ibv_create_comp_channel", verbs::errno()));
-            }
-            verbs::set_nonblocking((*self.comp).fd)
-                .map_err(|e| ("fcntl(O_NONBLOCK) on the completion channel", e))?;
-            // Every RECV and every (signaled) SEND.
-            let cqe = (self.recv_n + depth + 16) as i32;
-            self.cq = ibv_create_cq(ctx, cqe, std::ptr::null_mut(), self.comp, 0);
-            if self.cq.is_null() {
-                return Err(("ibv_create_cq", verbs::errno()));
-            }
-            let mut attr: ibv_qp_init_attr = std::mem::zeroed();
-            attr.send_cq = self.cq;
-            attr.recv_cq = self.cq;
-            attr.qp_type = ibv_qp_type::IBV_QPT_RC;
-            attr.cap.max_send_wr = (depth + 1) as u32;
-            attr.cap.max_recv_wr = self.recv_n as u32;
-            // The SQE, and in-capsule data sent straight from request memory.
-            attr.cap.max_send_sge = 2;
-            attr.cap.max_recv_sge = 1;
-            if rdma_create_qp(self.id, self.pd, &mut attr) != 0 {
-                return Err(("rdma_create_qp", verbs::errno()));
-            }
+            // Every RECV and every (signaled) SEND; a SEND carries the SQE and in-capsule
+            // data sent straight from request memory.
+            let shape = verbs::QueueShape {
+                cqe: self.recv_n + depth + 16,
+                send_wr: depth + 1,
+                recv_wr: self.recv_n,
+                send_sge: 2,
+            };
+            verbs::create_queue_objects(self.id, self.pd, shape, &mut self.comp, &mut self.cq)?;
         }
         let remote = (ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
             | ibv_access_flags::IBV_ACCESS_REMOTE_READ

@@ -21,18 +21,18 @@ use nacre_shared::nvme::{admin_opcode, get_u32, get_u64, io_opcode, Command, Sta
 use rdma_sys::*;
 use tracing::{debug, warn};
 
-use super::cm::CmRequest;
 use super::queue::{
     reject, setup, Incoming, Keyed, RdmaQueue, SlotState, RECV_LEN, SGL_TYPE_KEYED_DATA_BLOCK,
     WR_READ, WR_RECV, WR_SEND,
 };
-use super::verbs;
 use crate::auth::queue::QueueAuth;
 use crate::frontend::nvme::ctrl::{AdminReply, TargetController};
 use crate::frontend::nvme::fabrics::{self, fabrics_connect, invalid_param, HostQueue, QueueRules};
 use crate::frontend::nvme::io::{self, Io, Plan};
 use crate::frontend::nvme::subsystem::{Namespace, Subsystem};
 use crate::frontend::nvme::{limits, lock, ConnSlot, TargetInner};
+use crate::rdma::cm::CmRequest;
+use crate::rdma::verbs;
 use crate::volume::{self, IoKind, Segment};
 
 /// How long the queue thread keeps polling its completion queue after the last work before

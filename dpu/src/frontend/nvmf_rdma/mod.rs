@@ -5,17 +5,18 @@
 //!
 //! ```text
 //!  RdmaPorts ── listeners: one RDMA CM listening id per address, each with a thread that
-//!               takes connect requests: the private data (cm.rs) is checked, bad requests get
+//!               takes connect requests: the private data (`rdma::cm`) is checked, bad requests get
 //!               an RDMA_CM_REJECT with its status, good ones a queue thread
 //!  queue thread per RDMA connection = one NVMe queue (queue.rs): its own CM event channel,
 //!               protection domain, completion queue and reliable-connected queue pair
 //! ```
 //!
-//! * [`cm`] — RDMA_CM_REQUEST / ACCEPT / REJECT private data (§3.1, Figures 5-7).
 //! * `queue` — capsules (§3.2): a pre-posted RECV ring takes command capsules (SQE plus
 //!   in-capsule data), responses go out as SEND, keyed SGL data blocks are served with
 //!   RDMA READ (host to controller) and RDMA WRITE (controller to host).
-//! * `verbs` — owners for the librdmacm/libibverbs objects.
+//!
+//! The verbs objects and the CM private data (§3.1, Figures 5-7) come from [`crate::rdma`],
+//! the layer this target shares with nacred's NVMe/RDMA initiator (`fabric::rdma`).
 //!
 //! Where the machine has no RDMA device (or no rdma_cm), adding an RDMA listener fails with
 //! one error saying so; nothing else changes and TCP keeps working.
@@ -30,10 +31,8 @@
 //! closed). Not yet: a retry of RDMA listeners that could not start (an RDMA device
 //! appearing later needs the listener re-added).
 
-pub mod cm;
 mod conn;
 mod queue;
-pub(crate) mod verbs;
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -49,7 +48,8 @@ use crate::frontend::nvme::{limits, lock, Evict, ListenerConns, NvmfError, Targe
 use crate::frontend::nvmf_tcp::NvmfTarget;
 use nacre_shared::nvme::DISCOVERY_NQN;
 
-pub use verbs::device_count;
+pub use crate::rdma::device_count;
+use crate::rdma::{cm, verbs};
 
 /// Errors of the RDMA listeners' management API.
 #[derive(Debug, Error)]

@@ -28,11 +28,11 @@ use nacre_shared::nvme::{Command, Completion, Status};
 use rdma_sys::*;
 use tracing::{debug, warn};
 
-use super::cm::{self, CmRequest};
-use super::verbs::{self, EventChannel, RegBuf};
 use crate::frontend::nvme::ctrl::CtrlQueue;
 use crate::frontend::nvme::io::{self, Then};
 use crate::frontend::nvme::{limits, lock, ConnSlot};
+use crate::rdma::cm::{self, CmRequest};
+use crate::rdma::verbs::{self, EventChannel, RegBuf};
 use crate::telemetry::{Arrival, VolumeMetrics};
 use crate::volume::{self, IoResult};
 
@@ -450,29 +450,18 @@ pub(super) fn setup(inc: &mut Incoming) -> Result<Arc<RdmaQueue>, (u16, String)>
         if q.pd.is_null() {
             return Err(fail(q, "ibv_alloc_pd", verbs::errno()));
         }
-        q.comp = ibv_create_comp_channel(ctx);
-        if q.comp.is_null() {
-            return Err(fail(q, "ibv_create_comp_channel", verbs::errno()));
-        }
-        if let Err(e) = verbs::set_nonblocking((*q.comp).fd) {
-            return Err(fail(q, "fcntl(O_NONBLOCK) on the completion channel", e));
-        }
         // Every RECV, and per slot a READ or a WRITE + SEND.
-        let cqe = (entries + 2 * nslots + 16) as i32;
-        q.cq = ibv_create_cq(ctx, cqe, std::ptr::null_mut(), q.comp, 0);
-        if q.cq.is_null() {
-            return Err(fail(q, "ibv_create_cq", verbs::errno()));
-        }
-        let mut attr: ibv_qp_init_attr = std::mem::zeroed();
-        attr.send_cq = q.cq;
-        attr.recv_cq = q.cq;
-        attr.qp_type = ibv_qp_type::IBV_QPT_RC;
-        attr.cap.max_send_wr = (2 * nslots + 1) as u32;
-        attr.cap.max_recv_wr = entries as u32;
-        attr.cap.max_send_sge = 1;
-        attr.cap.max_recv_sge = 1;
-        if rdma_create_qp(q.id, q.pd, &mut attr) != 0 {
-            return Err(fail(q, "rdma_create_qp", verbs::errno()));
+        let shape = verbs::QueueShape {
+            cqe: entries + 2 * nslots + 16,
+            send_wr: 2 * nslots + 1,
+            recv_wr: entries,
+            send_sge: 1,
+        };
+        let (mut comp, mut cq) = (std::ptr::null_mut(), std::ptr::null_mut());
+        let made = verbs::create_queue_objects(q.id, q.pd, shape, &mut comp, &mut cq);
+        (q.comp, q.cq) = (comp, cq);
+        if let Err((what, e)) = made {
+            return Err(fail(q, what, e));
         }
     }
     for (field, len) in [

@@ -1,8 +1,10 @@
-//! The few librdmacm/libibverbs calls the NVMe/RDMA target makes, behind owners that free
-//! what they hold: an RDMA CM event channel, CM events copied out of librdmacm's memory,
-//! registered buffers, and socket address conversion. The NVMe/RDMA host queues
-//! (`fabric::rdma`) use them too. Everything `unsafe` about verbs that
-//! is not tied to one queue's life lives here; the queue's own resources are in `queue.rs`.
+//! The librdmacm/libibverbs calls both NVMe/RDMA sides make, behind owners that free what
+//! they hold: an RDMA CM event channel, CM events copied out of librdmacm's memory, a
+//! queue's completion channel, completion queue and queue pair ([`create_queue_objects`],
+//! [`destroy_queue_objects`]), registered buffers, RECV posting, and socket address
+//! conversion. Everything `unsafe` about verbs that is not tied to one queue's work requests
+//! lives here; what a queue posts is its side's (`frontend::nvmf_rdma::queue`,
+//! `fabric::rdma::io`).
 
 use std::io;
 use std::net::SocketAddr;
@@ -235,6 +237,62 @@ pub(crate) unsafe fn ip_of(sa: *const libc::sockaddr) -> Option<std::net::IpAddr
             _ => None,
         }
     }
+}
+
+/// How many completions and work requests one queue's verbs objects hold.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct QueueShape {
+    /// Completion queue entries: every RECV and every signaled send-side request.
+    pub cqe: usize,
+    pub send_wr: usize,
+    pub recv_wr: usize,
+    /// Scatter entries of one send-side request.
+    pub send_sge: u32,
+}
+
+/// Create a queue's completion channel (non-blocking, so its owner can wait with a timeout),
+/// completion queue, and RC queue pair on `id` in `pd`, each stored in `comp` and `cq` (and
+/// `id`'s `qp`) as soon as it exists, so the caller's owner frees whatever was made even
+/// when a later step fails. The error names the step.
+///
+/// # Safety
+/// `id` is a live CM id with a resolved route or a connect request (its `verbs` context is
+/// the device's), `pd` is a protection domain of that context, and `comp` and `cq` are null
+/// fields of the owner that destroys them ([`destroy_queue_objects`]).
+pub(crate) unsafe fn create_queue_objects(
+    id: *mut rdma_cm_id,
+    pd: *mut ibv_pd,
+    shape: QueueShape,
+    comp: &mut *mut ibv_comp_channel,
+    cq: &mut *mut ibv_cq,
+) -> Result<(), (&'static str, io::Error)> {
+    // SAFETY: per the caller's contract, `verbs` is a valid device context and `pd` is of it;
+    // each object is handed to the caller's fields at once.
+    unsafe {
+        let ctx = (*id).verbs;
+        *comp = ibv_create_comp_channel(ctx);
+        if comp.is_null() {
+            return Err(("ibv_create_comp_channel", errno()));
+        }
+        set_nonblocking((**comp).fd)
+            .map_err(|e| ("fcntl(O_NONBLOCK) on the completion channel", e))?;
+        *cq = ibv_create_cq(ctx, shape.cqe as i32, std::ptr::null_mut(), *comp, 0);
+        if cq.is_null() {
+            return Err(("ibv_create_cq", errno()));
+        }
+        let mut attr: ibv_qp_init_attr = std::mem::zeroed();
+        attr.send_cq = *cq;
+        attr.recv_cq = *cq;
+        attr.qp_type = ibv_qp_type::IBV_QPT_RC;
+        attr.cap.max_send_wr = shape.send_wr as u32;
+        attr.cap.max_recv_wr = shape.recv_wr as u32;
+        attr.cap.max_send_sge = shape.send_sge;
+        attr.cap.max_recv_sge = 1;
+        if rdma_create_qp(id, pd, &mut attr) != 0 {
+            return Err(("rdma_create_qp", errno()));
+        }
+    }
+    Ok(())
 }
 
 /// Tear down a connected queue's verbs objects in the order the device needs: the queue
