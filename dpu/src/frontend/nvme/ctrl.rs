@@ -38,7 +38,8 @@ pub(crate) trait CtrlQueue: Send + Sync {
         false
     }
     /// Whether the queue is a PCIe controller's (memory-based transport): Identify
-    /// Controller then reports no SGL support and no fabrics capsule sizes.
+    /// Controller then reports the SGLs the PCIe controller walks and no fabrics capsule
+    /// sizes.
     fn pcie(&self) -> bool {
         false
     }
@@ -394,12 +395,13 @@ impl TargetController {
             msdbd: 1,
         };
         if self.admin_pcie() {
-            // PRPs only (no SGLs), and no fabrics fields; CTRATT's 128-bit host identifier
-            // is a fabrics requirement. Shadow doorbells (Doorbell Buffer Config), which
-            // hosts use on emulated controllers.
+            // SGLs for I/O commands, byte aligned, Data Block, Segment and Last Segment
+            // descriptors, longer than the transfer allowed (`nvme_pcie::sgl`); no fabrics
+            // fields; CTRATT's 128-bit host identifier is a fabrics requirement. Shadow
+            // doorbells (Doorbell Buffer Config), which hosts use on emulated controllers.
             return IdentifyController {
                 oacs: identify::OACS_DOORBELL_BUFFER_CONFIG,
-                sgls: 0,
+                sgls: identify::SGLS_SUPPORTED | identify::SGLS_LONGER_THAN_DATA,
                 ioccsz: 0,
                 iorcsz: 0,
                 msdbd: 0,

@@ -23,6 +23,7 @@ use vm_memory::GuestMemoryMmap;
 
 use super::config::ConfigSpace;
 use super::prp;
+use super::sgl;
 use super::queue::{self, Cq, Doorbells, Fatal, Pending, Sq};
 use crate::frontend::nvme::ctrl::{AdminReply, CtrlQueue, TargetController};
 use crate::frontend::nvme::fabrics::io_status;
@@ -451,7 +452,8 @@ impl PcieController {
     ) {
         let reply = |s: Status, dw0: u32| self.complete(0, sqhd, c.cid, s, dw0);
         if c.flags & 0xC0 != 0 {
-            // PSDT: SGLs are not supported (Identify Controller SGLS = 0).
+            // PSDT: PRPs only on the admin queue (NVMe Base 2.0 §4.1.2: SGLs are not
+            // used for admin commands over PCIe).
             return reply(Status::INVALID_FIELD, 0);
         }
         match c.opcode {
@@ -602,7 +604,7 @@ impl PcieController {
         prp2: u64,
     ) {
         let fail = |s: Status| self.complete(sqid, sqhd, c.cid, s, 0);
-        if c.flags & 0xC0 != 0 || c.fuse() != 0 {
+        if c.fuse() != 0 {
             return fail(Status::INVALID_FIELD);
         }
         if c.opcode == io_opcode::FLUSH && c.nsid == 0xFFFF_FFFF {
@@ -633,7 +635,7 @@ impl PcieController {
                     Ok(r) => r,
                     Err(s) => return fail(s),
                 };
-                let spans = match prp::walk(mem, prp1, prp2, len) {
+                let spans = match sgl::data_pointer(mem, c, prp1, prp2, len) {
                     Ok(s) => s,
                     Err(s) => return fail(s),
                 };
@@ -674,7 +676,7 @@ impl PcieController {
             io_opcode::DATASET_MANAGEMENT => {
                 let d = DatasetManagement::from_command(c);
                 let mut buf = vec![0u8; d.data_len()];
-                match prp::walk(mem, prp1, prp2, buf.len() as u64) {
+                match sgl::data_pointer(mem, c, prp1, prp2, buf.len() as u64) {
                     Ok(spans) => prp::copy_in(&spans, &mut buf),
                     Err(s) => return fail(s),
                 }
