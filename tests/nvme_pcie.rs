@@ -385,10 +385,48 @@ fn sqe(op: u8, nsid: u32, prp1: u64, prp2: u64, cdw10: u32, cdw11: u32, cdw12: u
     e
 }
 
+/// A submission queue entry whose Data Pointer is one SGL descriptor (PSDT = 01b):
+/// opcode, NSID, the descriptor (address, length, type << 4 | subtype), Dwords 10 and 12.
+fn sgl_sqe(op: u8, nsid: u32, desc: (u64, u32, u8), cdw10: u32, cdw12: u32) -> [u8; 64] {
+    let (addr, len, kind) = desc;
+    let mut e = sqe(
+        op,
+        nsid,
+        addr,
+        len as u64 | (kind as u64) << 56,
+        cdw10,
+        0,
+        cdw12,
+    );
+    e[1] = 0x40;
+    e
+}
+
+/// SGL descriptor types (NVMe Base 2.0 Figure 120), as the identifier byte's upper nibble.
+const SGL_DATA_BLOCK: u8 = 0x00;
+const SGL_BIT_BUCKET: u8 = 0x10;
+const SGL_SEGMENT: u8 = 0x20;
+const SGL_LAST_SEGMENT: u8 = 0x30;
+
+/// Write SGL descriptors (address, length, identifier byte) as a segment at `at`.
+fn put_sgl(mem: &mut GuestMem, at: u64, descs: &[(u64, u32, u8)]) {
+    for (i, (addr, len, kind)) in descs.iter().enumerate() {
+        let d = mem.at(at + 16 * i as u64, 16);
+        d.fill(0);
+        d[0..8].copy_from_slice(&addr.to_le_bytes());
+        d[8..12].copy_from_slice(&len.to_le_bytes());
+        d[15] = *kind;
+    }
+}
+
 /// Status field values (status code type << 8 | status code).
 const SUCCESS: u16 = 0;
 const INVALID_FIELD: u16 = 0x02;
 const DATA_TRANSFER_ERROR: u16 = 0x04;
+const INVALID_SGL_SEGMENT_DESCRIPTOR: u16 = 0x0D;
+const INVALID_NUMBER_OF_SGL_DESCRIPTORS: u16 = 0x0E;
+const DATA_SGL_LENGTH_INVALID: u16 = 0x0F;
+const SGL_DESCRIPTOR_TYPE_INVALID: u16 = 0x11;
 const PRP_OFFSET_INVALID: u16 = 0x13;
 /// The status field without DNR.
 fn code(st: u16) -> u16 {
@@ -441,6 +479,75 @@ fn a_raw_host_writes_and_reads_back_through_prp_lists() {
     h.wait_csts(|v| v >> 2 & 3 == 2, "CSTS.SHST complete");
 }
 
+/// SGLs (PSDT = 01b) on I/O commands: a write gathered from byte-aligned blocks of a Last
+/// Segment, read back scattered through a Segment → Last Segment chain and through one
+/// Data Block in the command; Identify Controller says SGLs are supported.
+#[test]
+fn a_raw_host_writes_and_reads_back_through_sgls() {
+    let s = serve();
+    let mut h = RawHost::connect(s.dir.path());
+    let (st, _) = h.submit(0, sqe(0x06, 0, DATA, 0, 1, 0, 0));
+    assert_eq!(code(st), SUCCESS);
+    let sgls = u32::from_le_bytes(h.mem.at(DATA + 536, 4).try_into().unwrap());
+    assert_eq!(sgls & 3, 1, "SGLS {sgls:#x}: SGLs without alignment rules");
+    h.io_queues();
+    // 12 KiB from three blocks at odd addresses and lengths.
+    let pattern: Vec<u8> = (0..12288u32).map(|i| (i * 13 + i / 1000) as u8).collect();
+    let blocks = [
+        (DATA + 1, 5000u32),
+        (DATA + 0x3000, 4000),
+        (DATA + 0x5003, 3288),
+    ];
+    let mut at = 0;
+    for (addr, len) in blocks {
+        h.mem
+            .at(addr, len as usize)
+            .copy_from_slice(&pattern[at..at + len as usize]);
+        at += len as usize;
+    }
+    let list = DATA + 0xE000;
+    let descs: Vec<_> = blocks
+        .iter()
+        .map(|&(a, l)| (a, l, SGL_DATA_BLOCK))
+        .collect();
+    put_sgl(&mut h.mem, list, &descs);
+    let (st, _) = h.submit(1, sgl_sqe(0x01, 1, (list, 48, SGL_LAST_SEGMENT), 128, 23));
+    assert_eq!(code(st), SUCCESS, "SGL write");
+    let mut on_vol = vec![0u8; 12288];
+    s.vol.read_at(128 * 512, &mut on_vol).unwrap();
+    assert!(on_vol == pattern, "the volume holds what the SGL gathered");
+    // Read back: a Segment of one block and a Last Segment descriptor, then two blocks.
+    let back = DATA + 0x8000;
+    put_sgl(
+        &mut h.mem,
+        list,
+        &[
+            (back, 2048, SGL_DATA_BLOCK),
+            (list + 0x100, 32, SGL_LAST_SEGMENT),
+        ],
+    );
+    put_sgl(
+        &mut h.mem,
+        list + 0x100,
+        &[
+            (back + 0x1002, 6000, SGL_DATA_BLOCK),
+            (back + 0x3000, 4240, SGL_DATA_BLOCK),
+        ],
+    );
+    let (st, _) = h.submit(1, sgl_sqe(0x02, 1, (list, 32, SGL_SEGMENT), 128, 23));
+    assert_eq!(code(st), SUCCESS, "SGL read");
+    let mut got = h.mem.at(back, 2048).to_vec();
+    got.extend_from_slice(h.mem.at(back + 0x1002, 6000));
+    got.extend_from_slice(h.mem.at(back + 0x3000, 4240));
+    assert!(got == pattern, "the SGL read scattered the data back");
+    // One Data Block in the command, longer than the transfer (SGLS bit 18).
+    let one = DATA + 0x20000;
+    let (st, _) = h.submit(1, sgl_sqe(0x02, 1, (one, 16384, SGL_DATA_BLOCK), 128, 23));
+    assert_eq!(code(st), SUCCESS);
+    assert!(h.mem.at(one, 12288) == &pattern[..]);
+    assert!(h.mem.at(one + 12288, 4096).iter().all(|&b| b == 0));
+}
+
 #[test]
 fn a_hostile_host_gets_error_statuses_and_cannot_write_outside_its_memory() {
     let s = serve();
@@ -490,6 +597,62 @@ fn a_hostile_host_gets_error_statuses_and_cannot_write_outside_its_memory() {
         code(h.submit(1, sqe(0x01, 1, DATA, list, 0, 0, 511)).0),
         INVALID_FIELD
     );
+    // Hostile SGLs: a data block and a segment outside the memory, a block straddling its
+    // end, a segment naming itself forever, a Bit Bucket, a segment descriptor inside a
+    // last segment, descriptors that add up to less than the transfer; and an SGL on an
+    // admin command (PRPs only over PCIe).
+    let end = IOVA + MEM_LEN as u64;
+    let sgl_list = DATA + 0xE000;
+    for (op, desc, want) in [
+        (0x01, (outside, 4096, SGL_DATA_BLOCK), DATA_TRANSFER_ERROR),
+        (0x02, (outside, 4096, SGL_DATA_BLOCK), DATA_TRANSFER_ERROR),
+        (0x02, (end - 512, 4096, SGL_DATA_BLOCK), DATA_TRANSFER_ERROR),
+        (0x01, (outside, 16, SGL_LAST_SEGMENT), DATA_TRANSFER_ERROR),
+        (
+            0x02,
+            (DATA, 4096, SGL_BIT_BUCKET),
+            SGL_DESCRIPTOR_TYPE_INVALID,
+        ),
+        (0x01, (DATA, 4095, SGL_DATA_BLOCK), DATA_SGL_LENGTH_INVALID),
+    ] {
+        assert_eq!(
+            code(h.submit(1, sgl_sqe(op, 1, desc, 0, 7)).0),
+            want,
+            "opcode {op:#x}, SGL {desc:x?}"
+        );
+    }
+    put_sgl(
+        &mut h.mem,
+        sgl_list,
+        &[(DATA, 0, SGL_DATA_BLOCK), (sgl_list, 32, SGL_SEGMENT)],
+    );
+    assert_eq!(
+        code(
+            h.submit(1, sgl_sqe(0x01, 1, (sgl_list, 32, SGL_SEGMENT), 0, 7))
+                .0
+        ),
+        INVALID_NUMBER_OF_SGL_DESCRIPTORS
+    );
+    put_sgl(&mut h.mem, sgl_list, &[(sgl_list, 16, SGL_SEGMENT)]);
+    assert_eq!(
+        code(
+            h.submit(1, sgl_sqe(0x01, 1, (sgl_list, 16, SGL_LAST_SEGMENT), 0, 7))
+                .0
+        ),
+        INVALID_SGL_SEGMENT_DESCRIPTOR
+    );
+    put_sgl(&mut h.mem, sgl_list, &[(outside, 4096, SGL_DATA_BLOCK)]);
+    assert_eq!(
+        code(
+            h.submit(1, sgl_sqe(0x02, 1, (sgl_list, 16, SGL_LAST_SEGMENT), 0, 7))
+                .0
+        ),
+        DATA_TRANSFER_ERROR
+    );
+    let mut identify = sgl_sqe(0x06, 0, (DATA, 4096, SGL_DATA_BLOCK), 1, 0);
+    identify[44..48].fill(0);
+    assert_eq!(code(h.submit(0, identify).0), INVALID_FIELD);
+    h.mem.at(sgl_list, 64).fill(0);
     let mut after = vec![0u8; 1 << 20];
     s.vol.read_at(0, &mut after).unwrap();
     assert!(after == before, "a refused write changed the volume");

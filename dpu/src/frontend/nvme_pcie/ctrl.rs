@@ -23,8 +23,8 @@ use vm_memory::GuestMemoryMmap;
 
 use super::config::ConfigSpace;
 use super::prp;
-use super::sgl;
 use super::queue::{self, Cq, Doorbells, Fatal, Pending, Sq};
+use super::sgl;
 use crate::frontend::nvme::ctrl::{AdminReply, CtrlQueue, TargetController};
 use crate::frontend::nvme::fabrics::io_status;
 use crate::frontend::nvme::{limits, lock, Subsystem, TargetInner};

@@ -120,9 +120,7 @@ pub fn walk(mem: &GuestMemoryMmap, first: SglDescriptor, len: u64) -> Result<Spa
                     // Only the last descriptor of a segment that is not the last segment
                     // may chain to another.
                     TYPE_SEGMENT | TYPE_LAST_SEGMENT if is_last && !last => next = Some(d),
-                    TYPE_SEGMENT | TYPE_LAST_SEGMENT => {
-                        return Err(Status::INVALID_SGL_DESCRIPTOR)
-                    }
+                    TYPE_SEGMENT | TYPE_LAST_SEGMENT => return Err(Status::INVALID_SGL_DESCRIPTOR),
                     _ => return Err(Status::SGL_DESCRIPTOR_TYPE_INVALID),
                 }
                 if left == 0 {
