@@ -549,12 +549,14 @@ impl TargetController {
             fid::ARBITRATION
             | fid::POWER_MANAGEMENT
             | fid::ERROR_RECOVERY
-            | fid::INTERRUPT_COALESCING
             | fid::WRITE_ATOMICITY
                 if !disc =>
             {
                 0
             }
+            // Interrupt Coalescing and Interrupt Vector Configuration are PCIe features (the
+            // PCIe controller answers them itself); fabrics controllers refuse them, as
+            // everything else this controller does not know.
             _ => return done(Status::INVALID_FIELD),
         };
         AdminReply::Done(Status::SUCCESS, dw0, Vec::new())

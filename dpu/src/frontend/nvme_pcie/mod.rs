@@ -33,10 +33,12 @@
 //! reached through DevEmu's DMA mappings instead of `vm-memory` regions.
 //!
 //! What it does today: one client at a time per controller; a poller thread per controller
-//! (busy while there is work, then backing off to 1 ms sleeps); interrupts without
-//! coalescing; shadow doorbells (Doorbell Buffer Config, `queue`); SGLs for I/O commands
+//! (busy while there is work, then backing off to 1 ms sleeps); interrupt coalescing
+//! (Features 08h and 09h, `coalesce`), each vector raised at most once per poller pass;
+//! shadow doorbells (Doorbell Buffer Config, `queue`); SGLs for I/O commands
 //! (`sgl`), PRPs for admin commands; 4 KiB pages only (CAP.MPSMAX = 0).
 
+mod coalesce;
 mod config;
 mod ctrl;
 mod prp;
