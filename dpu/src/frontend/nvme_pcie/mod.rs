@@ -254,8 +254,8 @@ fn remove_stale_socket(path: &Path) -> Result<(), String> {
 /// for the fuzzers (`crate::fuzzing::vfio_user`): `memory` is the client's guest memory,
 /// DMA-mapped at guest address 0 from a memfd of its size (whole pages), and `messages` the
 /// bytes the client sends on the socket. The controller serves them as it serves a real
-/// client (the same message checks, register and doorbell handling, queues, PRP walks and
-/// I/O), polling its queues after each message. Returns the guest memory as the session
+/// client (the same message checks, register and doorbell handling, queues, PRP and SGL
+/// walks and I/O), polling its queues after each message. Returns the guest memory as the session
 /// left it.
 #[cfg(feature = "fuzzing")]
 pub fn fuzz_session(

@@ -20,7 +20,7 @@
 //! Descriptors; a transfer is at most [`limits::MAX_TRANSFER`] bytes (Invalid Field).
 
 use nacre_shared::nvme::{Command, SglDescriptor, Status};
-use vm_memory::{Address, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
+use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 
 use super::prp::{self, Spans};
 use crate::frontend::nvme::limits;
@@ -161,7 +161,8 @@ fn data_block(
         let r = mem
             .find_region(GuestAddress(addr))
             .ok_or(Status::DATA_TRANSFER_ERROR)?;
-        let in_region = r.start_addr().unchecked_add(r.len()).0 - addr;
+        // Bytes from `addr` to the region's end (its last byte included).
+        let in_region = (r.last_addr().0 - addr).saturating_add(1);
         let take = want.min(in_region);
         out.push(prp::span(mem, addr, take)?);
         addr += take;
