@@ -315,15 +315,39 @@ impl RawHost {
 
     /// Submit `sqe` (64 bytes, CID filled in) on queue `q` and wait for its completion:
     /// (status field without the phase, Dword 0).
-    fn submit(&mut self, q: usize, mut sqe: [u8; 64]) -> (u16, u32) {
+    fn submit(&mut self, q: usize, sqe: [u8; 64]) -> (u16, u32) {
+        self.place(q, sqe);
+        let tail = self.sq_tail[q] as u32;
+        self.ring(q, tail);
+        let (cid, st, dw0) = self.reap(q);
+        assert_eq!(cid, self.cid, "completion for another command");
+        (st, dw0)
+    }
+
+    /// Put `sqe` (CID filled in) in queue `q`'s next slot without ringing.
+    fn place(&mut self, q: usize, mut sqe: [u8; 64]) {
         self.cid += 1;
         sqe[2..4].copy_from_slice(&self.cid.to_le_bytes());
-        let (sq, cq) = if q == 0 { (ASQ, ACQ) } else { (IOSQ, IOCQ) };
+        let sq = if q == 0 { ASQ } else { IOSQ };
         let slot = self.sq_tail[q] as u64;
         self.mem.at(sq + slot * 64, 64).copy_from_slice(&sqe);
         self.sq_tail[q] = (self.sq_tail[q] + 1) % QSIZE;
-        let tail = self.sq_tail[q] as u32;
-        self.ring(q, tail);
+    }
+
+    /// Submit `sqes` on I/O queue 1 with one doorbell write; their statuses.
+    fn submit_all(&mut self, sqes: &[[u8; 64]]) -> Vec<u16> {
+        for e in sqes {
+            self.place(1, *e);
+        }
+        let tail = self.sq_tail[1] as u32;
+        self.ring(1, tail);
+        (0..sqes.len()).map(|_| self.reap(1).1).collect()
+    }
+
+    /// Wait for queue `q`'s next completion and consume it: (CID, status field without the
+    /// phase, Dword 0).
+    fn reap(&mut self, q: usize) -> (u16, u16, u32) {
+        let cq = if q == 0 { ACQ } else { IOCQ };
         let deadline = Instant::now() + Duration::from_secs(10);
         let at = cq + self.cq_head[q] as u64 * 16;
         loop {
@@ -335,7 +359,6 @@ impl RawHost {
             let e: [u8; 16] = unsafe { std::ptr::read_volatile(p as *const [u8; 16]) };
             if (st & 1 == 1) == self.phase[q] {
                 let cid = u16::from_le_bytes([e[12], e[13]]);
-                assert_eq!(cid, self.cid, "completion for another command");
                 let dw0 = u32::from_le_bytes(e[0..4].try_into().unwrap());
                 self.cq_head[q] = (self.cq_head[q] + 1) % QSIZE;
                 if self.cq_head[q] == 0 {
@@ -345,7 +368,7 @@ impl RawHost {
                 self.c
                     .region_write(BAR0, 0x1000 + 8 * q as u64 + 4, &head.to_le_bytes())
                     .unwrap();
-                return (st >> 1, dw0);
+                return (cid, st >> 1, dw0);
             }
             assert!(
                 Instant::now() < deadline,
@@ -357,10 +380,15 @@ impl RawHost {
     }
 
     fn io_queues(&mut self) {
+        self.io_queues_on(1);
+    }
+
+    /// I/O queue pair 1, its completion queue's Dword 11 `cq_dw11` (PC, IEN, IV).
+    fn io_queues_on(&mut self, cq_dw11: u32) {
         let ok = (0, 0);
         let q = (QSIZE as u32 - 1) << 16 | 1;
         assert_eq!(
-            self.submit(0, sqe(0x05, 0, IOCQ, 0, q, 1, 0)).0,
+            self.submit(0, sqe(0x05, 0, IOCQ, 0, q, cq_dw11, 0)).0,
             ok.0,
             "create CQ"
         );
@@ -369,6 +397,43 @@ impl RawHost {
             ok.0,
             "create SQ"
         );
+    }
+}
+
+/// MSI-X vectors 0 and 1 signal eventfds of the raw host (VFIO_USER_DEVICE_SET_IRQS with
+/// ACTION_TRIGGER | DATA_EVENTFD on the MSI-X index), and MSI-X is enabled.
+fn msix_eventfds(h: &mut RawHost) -> [std::os::fd::OwnedFd; 2] {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let new = || {
+        // SAFETY: eventfd(2) with flags only; the result is checked.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: a new descriptor owned once.
+        unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }
+    };
+    let fds = [new(), new()];
+    let raw: Vec<_> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    const MSIX_INDEX: u32 = 2;
+    const TRIGGER_EVENTFD: u32 = 1 << 5 | 1 << 2;
+    h.c.set_irqs(MSIX_INDEX, TRIGGER_EVENTFD, 0, 2, &raw)
+        .unwrap();
+    // MSI-X Message Control (capability at 50h): MSI-X Enable.
+    h.c.region_write(CONFIG, 0x52, &0x8000u16.to_le_bytes())
+        .unwrap();
+    fds
+}
+
+/// How many times the eventfd was signalled since the last call (its counter, read and so
+/// reset).
+fn signals(fd: &std::os::fd::OwnedFd) -> u64 {
+    use std::os::fd::AsRawFd;
+    let mut v = 0u64;
+    // SAFETY: an 8-byte read into `v` from a non-blocking eventfd we own.
+    let n = unsafe { libc::read(fd.as_raw_fd(), &mut v as *mut u64 as *mut libc::c_void, 8) };
+    if n == 8 {
+        v
+    } else {
+        0
     }
 }
 
@@ -385,10 +450,48 @@ fn sqe(op: u8, nsid: u32, prp1: u64, prp2: u64, cdw10: u32, cdw11: u32, cdw12: u
     e
 }
 
+/// A submission queue entry whose Data Pointer is one SGL descriptor (PSDT = 01b):
+/// opcode, NSID, the descriptor (address, length, type << 4 | subtype), Dwords 10 and 12.
+fn sgl_sqe(op: u8, nsid: u32, desc: (u64, u32, u8), cdw10: u32, cdw12: u32) -> [u8; 64] {
+    let (addr, len, kind) = desc;
+    let mut e = sqe(
+        op,
+        nsid,
+        addr,
+        len as u64 | (kind as u64) << 56,
+        cdw10,
+        0,
+        cdw12,
+    );
+    e[1] = 0x40;
+    e
+}
+
+/// SGL descriptor types (NVMe Base 2.0 Figure 120), as the identifier byte's upper nibble.
+const SGL_DATA_BLOCK: u8 = 0x00;
+const SGL_BIT_BUCKET: u8 = 0x10;
+const SGL_SEGMENT: u8 = 0x20;
+const SGL_LAST_SEGMENT: u8 = 0x30;
+
+/// Write SGL descriptors (address, length, identifier byte) as a segment at `at`.
+fn put_sgl(mem: &mut GuestMem, at: u64, descs: &[(u64, u32, u8)]) {
+    for (i, (addr, len, kind)) in descs.iter().enumerate() {
+        let d = mem.at(at + 16 * i as u64, 16);
+        d.fill(0);
+        d[0..8].copy_from_slice(&addr.to_le_bytes());
+        d[8..12].copy_from_slice(&len.to_le_bytes());
+        d[15] = *kind;
+    }
+}
+
 /// Status field values (status code type << 8 | status code).
 const SUCCESS: u16 = 0;
 const INVALID_FIELD: u16 = 0x02;
 const DATA_TRANSFER_ERROR: u16 = 0x04;
+const INVALID_SGL_SEGMENT_DESCRIPTOR: u16 = 0x0D;
+const INVALID_NUMBER_OF_SGL_DESCRIPTORS: u16 = 0x0E;
+const DATA_SGL_LENGTH_INVALID: u16 = 0x0F;
+const SGL_DESCRIPTOR_TYPE_INVALID: u16 = 0x11;
 const PRP_OFFSET_INVALID: u16 = 0x13;
 /// The status field without DNR.
 fn code(st: u16) -> u16 {
@@ -441,6 +544,178 @@ fn a_raw_host_writes_and_reads_back_through_prp_lists() {
     h.wait_csts(|v| v >> 2 & 3 == 2, "CSTS.SHST complete");
 }
 
+/// SGLs (PSDT = 01b) on I/O commands: a write gathered from byte-aligned blocks of a Last
+/// Segment, read back scattered through a Segment → Last Segment chain and through one
+/// Data Block in the command; Identify Controller says SGLs are supported.
+#[test]
+fn a_raw_host_writes_and_reads_back_through_sgls() {
+    let s = serve();
+    let mut h = RawHost::connect(s.dir.path());
+    let (st, _) = h.submit(0, sqe(0x06, 0, DATA, 0, 1, 0, 0));
+    assert_eq!(code(st), SUCCESS);
+    let sgls = u32::from_le_bytes(h.mem.at(DATA + 536, 4).try_into().unwrap());
+    assert_eq!(sgls & 3, 1, "SGLS {sgls:#x}: SGLs without alignment rules");
+    h.io_queues();
+    // 12 KiB from three blocks at odd addresses and lengths.
+    let pattern: Vec<u8> = (0..12288u32).map(|i| (i * 13 + i / 1000) as u8).collect();
+    let blocks = [
+        (DATA + 1, 5000u32),
+        (DATA + 0x3000, 4000),
+        (DATA + 0x5003, 3288),
+    ];
+    let mut at = 0;
+    for (addr, len) in blocks {
+        h.mem
+            .at(addr, len as usize)
+            .copy_from_slice(&pattern[at..at + len as usize]);
+        at += len as usize;
+    }
+    let list = DATA + 0xE000;
+    let descs: Vec<_> = blocks
+        .iter()
+        .map(|&(a, l)| (a, l, SGL_DATA_BLOCK))
+        .collect();
+    put_sgl(&mut h.mem, list, &descs);
+    let (st, _) = h.submit(1, sgl_sqe(0x01, 1, (list, 48, SGL_LAST_SEGMENT), 128, 23));
+    assert_eq!(code(st), SUCCESS, "SGL write");
+    let mut on_vol = vec![0u8; 12288];
+    s.vol.read_at(128 * 512, &mut on_vol).unwrap();
+    assert!(on_vol == pattern, "the volume holds what the SGL gathered");
+    // Read back: a Segment of one block and a Last Segment descriptor, then two blocks.
+    let back = DATA + 0x8000;
+    put_sgl(
+        &mut h.mem,
+        list,
+        &[
+            (back, 2048, SGL_DATA_BLOCK),
+            (list + 0x100, 32, SGL_LAST_SEGMENT),
+        ],
+    );
+    put_sgl(
+        &mut h.mem,
+        list + 0x100,
+        &[
+            (back + 0x1002, 6000, SGL_DATA_BLOCK),
+            (back + 0x3000, 4240, SGL_DATA_BLOCK),
+        ],
+    );
+    let (st, _) = h.submit(1, sgl_sqe(0x02, 1, (list, 32, SGL_SEGMENT), 128, 23));
+    assert_eq!(code(st), SUCCESS, "SGL read");
+    let mut got = h.mem.at(back, 2048).to_vec();
+    got.extend_from_slice(h.mem.at(back + 0x1002, 6000));
+    got.extend_from_slice(h.mem.at(back + 0x3000, 4240));
+    assert!(got == pattern, "the SGL read scattered the data back");
+    // One Data Block in the command, longer than the transfer (SGLS bit 18).
+    let one = DATA + 0x20000;
+    let (st, _) = h.submit(1, sgl_sqe(0x02, 1, (one, 16384, SGL_DATA_BLOCK), 128, 23));
+    assert_eq!(code(st), SUCCESS);
+    assert!(h.mem.at(one, 12288) == &pattern[..]);
+    assert!(h.mem.at(one + 12288, 4096).iter().all(|&b| b == 0));
+}
+
+/// Interrupt Coalescing (Feature 08h) and Interrupt Vector Configuration (09h). Without
+/// coalescing, commands completed one at a time raise the I/O vector once each, and a batch
+/// completed in one poller pass raises it once. With a threshold, commands completed one at
+/// a time raise it fewer times than they complete (every completion still arrives); with
+/// fewer completions than the threshold the aggregation time still raises it; Coalescing
+/// Disable and the admin queue's vector 0 raise once per command.
+#[test]
+fn interrupt_coalescing_raises_the_io_vector_less_often() {
+    let s = serve();
+    let mut h = RawHost::connect(s.dir.path());
+    let [admin_irq, io_irq] = msix_eventfds(&mut h);
+    // The I/O completion queue: contiguous, interrupts enabled, vector 1.
+    h.io_queues_on(1 | 2 | 1 << 16);
+    let read = |lba: u32| sqe(0x02, 1, DATA + 0x1000 * (lba as u64 % 8), 0, lba, 0, 7);
+    let get = |h: &mut RawHost, f: u32, cdw11: u32| {
+        let (st, dw0) = h.submit(0, sqe(0x0A, 0, 0, 0, f, cdw11, 0));
+        assert_eq!(code(st), SUCCESS, "Get Features {f:#x}");
+        dw0
+    };
+    let set = |h: &mut RawHost, f: u32, v: u32| {
+        let (st, _) = h.submit(0, sqe(0x09, 0, 0, 0, f, v, 0));
+        assert_eq!(code(st), SUCCESS, "Set Features {f:#x} {v:#x}");
+    };
+    // Signals on `fd` until `want` came or 5 s passed, then whatever follows within 60 ms.
+    let wait_for = |fd: &std::os::fd::OwnedFd, want: u64| {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut got = 0;
+        while got < want && Instant::now() < deadline {
+            got += signals(fd);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(60));
+        got + signals(fd)
+    };
+    let one_at_a_time = |h: &mut RawHost, n: u32| {
+        for lba in 0..n {
+            assert_eq!(code(h.submit(1, read(lba)).0), SUCCESS);
+        }
+    };
+    // Defaults: Get Features reads 0 (THR 0, TIME 0: no coalescing); vector 1 has CD clear.
+    assert_eq!(get(&mut h, 0x08, 0), 0);
+    assert_eq!(get(&mut h, 0x09, 1), 1);
+    one_at_a_time(&mut h, 14);
+    assert_eq!(
+        wait_for(&io_irq, 14),
+        14,
+        "no coalescing: one per completion"
+    );
+    let batch: Vec<_> = (0..14).map(read).collect();
+    assert!(h.submit_all(&batch).iter().all(|&st| code(st) == SUCCESS));
+    let raised = wait_for(&io_irq, 1);
+    assert!(
+        (1..14).contains(&raised),
+        "14 completions in one pass raised the vector {raised} times"
+    );
+    signals(&admin_irq);
+    // THR = 6 (seven completions), TIME = 255 (25.5 ms).
+    set(&mut h, 0x08, 6 | 255 << 8);
+    assert_eq!(get(&mut h, 0x08, 0), 6 | 255 << 8);
+    assert_eq!(get(&mut h, 0x08 | 1 << 8, 0), 0, "the default");
+    // Set, Get, Get: three admin commands, three interrupts.
+    let admin_raised = wait_for(&admin_irq, 3);
+    assert_eq!(
+        admin_raised, 3,
+        "the admin queue's vector is never coalesced"
+    );
+    one_at_a_time(&mut h, 14);
+    let raised = wait_for(&io_irq, 2);
+    assert!(
+        (1..14).contains(&raised),
+        "14 completions with a threshold of 7 raised the vector {raised} times"
+    );
+    // THR = 255, TIME = 10 (1 ms): three completions, and the time raises the vector.
+    set(&mut h, 0x08, 255 | 10 << 8);
+    one_at_a_time(&mut h, 3);
+    assert!(
+        wait_for(&io_irq, 1) >= 1,
+        "the aggregation time passed without an interrupt"
+    );
+    // Coalescing Disable on vector 1: one interrupt per command, submitted one at a time.
+    set(&mut h, 0x08, 255 | 255 << 8);
+    set(&mut h, 0x09, 1 | 1 << 16);
+    assert_eq!(get(&mut h, 0x09, 1), 1 | 1 << 16);
+    one_at_a_time(&mut h, 6);
+    assert_eq!(
+        wait_for(&io_irq, 6),
+        6,
+        "CD set: every completion raises the vector"
+    );
+    // A vector the function does not have; a saved value: refused.
+    let (st, _) = h.submit(0, sqe(0x09, 0, 0, 0, 0x09, 64, 0));
+    assert_eq!(code(st), INVALID_FIELD);
+    let (st, _) = h.submit(0, sqe(0x09, 0, 0, 0, 0x08 | 1 << 31, 0, 0));
+    assert_eq!(code(st), 0x10D, "Feature Identifier Not Saveable");
+    // A controller reset restores the defaults.
+    h.c.region_write(BAR0, 0x14, &0u32.to_le_bytes()).unwrap();
+    h.wait_csts(|v| v & 1 == 0, "CSTS.RDY clear");
+    drop(h);
+    let mut h = RawHost::connect(s.dir.path());
+    assert_eq!(get(&mut h, 0x08, 0), 0);
+    assert_eq!(get(&mut h, 0x09, 1), 1);
+}
+
 #[test]
 fn a_hostile_host_gets_error_statuses_and_cannot_write_outside_its_memory() {
     let s = serve();
@@ -490,6 +765,62 @@ fn a_hostile_host_gets_error_statuses_and_cannot_write_outside_its_memory() {
         code(h.submit(1, sqe(0x01, 1, DATA, list, 0, 0, 511)).0),
         INVALID_FIELD
     );
+    // Hostile SGLs: a data block and a segment outside the memory, a block straddling its
+    // end, a segment naming itself forever, a Bit Bucket, a segment descriptor inside a
+    // last segment, descriptors that add up to less than the transfer; and an SGL on an
+    // admin command (PRPs only over PCIe).
+    let end = IOVA + MEM_LEN as u64;
+    let sgl_list = DATA + 0xE000;
+    for (op, desc, want) in [
+        (0x01, (outside, 4096, SGL_DATA_BLOCK), DATA_TRANSFER_ERROR),
+        (0x02, (outside, 4096, SGL_DATA_BLOCK), DATA_TRANSFER_ERROR),
+        (0x02, (end - 512, 4096, SGL_DATA_BLOCK), DATA_TRANSFER_ERROR),
+        (0x01, (outside, 16, SGL_LAST_SEGMENT), DATA_TRANSFER_ERROR),
+        (
+            0x02,
+            (DATA, 4096, SGL_BIT_BUCKET),
+            SGL_DESCRIPTOR_TYPE_INVALID,
+        ),
+        (0x01, (DATA, 4095, SGL_DATA_BLOCK), DATA_SGL_LENGTH_INVALID),
+    ] {
+        assert_eq!(
+            code(h.submit(1, sgl_sqe(op, 1, desc, 0, 7)).0),
+            want,
+            "opcode {op:#x}, SGL {desc:x?}"
+        );
+    }
+    put_sgl(
+        &mut h.mem,
+        sgl_list,
+        &[(DATA, 0, SGL_DATA_BLOCK), (sgl_list, 32, SGL_SEGMENT)],
+    );
+    assert_eq!(
+        code(
+            h.submit(1, sgl_sqe(0x01, 1, (sgl_list, 32, SGL_SEGMENT), 0, 7))
+                .0
+        ),
+        INVALID_NUMBER_OF_SGL_DESCRIPTORS
+    );
+    put_sgl(&mut h.mem, sgl_list, &[(sgl_list, 16, SGL_SEGMENT)]);
+    assert_eq!(
+        code(
+            h.submit(1, sgl_sqe(0x01, 1, (sgl_list, 16, SGL_LAST_SEGMENT), 0, 7))
+                .0
+        ),
+        INVALID_SGL_SEGMENT_DESCRIPTOR
+    );
+    put_sgl(&mut h.mem, sgl_list, &[(outside, 4096, SGL_DATA_BLOCK)]);
+    assert_eq!(
+        code(
+            h.submit(1, sgl_sqe(0x02, 1, (sgl_list, 16, SGL_LAST_SEGMENT), 0, 7))
+                .0
+        ),
+        DATA_TRANSFER_ERROR
+    );
+    let mut identify = sgl_sqe(0x06, 0, (DATA, 4096, SGL_DATA_BLOCK), 1, 0);
+    identify[44..48].fill(0);
+    assert_eq!(code(h.submit(0, identify).0), INVALID_FIELD);
+    h.mem.at(sgl_list, 64).fill(0);
     let mut after = vec![0u8; 1 << 20];
     s.vol.read_at(0, &mut after).unwrap();
     assert!(after == before, "a refused write changed the volume");

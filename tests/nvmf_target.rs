@@ -409,6 +409,15 @@ fn features_and_log_pages() {
     assert_eq!(h.get_features(fid::ASYNC_EVENT_CONFIG).unwrap(), 1 << 8);
     assert_eq!(h.get_features(fid::NUMBER_OF_QUEUES).unwrap(), 0);
     assert_eq!(h.get_features(fid::VOLATILE_WRITE_CACHE).unwrap(), 1);
+    // Interrupt Coalescing and Interrupt Vector Configuration are PCIe only: a fabrics
+    // controller refuses them.
+    for f in [fid::INTERRUPT_COALESCING, fid::INTERRUPT_VECTOR_CONFIG] {
+        assert!(
+            h.get_features(f).is_err(),
+            "Get Features {f:#x} over fabrics"
+        );
+        assert!(h.set_features(f, 0x0A03).is_err(), "Set Features {f:#x}");
+    }
     h.keep_alive().unwrap();
     let fw = h
         .get_log_page(lid::FIRMWARE_SLOT, 0, 512, 0, false)

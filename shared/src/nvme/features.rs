@@ -11,6 +11,7 @@ pub mod fid {
     pub const VOLATILE_WRITE_CACHE: u8 = 0x06;
     pub const NUMBER_OF_QUEUES: u8 = 0x07;
     pub const INTERRUPT_COALESCING: u8 = 0x08;
+    pub const INTERRUPT_VECTOR_CONFIG: u8 = 0x09;
     pub const WRITE_ATOMICITY: u8 = 0x0A;
     pub const ASYNC_EVENT_CONFIG: u8 = 0x0B;
     pub const KEEP_ALIVE_TIMER: u8 = 0x0F;
@@ -18,6 +19,9 @@ pub mod fid {
 
 /// Set Features Dword 10 bit 31.
 pub const SAVE: u32 = 1 << 31;
+/// Get Features with Select = 011b, Dword 0 bit 2: the feature is changeable (bit 0:
+/// saveable, bit 1: namespace specific).
+pub const CAPABILITY_CHANGEABLE: u32 = 1 << 2;
 
 /// The fields of a Set Features command (Figures 316-317) nacre reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -71,6 +71,9 @@ pub const SGLS_OFFSET: u32 = 1 << 20;
 /// SGLS bit 2: Keyed SGL Data Block descriptors supported (what RDMA transports move data
 /// with; the Linux nvme-rdma host refuses a controller without it).
 pub const SGLS_KEYED: u32 = 1 << 2;
+/// SGLS bit 18: an SGL may describe more data than the command moves (the excess is
+/// ignored).
+pub const SGLS_LONGER_THAN_DATA: u32 = 1 << 18;
 
 /// LPA bit 2: extended data for Get Log Page (NUMDU and the log page offset).
 pub const LPA_EXTENDED_DATA: u8 = 1 << 2;

@@ -38,7 +38,8 @@ pub(crate) trait CtrlQueue: Send + Sync {
         false
     }
     /// Whether the queue is a PCIe controller's (memory-based transport): Identify
-    /// Controller then reports no SGL support and no fabrics capsule sizes.
+    /// Controller then reports the SGLs the PCIe controller walks and no fabrics capsule
+    /// sizes.
     fn pcie(&self) -> bool {
         false
     }
@@ -394,12 +395,13 @@ impl TargetController {
             msdbd: 1,
         };
         if self.admin_pcie() {
-            // PRPs only (no SGLs), and no fabrics fields; CTRATT's 128-bit host identifier
-            // is a fabrics requirement. Shadow doorbells (Doorbell Buffer Config), which
-            // hosts use on emulated controllers.
+            // SGLs for I/O commands, byte aligned, Data Block, Segment and Last Segment
+            // descriptors, longer than the transfer allowed (`nvme_pcie::sgl`); no fabrics
+            // fields; CTRATT's 128-bit host identifier is a fabrics requirement. Shadow
+            // doorbells (Doorbell Buffer Config), which hosts use on emulated controllers.
             return IdentifyController {
                 oacs: identify::OACS_DOORBELL_BUFFER_CONFIG,
-                sgls: 0,
+                sgls: identify::SGLS_SUPPORTED | identify::SGLS_LONGER_THAN_DATA,
                 ioccsz: 0,
                 iorcsz: 0,
                 msdbd: 0,
@@ -547,12 +549,14 @@ impl TargetController {
             fid::ARBITRATION
             | fid::POWER_MANAGEMENT
             | fid::ERROR_RECOVERY
-            | fid::INTERRUPT_COALESCING
             | fid::WRITE_ATOMICITY
                 if !disc =>
             {
                 0
             }
+            // Interrupt Coalescing and Interrupt Vector Configuration are PCIe features (the
+            // PCIe controller answers them itself); fabrics controllers refuse them, as
+            // everything else this controller does not know.
             _ => return done(Status::INVALID_FIELD),
         };
         AdminReply::Done(Status::SUCCESS, dw0, Vec::new())

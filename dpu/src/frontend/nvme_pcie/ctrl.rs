@@ -1,11 +1,12 @@
 //! The PCIe controller: BAR0's registers (NVMe Base 2.0 §3.1.4), controller enable, reset
 //! and shutdown (§3.5), the admin commands that exist only on PCIe (Create/Delete I/O
-//! Submission/Completion Queue, §5.4-5.7), the I/O command set onto
-//! [`crate::volume::BlockDevice`], and MSI-X through the client's eventfds.
+//! Submission/Completion Queue, §5.4-5.7, Doorbell Buffer Config, §5.8), the PCIe-only
+//! features (Interrupt Coalescing and Interrupt Vector Configuration, `coalesce`), the I/O
+//! command set onto [`crate::volume::BlockDevice`], and MSI-X through the client's eventfds.
 //!
-//! Everything else an admin command asks (Identify, features, log pages, asynchronous
-//! events, Abort) is the target core's controller ([`TargetController`]): the same code a
-//! host reaches over NVMe/TCP or RDMA.
+//! Everything else an admin command asks (Identify, other features, log pages,
+//! asynchronous events, Abort) is the target core's controller ([`TargetController`]): the
+//! same code a host reaches over NVMe/TCP or RDMA.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -13,16 +14,19 @@ use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use nacre_shared::nvme::features::{self, fid, GetFeatures, Select, SetFeatures};
 use nacre_shared::nvme::registers::{self, cc, csts};
 use nacre_shared::nvme::{admin_opcode, Command, Status};
 use tracing::{debug, warn};
 use vm_memory::GuestMemoryMmap;
 
+use super::coalesce::Coalescing;
 use super::config::ConfigSpace;
 use super::prp;
 use super::queue::{self, Cq, Doorbells, Fatal, Pending, Sq};
+use super::sgl;
 use crate::frontend::nvme::ctrl::{AdminReply, CtrlQueue, TargetController};
 use crate::frontend::nvme::io::{self, Arrived, Io, Plan, Then};
 use crate::frontend::nvme::{limits, lock, Subsystem, TargetInner};
@@ -70,6 +74,8 @@ pub struct PcieController {
     pub(super) mem: Mutex<Arc<GuestMemoryMmap>>,
     /// MSI-X vector → eventfd.
     pub(super) irqs: Mutex<Vec<Option<File>>>,
+    /// Interrupt coalescing settings and the vectors' unsignalled completions.
+    coalescing: Mutex<Coalescing>,
     /// Controller Fatal Status: set by a host error the controller cannot go on from;
     /// cleared by a controller reset.
     fatal: AtomicBool,
@@ -140,6 +146,7 @@ impl PcieController {
             doorbells: unsafe { Doorbells::new(doorbell_page) },
             mem: Mutex::new(Arc::new(GuestMemoryMmap::new())),
             irqs: Mutex::new(Vec::new()),
+            coalescing: Mutex::new(Coalescing::new(MSIX_VECTORS)),
             fatal: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             client: Mutex::new(None),
@@ -329,6 +336,7 @@ impl PcieController {
             q.cqs.clear();
         }
         self.doorbells.clear();
+        lock(&self.coalescing).reset();
         self.fatal.store(false, Ordering::SeqCst);
         let mut r = lock(&self.regs);
         r.cc = 0;
@@ -355,6 +363,22 @@ impl PcieController {
         }
     }
 
+    /// Completions were posted to `cq`: raise its vector now if interrupts are on and
+    /// coalescing does not hold it back (or the running poller pass takes it).
+    fn signal(&self, cq: &Cq) {
+        if cq.ien && lock(&self.coalescing).posted(cq.iv, cq.qid == 0, 1, Instant::now()) {
+            self.interrupt(cq.iv);
+        }
+    }
+
+    /// Raise the vectors the poller pass gathered and those whose aggregation time passed.
+    fn end_pass(&self) {
+        let due = lock(&self.coalescing).end_pass(Instant::now());
+        for iv in due {
+            self.interrupt(iv);
+        }
+    }
+
     /// Post a completion on the completion queue of submission queue `sqid`.
     fn complete(&self, sqid: u16, sqhd: u16, cid: u16, status: Status, dw0: u32) {
         let cq = {
@@ -377,8 +401,8 @@ impl PcieController {
                 status,
             },
         ) {
-            Ok(true) if cq.ien => self.interrupt(cq.iv),
-            Ok(_) => {}
+            Ok(true) => self.signal(&cq),
+            Ok(false) => {}
             Err(f) => self.set_fatal(f),
         }
     }
@@ -401,13 +425,12 @@ impl PcieController {
         };
         let mem = lock(&self.mem).clone();
         let mut work = false;
+        lock(&self.coalescing).begin_pass();
         for cq in &cqs {
             match cq.flush(&mem, &self.doorbells) {
                 Ok(true) => {
                     work = true;
-                    if cq.ien {
-                        self.interrupt(cq.iv);
-                    }
+                    self.signal(cq);
                 }
                 Ok(false) => {}
                 Err(f) => return self.fatal_pass(f),
@@ -430,11 +453,13 @@ impl PcieController {
                 }
             }
         }
+        self.end_pass();
         work
     }
 
     fn fatal_pass(&self, f: Fatal) -> bool {
         self.set_fatal(f);
+        self.end_pass();
         false
     }
 
@@ -450,7 +475,8 @@ impl PcieController {
     ) {
         let reply = |s: Status, dw0: u32| self.complete(0, sqhd, c.cid, s, dw0);
         if c.flags & 0xC0 != 0 {
-            // PSDT: SGLs are not supported (Identify Controller SGLS = 0).
+            // PSDT: PRPs only on the admin queue (NVMe Base 2.0 §4.1.2: SGLs are not
+            // used for admin commands over PCIe).
             return reply(Status::INVALID_FIELD, 0);
         }
         match c.opcode {
@@ -460,6 +486,15 @@ impl PcieController {
             admin_opcode::DELETE_IO_CQ => reply(self.delete_cq(c.cdw10 as u16), 0),
             admin_opcode::DOORBELL_BUFFER_CONFIG => {
                 reply(self.doorbell_buffer_config(mem, prp1, prp2), 0)
+            }
+            admin_opcode::SET_FEATURES | admin_opcode::GET_FEATURES
+                if matches!(
+                    c.cdw10 as u8,
+                    fid::INTERRUPT_COALESCING | fid::INTERRUPT_VECTOR_CONFIG
+                ) =>
+            {
+                let (s, dw0) = self.coalescing_feature(c);
+                reply(s, dw0)
             }
             _ => {
                 let Some(ctrl) = lock(&self.ctrl).clone() else {
@@ -478,6 +513,43 @@ impl PcieController {
                     AdminReply::Parked => {}
                 }
             }
+        }
+    }
+
+    /// Set/Get Features 08h (Interrupt Coalescing) and 09h (Interrupt Vector Configuration):
+    /// (status, Dword 0). Neither is saveable; Default and Saved read the reset values.
+    fn coalescing_feature(&self, c: &Command) -> (Status, u32) {
+        let mut co = lock(&self.coalescing);
+        if c.opcode == admin_opcode::SET_FEATURES {
+            let f = SetFeatures::from_command(c);
+            if f.save {
+                return (Status::FEATURE_NOT_SAVEABLE, 0);
+            }
+            if f.fid == fid::INTERRUPT_COALESCING {
+                co.set_feature(f.value);
+                return (Status::SUCCESS, 0);
+            }
+            return match co.set_vector_config(f.value) {
+                Ok(()) => (Status::SUCCESS, 0),
+                Err(s) => (s, 0),
+            };
+        }
+        let g = GetFeatures::from_command(c);
+        let reset = Coalescing::new(MSIX_VECTORS);
+        let from = match g.select {
+            Select::Current => &*co,
+            Select::Default | Select::Saved => &reset,
+            Select::SupportedCapabilities => {
+                return (Status::SUCCESS, features::CAPABILITY_CHANGEABLE)
+            }
+            Select::Reserved(_) => return (Status::INVALID_FIELD, 0),
+        };
+        if g.fid == fid::INTERRUPT_COALESCING {
+            return (Status::SUCCESS, from.feature());
+        }
+        match from.vector_config(c.cdw11) {
+            Ok(v) => (Status::SUCCESS, v),
+            Err(s) => (s, 0),
         }
     }
 
@@ -601,14 +673,11 @@ impl PcieController {
         prp2: u64,
     ) {
         let fail = |s: Status| self.complete(sqid, sqhd, c.cid, s, 0);
-        if c.flags & 0xC0 != 0 {
-            return fail(Status::INVALID_FIELD);
-        }
         let plan = match io::plan(c, &*self.subsys) {
             Plan::Ranges(ns, d) => {
                 // The range list, copied out of the host's memory.
                 let mut buf = vec![0u8; d.data_len()];
-                match prp::walk(mem, prp1, prp2, buf.len() as u64) {
+                match sgl::data_pointer(mem, c, prp1, prp2, buf.len() as u64) {
                     Ok(spans) => prp::copy_in(&spans, &mut buf),
                     Err(s) => return fail(s),
                 }
@@ -619,8 +688,8 @@ impl PcieController {
         let (io, spans) = match plan {
             Plan::Done(s) => return fail(s),
             Plan::Read(io) | Plan::Write(io) => {
-                // Reads and writes go straight to and from the host's pages.
-                match prp::walk(mem, prp1, prp2, io.len) {
+                // Reads and writes go straight to and from the host's pages (PRPs or SGLs).
+                match sgl::data_pointer(mem, c, prp1, prp2, io.len) {
                     Ok(spans) => (io, Some(spans)),
                     Err(s) => return fail(s),
                 }
@@ -713,7 +782,8 @@ const INVALID_QUEUE_DELETION: Status = Status::new(1, 0x0C, true);
 pub(super) const PRP_OFFSET_INVALID: Status = Status::new(0, 0x13, true);
 
 /// The poller's loop: busy while there is work, then sleeping in growing steps (up to
-/// 1 ms) so an idle controller costs little.
+/// 1 ms, or one 100 µs unit of aggregation time while a coalesced interrupt waits: each
+/// pass raises the vectors whose time has come) so an idle controller costs little.
 pub(super) fn poller(dev: Weak<PcieController>) {
     let mut idle = 0u32;
     loop {
@@ -725,12 +795,17 @@ pub(super) fn poller(dev: Weak<PcieController>) {
             idle = 0;
             continue;
         }
+        let most = if lock(&d.coalescing).waiting() {
+            100
+        } else {
+            1000
+        };
         drop(d);
         idle = idle.saturating_add(1);
         if idle < 64 {
             std::thread::yield_now();
         } else {
-            std::thread::sleep(Duration::from_micros((idle as u64).min(1000)));
+            std::thread::sleep(Duration::from_micros((idle as u64).min(most)));
         }
     }
 }

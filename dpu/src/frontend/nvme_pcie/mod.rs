@@ -11,36 +11,40 @@
 //!        └──── stores to doorbells ───────► commands, I/O onto BlockDevice, MSI-X
 //!                                                 │  poller thread reads the doorbells
 //!              queue: SQ/CQ in guest memory ◄─────┤
-//!              prp: PRP lists → volume segments ◄─┘
+//!              prp, sgl: PRP lists, SGLs → segments ◄─┘
 //!              config: PCI configuration space and capabilities
 //!                                                 │
 //!   frontend::nvme (the target core): the controller's admin commands, subsystems,
 //!   namespaces, asynchronous events — the same as over NVMe/TCP and NVMe/RDMA
 //! ```
 //!
-//! Data moves between the volume and the guest's pages directly: the PRP walk turns the
-//! command's pages into the request's segments (no bounce), each checked against the mapped
-//! memory first. A hostile host gets NVMe error statuses (PRP outside mapped memory: Data
-//! Transfer Error; malformed PRPs: PRP Offset Invalid; oversized transfers: Invalid Field)
-//! or, for a doorbell value beyond its queue's size, Controller Fatal Status until it resets
-//! the controller; never a write outside its mapping.
+//! Data moves between the volume and the guest's pages directly: the PRP or SGL walk turns
+//! the command's pages or data blocks into the request's segments (no bounce), each checked
+//! against the mapped memory first. A hostile host gets NVMe error statuses (PRP or SGL
+//! data outside mapped memory: Data Transfer Error; malformed PRPs: PRP Offset Invalid;
+//! malformed SGLs: the SGL statuses of `sgl`; oversized transfers: Invalid Field) or, for a
+//! doorbell value beyond its queue's size, Controller Fatal Status until it resets the
+//! controller; never a write outside its mapping.
 //!
 //! The seam to a BlueField: DOCA DevEmu (the device-emulation API) would replace `server`
 //! and `config` (the PCI function, BARs, DMA and MSI-X come from the hardware's emulated
 //! function instead of a socket and file descriptors) and the doorbell page (DevEmu raises
-//! doorbell events); `ctrl`, `queue`, `prp` and the target core stay, with guest memory
+//! doorbell events); `ctrl`, `queue`, `prp`, `sgl` and the target core stay, with guest memory
 //! reached through DevEmu's DMA mappings instead of `vm-memory` regions.
 //!
 //! What it does today: one client at a time per controller; a poller thread per controller
-//! (busy while there is work, then backing off to 1 ms sleeps); interrupts without
-//! coalescing; shadow doorbells (Doorbell Buffer Config, `queue`); no SGLs, 4 KiB pages only
-//! (CAP.MPSMAX = 0).
+//! (busy while there is work, then backing off to 1 ms sleeps); interrupt coalescing
+//! (Features 08h and 09h, `coalesce`), each vector raised at most once per poller pass;
+//! shadow doorbells (Doorbell Buffer Config, `queue`); SGLs for I/O commands
+//! (`sgl`), PRPs for admin commands; 4 KiB pages only (CAP.MPSMAX = 0).
 
+mod coalesce;
 mod config;
 mod ctrl;
 mod prp;
 mod queue;
 mod server;
+mod sgl;
 
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
@@ -250,8 +254,8 @@ fn remove_stale_socket(path: &Path) -> Result<(), String> {
 /// for the fuzzers (`crate::fuzzing::vfio_user`): `memory` is the client's guest memory,
 /// DMA-mapped at guest address 0 from a memfd of its size (whole pages), and `messages` the
 /// bytes the client sends on the socket. The controller serves them as it serves a real
-/// client (the same message checks, register and doorbell handling, queues, PRP walks and
-/// I/O), polling its queues after each message. Returns the guest memory as the session
+/// client (the same message checks, register and doorbell handling, queues, PRP and SGL
+/// walks and I/O), polling its queues after each message. Returns the guest memory as the session
 /// left it.
 #[cfg(feature = "fuzzing")]
 pub fn fuzz_session(

@@ -23,7 +23,7 @@ const ENTRY: u64 = 8;
 pub type Spans = SmallVec<[Segment; 4]>;
 
 /// Resolve a guest range to a host segment, or fail with Data Transfer Error.
-fn span(mem: &GuestMemoryMmap, addr: u64, len: u64) -> Result<Segment, Status> {
+pub(super) fn span(mem: &GuestMemoryMmap, addr: u64, len: u64) -> Result<Segment, Status> {
     let s = mem
         .get_slice(GuestAddress(addr), len as usize)
         .map_err(|_| Status::DATA_TRANSFER_ERROR)?;
