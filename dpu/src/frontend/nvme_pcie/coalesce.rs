@@ -125,6 +125,12 @@ impl Coalescing {
         true
     }
 
+    /// Whether an aggregation time is set: only then do [`Coalescing::posted`] and
+    /// [`Coalescing::end_pass`] need the time (without one, any instant gives the same answer).
+    pub fn timed(&self) -> bool {
+        self.time != 0
+    }
+
     /// A poller pass begins: vectors to raise wait for its end.
     pub fn begin_pass(&mut self) {
         self.in_pass = true;

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -25,7 +25,7 @@ use vm_memory::GuestMemoryMmap;
 use super::coalesce::Coalescing;
 use super::config::ConfigSpace;
 use super::prp;
-use super::queue::{self, Cq, Doorbells, Fatal, Pending, Sq};
+use super::queue::{self, Cq, Doorbells, Fatal, Pending, Sq, SQE_LEN};
 use super::sgl;
 use crate::frontend::nvme::ctrl::{AdminReply, CtrlQueue, TargetController};
 use crate::frontend::nvme::io::{self, Arrived, Io, Plan, Then};
@@ -57,6 +57,31 @@ struct Queues {
     cqs: BTreeMap<u16, Arc<Cq>>,
 }
 
+/// What the poller keeps between passes: the queues and whether the controller is enabled,
+/// as of [`PcieController::generation`] `gen`, so a pass takes no lock on the queue table
+/// and allocates nothing unless a queue or the enable state changed.
+pub(super) struct PollCache {
+    gen: u64,
+    enabled: bool,
+    /// Each submission queue with its completion queue.
+    sqs: Vec<(Arc<Sq>, Arc<Cq>)>,
+    cqs: Vec<Arc<Cq>>,
+    /// The entries one queue's fetch took.
+    entries: Vec<(u16, [u8; SQE_LEN as usize])>,
+}
+
+impl PollCache {
+    pub(super) fn new() -> Self {
+        PollCache {
+            gen: u64::MAX,
+            enabled: false,
+            sqs: Vec::new(),
+            cqs: Vec::new(),
+            entries: Vec::with_capacity(FETCH_BATCH),
+        }
+    }
+}
+
 /// One emulated NVMe PCIe function.
 pub struct PcieController {
     target: Arc<TargetInner>,
@@ -66,6 +91,9 @@ pub struct PcieController {
     pub(super) config: Mutex<ConfigSpace>,
     regs: Mutex<Regs>,
     queues: Mutex<Queues>,
+    /// Moves on every change of the queue table or of `ctrl` (after the change), so the
+    /// poller's [`PollCache`] knows to read them again.
+    generation: AtomicU64,
     ctrl: Mutex<Option<Arc<TargetController>>>,
     /// The admin queue as the core's controller sees it (asynchronous events).
     admin: Mutex<Option<Arc<AdminQueue>>>,
@@ -76,6 +104,9 @@ pub struct PcieController {
     pub(super) irqs: Mutex<Vec<Option<File>>>,
     /// Interrupt coalescing settings and the vectors' unsignalled completions.
     coalescing: Mutex<Coalescing>,
+    /// Any instant: what coalescing is given when no aggregation time makes the clock
+    /// matter.
+    epoch: Instant,
     /// Controller Fatal Status: set by a host error the controller cannot go on from;
     /// cleared by a controller reset.
     fatal: AtomicBool,
@@ -147,6 +178,8 @@ impl PcieController {
             mem: Mutex::new(Arc::new(GuestMemoryMmap::new())),
             irqs: Mutex::new(Vec::new()),
             coalescing: Mutex::new(Coalescing::new(MSIX_VECTORS)),
+            generation: AtomicU64::new(0),
+            epoch: Instant::now(),
             fatal: AtomicBool::new(false),
             stop: AtomicBool::new(false),
             client: Mutex::new(None),
@@ -309,12 +342,14 @@ impl PcieController {
                     size: sqs,
                     cqid: 0,
                     head: Mutex::new(0),
+                    retired: AtomicBool::new(false),
                 }),
             );
             q.cqs.insert(0, Arc::new(Cq::new(0, acq, cqs, 0, true)));
         }
         *lock(&self.admin) = Some(admin);
         *lock(&self.ctrl) = Some(ctrl);
+        self.changed();
         debug!(
             nqn = self.subsys.nqn(),
             cc = cc_val,
@@ -332,9 +367,12 @@ impl PcieController {
         *lock(&self.admin) = None;
         {
             let mut q = lock(&self.queues);
+            q.sqs.values().for_each(|s| s.retire());
+            q.cqs.values().for_each(|c| c.retire());
             q.sqs.clear();
             q.cqs.clear();
         }
+        self.changed();
         self.doorbells.clear();
         lock(&self.coalescing).reset();
         self.fatal.store(false, Ordering::SeqCst);
@@ -366,67 +404,126 @@ impl PcieController {
     /// Completions were posted to `cq`: raise its vector now if interrupts are on and
     /// coalescing does not hold it back (or the running poller pass takes it).
     fn signal(&self, cq: &Cq) {
-        if cq.ien && lock(&self.coalescing).posted(cq.iv, cq.qid == 0, 1, Instant::now()) {
+        if !cq.ien {
+            return;
+        }
+        let mut co = lock(&self.coalescing);
+        // The clock is read only when an aggregation time is set.
+        let now = if co.timed() {
+            Instant::now()
+        } else {
+            self.epoch
+        };
+        if co.posted(cq.iv, cq.qid == 0, 1, now) {
+            drop(co);
             self.interrupt(cq.iv);
         }
     }
 
     /// Raise the vectors the poller pass gathered and those whose aggregation time passed.
     fn end_pass(&self) {
-        let due = lock(&self.coalescing).end_pass(Instant::now());
+        let due = {
+            let mut co = lock(&self.coalescing);
+            let now = if co.timed() {
+                Instant::now()
+            } else {
+                self.epoch
+            };
+            co.end_pass(now)
+        };
         for iv in due {
             self.interrupt(iv);
         }
     }
 
-    /// Post a completion on the completion queue of submission queue `sqid`.
+    /// Post a completion on the completion queue of submission queue `sqid` (the admin
+    /// queue's, and completions that are not an I/O command's).
     fn complete(&self, sqid: u16, sqhd: u16, cid: u16, status: Status, dw0: u32) {
-        let cq = {
+        let pair = {
             let q = lock(&self.queues);
-            let Some(cqid) = q.sqs.get(&sqid).map(|s| s.cqid) else {
+            let Some(sq) = q.sqs.get(&sqid).cloned() else {
                 return;
             };
-            q.cqs.get(&cqid).cloned()
+            q.cqs.get(&sq.cqid).cloned().map(|cq| (sq, cq))
         };
-        let Some(cq) = cq else { return };
-        let mem = lock(&self.mem).clone();
-        match cq.post(
-            &mem,
-            &self.doorbells,
-            Pending {
-                dw0,
-                sqhd,
-                sqid,
-                cid,
-                status,
-            },
-        ) {
-            Ok(true) => self.signal(&cq),
+        if let Some((sq, cq)) = pair {
+            self.post(&sq, &cq, sqhd, cid, status, dw0);
+        }
+    }
+
+    /// Post a completion of a command of `sq` on its completion queue `cq`; nothing if
+    /// either was deleted meanwhile (a deleted queue's memory may be the host's again).
+    fn post(&self, sq: &Sq, cq: &Cq, sqhd: u16, cid: u16, status: Status, dw0: u32) {
+        if sq.retired() {
+            return;
+        }
+        let posted = {
+            let mem = lock(&self.mem);
+            cq.post(
+                &mem,
+                &self.doorbells,
+                Pending {
+                    dw0,
+                    sqhd,
+                    sqid: sq.qid,
+                    cid,
+                    status,
+                },
+            )
+        };
+        match posted {
+            Ok(true) => self.signal(cq),
             Ok(false) => {}
             Err(f) => self.set_fatal(f),
         }
     }
 
-    /// One pass over every submission queue; whether any work was found.
-    pub(super) fn poll(self: &Arc<Self>) -> bool {
-        // No DMA before the driver enables bus mastering (PCI Command register).
-        if self.fatal.load(Ordering::SeqCst)
-            || lock(&self.ctrl).is_none()
-            || !lock(&self.config).bus_master()
+    /// The queue table or the enable state changed: the poller reads them again.
+    fn changed(&self) {
+        self.generation.fetch_add(1, Ordering::Release);
+    }
+
+    /// Bring the poller's cache up to generation `gen`.
+    fn refresh(&self, cache: &mut PollCache, gen: u64) {
         {
+            let q = lock(&self.queues);
+            cache.sqs.clear();
+            cache.cqs.clear();
+            cache.sqs.extend(
+                q.sqs
+                    .values()
+                    .filter_map(|sq| Some((sq.clone(), q.cqs.get(&sq.cqid)?.clone()))),
+            );
+            cache.cqs.extend(q.cqs.values().cloned());
+        }
+        cache.enabled = lock(&self.ctrl).is_some();
+        cache.gen = gen;
+    }
+
+    /// One pass over every submission queue; whether any work was found (the fuzz target's
+    /// poller: no cache kept between passes).
+    #[cfg(feature = "fuzzing")]
+    pub(super) fn poll(self: &Arc<Self>) -> bool {
+        self.poll_with(&mut PollCache::new())
+    }
+
+    /// [`PcieController::poll`] with the poller's cache of the queue table.
+    pub(super) fn poll_with(self: &Arc<Self>, cache: &mut PollCache) -> bool {
+        if self.fatal.load(Ordering::SeqCst) {
             return false;
         }
-        let (sqs, cqs): (Vec<Arc<Sq>>, Vec<Arc<Cq>>) = {
-            let q = lock(&self.queues);
-            (
-                q.sqs.values().cloned().collect(),
-                q.cqs.values().cloned().collect(),
-            )
-        };
+        let gen = self.generation.load(Ordering::Acquire);
+        if gen != cache.gen {
+            self.refresh(cache, gen);
+        }
+        // No DMA before the driver enables bus mastering (PCI Command register).
+        if !cache.enabled || !lock(&self.config).bus_master() {
+            return false;
+        }
         let mem = lock(&self.mem).clone();
         let mut work = false;
         lock(&self.coalescing).begin_pass();
-        for cq in &cqs {
+        for cq in &cache.cqs {
             match cq.flush(&mem, &self.doorbells) {
                 Ok(true) => {
                     work = true;
@@ -436,12 +533,17 @@ impl PcieController {
                 Err(f) => return self.fatal_pass(f),
             }
         }
-        for sq in &sqs {
-            let entries = match queue::fetch(sq, &mem, &self.doorbells, FETCH_BATCH) {
-                Ok(e) => e,
-                Err(f) => return self.fatal_pass(f),
-            };
-            for (sqhd, raw) in entries {
+        // The statistics' clock is read once for the pass's commands, not per command.
+        let mut batch = None;
+        let PollCache { sqs, entries, .. } = cache;
+        for (sq, cq) in sqs.iter() {
+            if let Err(f) = queue::fetch(sq, &mem, &self.doorbells, FETCH_BATCH, entries) {
+                return self.fatal_pass(f);
+            }
+            if !entries.is_empty() && batch.is_none() {
+                batch = Some(crate::telemetry::clock::batch());
+            }
+            for (sqhd, raw) in entries.drain(..) {
                 work = true;
                 let cmd = Command::decode(&raw);
                 let prp1 = u64::from_le_bytes(raw[24..32].try_into().unwrap_or_default());
@@ -449,10 +551,11 @@ impl PcieController {
                 if sq.qid == 0 {
                     self.admin_command(&mem, sqhd, &cmd, prp1, prp2);
                 } else {
-                    self.io_command(&mem, sq.qid, sqhd, &cmd, prp1, prp2);
+                    self.io_command(&mem, sq, cq, sqhd, &cmd, prp1, prp2);
                 }
             }
         }
+        drop(batch);
         self.end_pass();
         work
     }
@@ -603,6 +706,7 @@ impl PcieController {
         }
         q.cqs
             .insert(qid, Arc::new(Cq::new(qid, base, size as u16, iv, ien)));
+        self.changed();
         Status::SUCCESS
     }
 
@@ -636,16 +740,23 @@ impl PcieController {
                 size: size as u16,
                 cqid,
                 head: Mutex::new(0),
+                retired: AtomicBool::new(false),
             }),
         );
+        self.changed();
         Status::SUCCESS
     }
 
     fn delete_sq(&self, qid: u16) -> Status {
         let mut q = lock(&self.queues);
-        if qid == 0 || q.sqs.remove(&qid).is_none() {
+        if qid == 0 {
             return Status::INVALID_QUEUE_IDENTIFIER;
         }
+        let Some(sq) = q.sqs.remove(&qid) else {
+            return Status::INVALID_QUEUE_IDENTIFIER;
+        };
+        sq.retire();
+        self.changed();
         Status::SUCCESS
     }
 
@@ -657,22 +768,27 @@ impl PcieController {
         if q.sqs.values().any(|s| s.cqid == qid) {
             return INVALID_QUEUE_DELETION;
         }
-        q.cqs.remove(&qid);
+        if let Some(cq) = q.cqs.remove(&qid) {
+            cq.retire();
+        }
+        self.changed();
         Status::SUCCESS
     }
 
     // ---- I/O commands (NVM Command Set 1.0 §3) ----
 
+    #[allow(clippy::too_many_arguments)]
     fn io_command(
         self: &Arc<Self>,
         mem: &Arc<GuestMemoryMmap>,
-        sqid: u16,
+        sq: &Arc<Sq>,
+        cq: &Arc<Cq>,
         sqhd: u16,
         c: &Command,
         prp1: u64,
         prp2: u64,
     ) {
-        let fail = |s: Status| self.complete(sqid, sqhd, c.cid, s, 0);
+        let fail = |s: Status| self.post(sq, cq, sqhd, c.cid, s, 0);
         let plan = match io::plan(c, &*self.subsys) {
             Plan::Ranges(ns, d) => {
                 // The range list, copied out of the host's memory.
@@ -697,15 +813,17 @@ impl PcieController {
             Plan::Run(io) => (io, None),
             Plan::Ranges(..) => unreachable!("deallocate gives Done or Run"),
         };
-        self.submit(mem, sqid, sqhd, c.cid, io, spans);
+        self.submit(mem, sq, cq, sqhd, c.cid, io, spans);
     }
 
     /// Submit `io`'s first request (with the host's pages `spans` for its data) through its
     /// namespace's path; its completion runs the rest of the command.
+    #[allow(clippy::too_many_arguments)]
     fn submit(
         self: &Arc<Self>,
         mem: &Arc<GuestMemoryMmap>,
-        sqid: u16,
+        sq: &Arc<Sq>,
+        cq: &Arc<Cq>,
         sqhd: u16,
         cid: u16,
         mut io: Io,
@@ -719,7 +837,8 @@ impl PcieController {
             me: me.clone(),
             dev: Arc::downgrade(self),
             _mem: mem.clone(),
-            sqid,
+            sq: sq.clone(),
+            cq: cq.clone(),
             sqhd,
             cid,
             read: io.is_read(),
@@ -736,7 +855,9 @@ struct Inflight {
     me: Weak<Inflight>,
     dev: Weak<PcieController>,
     _mem: Arc<GuestMemoryMmap>,
-    sqid: u16,
+    /// The queues the command came from and completes on.
+    sq: Arc<Sq>,
+    cq: Arc<Cq>,
     sqhd: u16,
     cid: u16,
     read: bool,
@@ -762,13 +883,8 @@ impl IoCompletion for Inflight {
             return;
         }
         if let Some(dev) = self.dev.upgrade() {
-            dev.complete(
-                self.sqid,
-                self.sqhd,
-                self.cid,
-                io::status(&result, self.read),
-                0,
-            );
+            let status = io::status(&result, self.read);
+            dev.post(&self.sq, &self.cq, self.sqhd, self.cid, status, 0);
         }
     }
 }
@@ -786,12 +902,13 @@ pub(super) const PRP_OFFSET_INVALID: Status = Status::new(0, 0x13, true);
 /// pass raises the vectors whose time has come) so an idle controller costs little.
 pub(super) fn poller(dev: Weak<PcieController>) {
     let mut idle = 0u32;
+    let mut cache = PollCache::new();
     loop {
         let Some(d) = dev.upgrade() else { return };
         if d.stop.load(Ordering::SeqCst) {
             return;
         }
-        if d.poll() {
+        if d.poll_with(&mut cache) {
             idle = 0;
             continue;
         }

@@ -16,7 +16,7 @@
 //! shadow it).
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use nacre_shared::nvme::Status;
@@ -153,6 +153,19 @@ pub struct Sq {
     pub cqid: u16,
     /// The next entry to fetch; only the poller moves it.
     pub head: Mutex<u16>,
+    /// Deleted (or the controller reset): completions of its commands still at the volumes
+    /// are dropped.
+    pub retired: AtomicBool,
+}
+
+impl Sq {
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
+    }
+
+    pub fn retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
+    }
 }
 
 /// A completion the host has no room for yet.
@@ -171,6 +184,8 @@ pub struct CqState {
     /// Completions waiting for the host to free entries (it must not, but a hostile or
     /// slow host may let its completion queue fill).
     pending: VecDeque<Pending>,
+    /// Deleted (or the controller reset): nothing is posted to its memory any more.
+    retired: bool,
 }
 
 /// A completion queue.
@@ -203,6 +218,7 @@ impl Cq {
                 tail: 0,
                 phase: true,
                 pending: VecDeque::new(),
+                retired: false,
             }),
         }
     }
@@ -211,14 +227,25 @@ impl Cq {
     /// posted (the caller then raises the interrupt).
     pub fn post(&self, mem: &GuestMemoryMmap, db: &Doorbells, c: Pending) -> Result<bool, Fatal> {
         let mut st = crate::frontend::nvme::lock(&self.state);
+        if st.retired {
+            return Ok(false);
+        }
         st.pending.push_back(c);
         self.drain(&mut st, mem, db)
+    }
+
+    /// The queue was deleted: its memory is the host's again, so nothing more is written
+    /// there (a command completing later finds it retired).
+    pub fn retire(&self) {
+        let mut st = crate::frontend::nvme::lock(&self.state);
+        st.retired = true;
+        st.pending.clear();
     }
 
     /// Post what the host has room for.
     pub fn flush(&self, mem: &GuestMemoryMmap, db: &Doorbells) -> Result<bool, Fatal> {
         let mut st = crate::frontend::nvme::lock(&self.state);
-        if st.pending.is_empty() {
+        if st.pending.is_empty() || st.retired {
             return Ok(false);
         }
         self.drain(&mut st, mem, db)
@@ -271,13 +298,17 @@ pub fn fetch(
     mem: &GuestMemoryMmap,
     db: &Doorbells,
     max: usize,
-) -> Result<Vec<(u16, [u8; SQE_LEN as usize])>, Fatal> {
+    out: &mut Vec<(u16, [u8; SQE_LEN as usize])>,
+) -> Result<(), Fatal> {
+    out.clear();
     let tail = db.sq_tail(sq.qid, mem);
     if tail >= sq.size as u32 {
         return Err(Fatal::Doorbell);
     }
     let mut head = crate::frontend::nvme::lock(&sq.head);
-    let mut out = Vec::new();
+    if *head as u32 == tail {
+        return Ok(());
+    }
     while *head as u32 != tail && out.len() < max {
         let mut e = [0u8; SQE_LEN as usize];
         let at = sq.base + *head as u64 * SQE_LEN;
@@ -288,12 +319,18 @@ pub fn fetch(
         out.push((*head, e));
     }
     db.consumed(2 * sq.qid as usize, *head as u32, mem);
-    Ok(out)
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// How many entries a fetch takes.
+    fn fetched(sq: &Sq, mem: &GuestMemoryMmap, db: &Doorbells) -> Result<usize, Fatal> {
+        let mut out = Vec::new();
+        fetch(sq, mem, db, 64, &mut out).map(|()| out.len())
+    }
 
     #[test]
     fn completions_wrap_with_the_phase_and_wait_when_the_queue_is_full() {
@@ -336,11 +373,18 @@ mod tests {
             size: 8,
             cqid: 1,
             head: Mutex::new(0),
+            retired: AtomicBool::new(false),
         };
+        let mut out = Vec::new();
         db.store(2 * 4, &8u32.to_le_bytes());
-        assert_eq!(fetch(&sq, &mem, &db, 64).unwrap_err(), Fatal::Doorbell);
+        assert_eq!(fetch(&sq, &mem, &db, 64, &mut out), Err(Fatal::Doorbell));
         db.store(2 * 4, &2u32.to_le_bytes());
-        assert_eq!(fetch(&sq, &mem, &db, 64).unwrap().len(), 2);
+        fetch(&sq, &mem, &db, 64, &mut out).unwrap();
+        assert_eq!(out.len(), 2);
+        // A retired completion queue takes nothing more.
+        cq.retire();
+        db.store(3 * 4, &0u32.to_le_bytes());
+        assert_eq!(cq.post(&mem, &db, c(10)), Ok(false));
     }
 
     /// With shadow doorbells configured, an I/O queue's doorbells are read from the host's
@@ -360,11 +404,12 @@ mod tests {
             size: 8,
             cqid: qid,
             head: Mutex::new(0),
+            retired: AtomicBool::new(false),
         };
         // SQ 1: the register says 5, the shadow 3: the shadow wins.
         db.store(2 * 4, &5u32.to_le_bytes());
         mem.write_obj(3u32, GuestAddress(shadow + 2 * 4)).unwrap();
-        assert_eq!(fetch(&sq(1), &mem, &db, 64).unwrap().len(), 3);
+        assert_eq!(fetched(&sq(1), &mem, &db).unwrap(), 3);
         assert_eq!(
             mem.read_obj::<u32>(GuestAddress(event_idx + 2 * 4))
                 .unwrap(),
@@ -373,11 +418,11 @@ mod tests {
         // The admin queue: its register.
         db.store(0, &2u32.to_le_bytes());
         mem.write_obj(6u32, GuestAddress(shadow)).unwrap();
-        assert_eq!(fetch(&sq(0), &mem, &db, 64).unwrap().len(), 2);
+        assert_eq!(fetched(&sq(0), &mem, &db).unwrap(), 2);
         assert_eq!(mem.read_obj::<u32>(GuestAddress(event_idx)).unwrap(), 0);
         // A shadow value beyond the queue is as fatal as a register's.
         mem.write_obj(8u32, GuestAddress(shadow + 2 * 4)).unwrap();
-        assert_eq!(fetch(&sq(1), &mem, &db, 64).unwrap_err(), Fatal::Doorbell);
+        assert_eq!(fetched(&sq(1), &mem, &db).unwrap_err(), Fatal::Doorbell);
         // CQ 1's head from the shadow: it frees the entries the register does not.
         let cq = Cq::new(1, 0x1000, 2, 0, true);
         let c = Pending {
@@ -399,6 +444,6 @@ mod tests {
         // Reset: registers again.
         db.clear();
         db.store(2 * 4, &1u32.to_le_bytes());
-        assert_eq!(fetch(&sq(1), &mem, &db, 64).unwrap().len(), 1);
+        assert_eq!(fetched(&sq(1), &mem, &db).unwrap(), 1);
     }
 }
