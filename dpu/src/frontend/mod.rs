@@ -9,9 +9,12 @@
 //!   Specification 1.0, RoCEv2).
 //! * [`nvme_pcie`] — the same target's subsystems as PCIe NVMe controllers, emulated over
 //!   vfio-user.
+//! * [`vfio_user`] — the vfio-user server and PCI configuration space every emulated PCI
+//!   function shares.
 
 pub mod nvme;
 pub mod nvme_pcie;
 pub mod nvmf_rdma;
 pub mod nvmf_tcp;
+pub mod vfio_user;
 pub mod vhost_user_blk;
