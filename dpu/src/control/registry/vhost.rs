@@ -81,9 +81,11 @@ impl Registry {
                 }
                 Some(TRANSPORT_VFIO_USER.to_string())
             }
-            Some(other) => return Err(RpcError::invalid_params(format!(
+            Some(other) => {
+                return Err(RpcError::invalid_params(format!(
                 "transport must be {TRANSPORT_VHOST_USER} or {TRANSPORT_VFIO_USER} (got {other:?})"
-            ))),
+            )))
+            }
         };
         let socket = match &p.socket {
             Some(s) => {
@@ -214,6 +216,13 @@ fn start_device(inner: &Inner, rec: &VhostBlkRecord) -> Result<BlkDevice, RpcErr
 pub(super) fn replay(inner: &mut Inner) {
     let recs: Vec<VhostBlkRecord> = inner.state.vhost_blk.values().cloned().collect();
     for rec in &recs {
+        // A function's directory existed when it was created; one under /run is gone after
+        // a reboot, and the operator asked for the device to stay: make it again.
+        if vfio_user(rec) {
+            if let Err(e) = std::fs::create_dir_all(&rec.socket) {
+                tracing::warn!(device = %rec.name, dir = %rec.socket.display(), "cannot make the vfio-user directory: {e}");
+            }
+        }
         match start_device(inner, rec) {
             Ok(server) => {
                 inner.live.vhost_blk.insert(rec.name.clone(), server);
