@@ -71,12 +71,18 @@ pub fn run(ctx: &mut Ctx, cmd: VhostBlkCmd) -> Result<()> {
             }
             let v = ctx.call("vhost_blk_create", p)?;
             ctx.print(&v, |v| {
-                println!(
-                    "vhost-blk {} serves volume {} on {}",
+                let (name, volume, socket) = (
                     v["name"].as_str().unwrap_or(""),
                     v["volume"].as_str().unwrap_or(""),
-                    v["socket"].as_str().unwrap_or("")
-                )
+                    v["socket"].as_str().unwrap_or(""),
+                );
+                if v["transport"] == "vfio-user" {
+                    println!(
+                        "vhost-blk {name} serves volume {volume} as a virtio-blk PCI function on {socket}/cntrl (vfio-user)"
+                    )
+                } else {
+                    println!("vhost-blk {name} serves volume {volume} on {socket}")
+                }
             });
         }
         VhostBlkCmd::List => {

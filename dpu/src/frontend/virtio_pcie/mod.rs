@@ -26,8 +26,7 @@
 //! memory), features it was not offered refused at FEATURES_OK, and never a write outside
 //! its memory.
 //!
-//! The seam to a BlueField: DOCA DevEmu (its virtio-fs/virtio-blk device emulation) would
-//! replace [`crate::frontend::vfio_user`] and `function`'s regions (the PCI function, its
+//! The seam to a BlueField: DOCA DevEmu (the device-emulation API) would replace [`crate::frontend::vfio_user`] and `function`'s regions (the PCI function, its
 //! BARs, DMA and MSI-X come from the hardware's emulated function instead of a socket and
 //! file descriptors, and notifications arrive as DevEmu doorbell events instead of region
 //! writes); `transport`'s register logic and the virtqueue code stay, with guest memory
