@@ -547,6 +547,61 @@ fn stopping_the_function_disconnects_its_client_and_removes_the_socket() {
     assert!(d.c.region_read(BAR0, COMMON + STATUS, &mut b).is_err());
 }
 
+/// A driver that writes whatever it likes: random widths and values at random places of
+/// BAR0 and the configuration space, random bytes for its rings and requests, queues live
+/// on them and notified. Every access gets an answer (a panic would end the connection),
+/// and a well-behaved driver is served afterwards.
+#[test]
+fn a_random_driver_never_takes_the_function_down() {
+    let s = serve(false);
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    for round in 0..12 {
+        let mut d = RawDriver::connect(s.dir.path());
+        let mut junk = vec![0u8; 0x4000];
+        junk.iter_mut().for_each(|b| *b = next() as u8);
+        d.mem.write(IOVA, &junk);
+        // Half the rounds bring a queue up on random ring contents first.
+        if round % 2 == 0 {
+            d.negotiate(F_VERSION_1 | F_FLUSH);
+            d.setup_queue0(QSIZE, DESC, AVAIL, USED);
+            d.w8(COMMON + STATUS, ACK | DRIVER | FEATURES_OK | DRIVER_OK);
+        }
+        for _ in 0..400 {
+            let r = next();
+            let width = [1usize, 2, 4, 8][(r % 4) as usize];
+            let value = next().to_le_bytes();
+            let (region, offset) = match (r >> 8) % 8 {
+                0 => (CONFIG, (r >> 16) % 256),
+                // The common configuration and the notify page most often.
+                1..=4 => (BAR0, COMMON + (r >> 16) % 0x40),
+                5 => (BAR0, NOTIFY + (r >> 16) % 16),
+                _ => (BAR0, (r >> 16) % 0x4000),
+            };
+            let offset = offset.min(if region == CONFIG { 256 } else { 0x4000 } - width as u64);
+            // Keep the function's MSI-X capability and BARs as the driver set them.
+            if region == CONFIG && offset < 0x60 {
+                continue;
+            }
+            if (r >> 40) % 3 == 0 {
+                let mut b = vec![0u8; width];
+                d.c.region_read(region, offset, &mut b)
+                    .unwrap_or_else(|e| panic!("read {region}:{offset:#x}: {e:?}"));
+            } else {
+                d.c.region_write(region, offset, &value[..width])
+                    .unwrap_or_else(|e| panic!("write {region}:{offset:#x}: {e:?}"));
+            }
+        }
+    }
+    let mut d = RawDriver::bring_up(s.dir.path());
+    assert_eq!(d.request(T_FLUSH, 0, &[]), S_OK);
+}
+
 /// The operator's way: `nacre vhost-blk create --transport vfio-user` on a running nacred;
 /// listed with its transport, persisted and replayed (its directory made again), deleted
 /// with its socket; one-line errors for what cannot work.
