@@ -13,6 +13,7 @@
 # it again (restarted); what the guest's I/O does each time; the scenario ends there),
 # replug (1, with failure=1: then the host plugs a new function in (replug, QMP device_add) and
 # the guest reads every acknowledged block back through it).
+# vblk_bytes (not 0: a virtio-blk PCI function of that size is on the bus too; see below).
 # Facts: pci (vendor:device class of the NVMe function), model, serial, transport, bytes, queues, bound_s
 # (seconds from modprobe to /dev/nvme0n1), verified, reset_verified, rebind_verified, hot_added
 # (bytes of nvme0n2 once it appeared), hot_added_verified, hot_added_sha256 (of the 4 MiB written

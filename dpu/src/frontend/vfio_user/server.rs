@@ -10,7 +10,7 @@
 //! is used: a size outside what its command allows, an unknown command or a region access
 //! out of range gets an error reply, and a header that cannot be trusted (a size below the
 //! header's own, or above [`MAX_MSG`]) ends the connection; nothing panics. One client is
-//! served at a time; a client that goes away leaves the controller reset.
+//! served at a time; a client that goes away leaves the function reset, with no memory and no interrupts.
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -406,8 +406,8 @@ impl<F: Function> Conn<'_, F> {
 /// One session of a client that sends `messages` (raw vfio-user bytes, headers and all) with
 /// `memory` already DMA-mapped at guest address 0, for the fuzzers
 /// (`nvme_pcie::fuzz_session`). The session runs as [`Conn::run`] does, on one end of a socket
-/// pair, except that the controller polls its queues after each message (as its poller
-/// thread would, at a point the input decides). No thread is spawned: the client's bytes (at
+/// pair, except that `poll` runs after each message (the function's queues polled as its
+/// own thread would, at a point the input decides). No thread is spawned: the client's bytes (at
 /// most [`FUZZ_MAX_STREAM`], which the socket's buffer holds) are written before the session
 /// starts, and its replies are drained after each message.
 #[cfg(feature = "fuzzing")]
