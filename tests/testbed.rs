@@ -979,6 +979,21 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
         json!({"nqn": nqn, "transport": "vfio-user", "address": dir.path()}),
     );
     let sock = dir.path().join("cntrl");
+    // Beside the controller, a virtio-blk PCI function (`vhost_blk_create` with transport
+    // vfio-user) on its own volume: the guest's virtio_pci and virtio_blk drivers bind it.
+    let vblk_dir = tempfile::tempdir().expect("socket directory");
+    d.ok(
+        "volume_create",
+        json!({"name": "vb", "size": 32 * MIB, "block_size": 512, "backend": "file"}),
+    );
+    d.ok(
+        "vhost_blk_create",
+        json!({"name": "vblk", "volume": "vb", "queues": 2, "transport": "vfio-user",
+               "socket": vblk_dir.path()}),
+    );
+    let vblk_arg = json!({"driver": "vfio-user-pci", "id": "vblk", "bus": "rp2",
+                          "socket": {"path": vblk_dir.path().join("cntrl"), "type": "unix"}})
+    .to_string();
     // The function sits behind a PCIe root port (rp0); a second, empty one (rp1) takes the
     // function the host plugs in after nacred's restart.
     let device = json!({"driver": "vfio-user-pci", "id": "nvme", "bus": "rp0",
@@ -993,6 +1008,7 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
         .param("reboot", 1)
         .param("replug", 1)
         .param("failure", 1)
+        .param("vblk_bytes", 32 * MIB)
         .smp(4)
         .ctl()
         .qmp()
@@ -1008,6 +1024,10 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
             "pcie-root-port,id=rp1,chassis=2",
             "-device",
             device_arg.as_str(),
+            "-device",
+            "pcie-root-port,id=rp2,chassis=3",
+            "-device",
+            vblk_arg.as_str(),
         ])
         .timeout(Duration::from_secs(300))
         .spawn()
@@ -1089,6 +1109,15 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
         log_tail(&d.log_text(), 40)
     );
     assert_eq!(out.fact("pci"), "0x4e58:0x0001 0x010802");
+    // The virtio-blk PCI function: a modern virtio-blk device (1AF4:1042, revision 1) that
+    // the guest's own virtio_blk driver bound as vda, of its volume's size, with O_DIRECT
+    // data read back and a discard (VIRTIO_BLK_F_DISCARD) accepted.
+    assert_eq!(out.fact("vblk_pci"), "0x1af4:0x1042 0x018000 rev 0x01");
+    assert_eq!(out.fact("vblk_driver"), "virtio_blk");
+    assert_eq!(out.fact("vblk_bytes"), (32 * MIB).to_string());
+    assert_eq!(out.fact("vblk_verified"), "4MiB");
+    assert_eq!(out.fact("vblk_discarded"), "yes");
+    assert_eq!(out.fact("vblk_unbound"), "yes");
     assert_eq!(out.fact("model"), "nacre");
     assert_eq!(out.fact("serial"), "NACREPCIE0001");
     assert_eq!(out.fact("transport"), "pcie");

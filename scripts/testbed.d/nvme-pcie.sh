@@ -13,6 +13,7 @@
 # it again (restarted); what the guest's I/O does each time; the scenario ends there),
 # replug (1, with failure=1: then the host plugs a new function in (replug, QMP device_add) and
 # the guest reads every acknowledged block back through it).
+# vblk_bytes (not 0: a virtio-blk PCI function of that size is on the bus too; see below).
 # Facts: pci (vendor:device class of the NVMe function), model, serial, transport, bytes, queues, bound_s
 # (seconds from modprobe to /dev/nvme0n1), verified, reset_verified, rebind_verified, hot_added
 # (bytes of nvme0n2 once it appeared), hot_added_verified, hot_added_sha256 (of the 4 MiB written
@@ -42,6 +43,38 @@ ns1() {
     done
     return 1
 }
+# The virtio-blk PCI function (1af4:1042) the host may plug beside the controller (vblk_bytes: its
+# size): the guest's virtio_pci and virtio_blk drivers bind it as vda; 4 MiB written O_DIRECT and
+# read back, a discard; then unbound, so that nothing later (nacred killed, the shutdown's device
+# resets) waits on it. Facts: vblk_pci (vendor:device class rev), vblk_driver, vblk_bytes,
+# vblk_verified, vblk_discarded, vblk_unbound.
+vbytes=$(param vblk_bytes 0)
+if [ "$vbytes" != 0 ]; then
+    step "virtio-blk PCI function"
+    vfn=
+    for d in /sys/bus/pci/devices/*; do
+        [ "$(cat "$d/vendor"):$(cat "$d/device")" = 0x1af4:0x1042 ] && vfn=$d
+    done
+    [ -n "$vfn" ] || fail "no virtio-blk PCI function (1af4:1042) on the PCI bus"
+    fact vblk_pci "$(cat "$vfn/vendor"):$(cat "$vfn/device") $(cat "$vfn/class") rev $(cat "$vfn/revision")"
+    modprobe virtio_pci; modprobe virtio_blk
+    wait_until 20 test -b /dev/vda || fail "no /dev/vda from the virtio-blk PCI function"
+    fact vblk_driver "$(basename "$(readlink /sys/block/vda/device/driver)")"
+    fact vblk_bytes "$(blk_bytes vda)"
+    [ "$(blk_bytes vda)" = "$vbytes" ] || fail "/dev/vda has $(blk_bytes vda) bytes, want $vbytes"
+    dd if=/dev/urandom of=/tmp/vpat bs=1M count=4 2>/dev/null
+    dd if=/tmp/vpat of=/dev/vda bs=1M seek=1 count=4 oflag=direct conv=fsync 2>/dev/null ||
+        fail "O_DIRECT write to the virtio-blk function"
+    dd if=/dev/vda of=/tmp/vback bs=1M skip=1 count=4 iflag=direct 2>/dev/null ||
+        fail "O_DIRECT read from the virtio-blk function"
+    cmp /tmp/vpat /tmp/vback || fail "data read back from the virtio-blk function differs"
+    fact vblk_verified 4MiB
+    rm -f /tmp/vpat /tmp/vback
+    if blkdiscard -o 1048576 -l 1048576 /dev/vda; then fact vblk_discarded yes; else fact vblk_discarded no; fi
+    echo "${vfn##*/}" > /sys/bus/pci/drivers/virtio-pci/unbind
+    wait_until 10 sh -c '! test -b /dev/vda' || fail "/dev/vda stayed after unbinding its function"
+    fact vblk_unbound yes
+fi
 dev=$(nvme_fn) || fail "no NVM Express function (class 010802) on the PCI bus"
 fact pci "$(cat "$dev/vendor"):$(cat "$dev/device") $(cat "$dev/class")"
 t0=$(up)

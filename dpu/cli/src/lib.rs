@@ -60,7 +60,8 @@ pub enum Command {
         after_help = "Examples:\n  nacre volume create data --size 10G\n  nacre volume list\n  nacre volume create --help"
     )]
     Volume(volume::VolumeCmd),
-    /// vhost-user-blk devices: serve a volume to a VM or any vhost-user client.
+    /// virtio-blk devices: serve a volume to a VM or any vhost-user client, or as a
+    /// virtio-blk PCI function over vfio-user (--transport vfio-user).
     #[command(
         subcommand,
         name = "vhost-blk",

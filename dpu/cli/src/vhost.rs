@@ -9,9 +9,10 @@ use nacre_shared::table::Table;
 
 #[derive(Subcommand, Debug)]
 pub enum VhostBlkCmd {
-    /// Serve a volume as a vhost-user-blk device on a Unix socket.
+    /// Serve a volume as a virtio-blk device: a vhost-user-blk backend on a Unix socket, or
+    /// (--transport vfio-user) a whole virtio-blk PCI function over vfio-user.
     #[command(
-        after_help = "Examples:\n  nacre vhost-blk create vm1 --volume data --queues 4\n  nacre vhost-blk create ro --volume golden --read-only --socket /run/vm/golden.sock\n\nAttach in QEMU with a shared-memory backend:\n  -object memory-backend-memfd,id=mem,size=4G,share=on -numa node,memdev=mem\n  -chardev socket,id=c0,path=SOCKET -device vhost-user-blk-pci,chardev=c0,num-queues=N\n(num-queues must not exceed --queues.)"
+        after_help = "Examples:\n  nacre vhost-blk create vm1 --volume data --queues 4\n  nacre vhost-blk create ro --volume golden --read-only --socket /run/vm/golden.sock\n  nacre vhost-blk create fn0 --volume data --transport vfio-user --socket /run/nacre/vblk0\n\nAttach in QEMU with a shared-memory backend:\n  -object memory-backend-memfd,id=mem,size=4G,share=on -numa node,memdev=mem\n  -chardev socket,id=c0,path=SOCKET -device vhost-user-blk-pci,chardev=c0,num-queues=N\n(num-queues must not exceed --queues.)\n\nWith --transport vfio-user the host sees a virtio-blk PCI device (1af4:1042) and its own\nvirtio_blk driver binds it; --socket is an existing directory, the socket is DIR/cntrl:\n  -device '{\"driver\":\"vfio-user-pci\",\"socket\":{\"path\":\"DIR/cntrl\",\"type\":\"unix\"}}'\n(the same shared-memory backend as above). See docs/virtio-pcie.md."
     )]
     Create {
         /// Device name.
@@ -32,6 +33,11 @@ pub enum VhostBlkCmd {
         /// Offer VIRTIO_BLK_F_RO; writes fail with VIRTIO_BLK_S_IOERR.
         #[arg(long)]
         read_only: bool,
+        /// How the host reaches the device: vhost-user (a backend for the VMM's
+        /// vhost-user-blk device) or vfio-user (a whole PCI function; --socket is then the
+        /// directory its socket `cntrl` goes in).
+        #[arg(long, value_parser = ["vhost-user", "vfio-user"])]
+        transport: Option<String>,
     },
     /// List vhost-user-blk devices.
     #[command(after_help = "Examples:\n  nacre vhost-blk list\n  nacre --json vhost-blk list")]
@@ -53,26 +59,44 @@ pub fn run(ctx: &mut Ctx, cmd: VhostBlkCmd) -> Result<()> {
             queue_size,
             socket,
             read_only,
+            transport,
         } => {
             let mut p = json!({"name": name, "volume": volume, "queues": queues,
                                "queue_size": queue_size, "read_only": read_only});
             if let Some(s) = socket {
                 p["socket"] = json!(s);
             }
+            if let Some(t) = transport {
+                p["transport"] = json!(t);
+            }
             let v = ctx.call("vhost_blk_create", p)?;
             ctx.print(&v, |v| {
-                println!(
-                    "vhost-blk {} serves volume {} on {}",
+                let (name, volume, socket) = (
                     v["name"].as_str().unwrap_or(""),
                     v["volume"].as_str().unwrap_or(""),
-                    v["socket"].as_str().unwrap_or("")
-                )
+                    v["socket"].as_str().unwrap_or(""),
+                );
+                if v["transport"] == "vfio-user" {
+                    println!(
+                        "vhost-blk {name} serves volume {volume} as a virtio-blk PCI function on {socket}/cntrl (vfio-user)"
+                    )
+                } else {
+                    println!("vhost-blk {name} serves volume {volume} on {socket}")
+                }
             });
         }
         VhostBlkCmd::List => {
             let v = ctx.call("vhost_blk_list", Value::Null)?;
             ctx.print(&v, |v| {
-                let mut t = Table::new(&["NAME", "VOLUME", "QUEUES", "RO", "CONNECTED", "SOCKET"]);
+                let mut t = Table::new(&[
+                    "NAME",
+                    "VOLUME",
+                    "QUEUES",
+                    "RO",
+                    "CONNECTED",
+                    "TRANSPORT",
+                    "SOCKET",
+                ]);
                 for d in v.as_array().into_iter().flatten() {
                     let b = |k: &str| {
                         if d[k].as_bool().unwrap_or(false) {
@@ -87,6 +111,7 @@ pub fn run(ctx: &mut Ctx, cmd: VhostBlkCmd) -> Result<()> {
                         d["queues"].to_string(),
                         b("read_only").into(),
                         b("connected").into(),
+                        d["transport"].as_str().unwrap_or("vhost-user").into(),
                         d["socket"].as_str().unwrap_or("").into(),
                     ]);
                 }

@@ -245,6 +245,7 @@ fn embedded_default(d: &Daemon, listen: SocketAddr) -> anyhow::Result<()> {
         queues: DEFAULT_DEVICE_QUEUES,
         queue_size: nacre_shared::api::vhost::DEFAULT_QUEUE_SIZE,
         socket: None,
+        transport: None,
         read_only: false,
     })?;
     d.call(

@@ -94,7 +94,11 @@ pub struct VolumeRecord {
 pub struct VhostBlkRecord {
     pub name: String,
     pub volume: String,
+    /// The vhost-user socket, or with transport `vfio-user` the function's directory.
     pub socket: PathBuf,
+    /// `vfio-user`: a virtio-blk PCI function; absent: vhost-user.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transport: Option<String>,
     pub queues: u16,
     pub queue_size: u16,
     #[serde(default)]

@@ -1,4 +1,5 @@
-//! `vhost_blk_*` methods: virtio-blk devices over vhost-user.
+//! `vhost_blk_*` methods: virtio-blk devices over vhost-user, or as PCI functions over
+//! vfio-user.
 
 use nacre_shared::api::vhost::{VhostBlkCreate, VhostBlkName};
 use nacre_shared::api::Ack;
@@ -12,17 +13,17 @@ pub const METHODS: &[Method] = &[
     Method {
         name: "vhost_blk_create",
         handler: vhost_blk_create,
-        help: "Serve a volume as a vhost-user-blk device: name, volume, queues, queue_size, socket, read_only.",
+        help: "Serve a volume as a virtio-blk device: name, volume, queues, queue_size, socket, read_only, transport (vhost-user, or vfio-user: a PCI function whose socket DIR/cntrl goes in directory `socket`).",
     },
     Method {
         name: "vhost_blk_list",
         handler: vhost_blk_list,
-        help: "List vhost-user-blk devices.",
+        help: "List virtio-blk devices (vhost-user and vfio-user).",
     },
     Method {
         name: "vhost_blk_delete",
         handler: vhost_blk_delete,
-        help: "Stop a vhost-user-blk device (its client is disconnected) and remove its socket: name.",
+        help: "Stop a virtio-blk device (its client is disconnected) and remove its socket: name.",
     },
 ];
 

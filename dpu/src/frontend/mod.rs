@@ -9,9 +9,15 @@
 //!   Specification 1.0, RoCEv2).
 //! * [`nvme_pcie`] — the same target's subsystems as PCIe NVMe controllers, emulated over
 //!   vfio-user.
+//! * [`virtio_pcie`] — virtio-blk as a PCI function (the virtio PCI modern transport),
+//!   emulated over vfio-user, on the vhost-user-blk device's virtqueue code.
+//! * [`vfio_user`] — the vfio-user server and PCI configuration space every emulated PCI
+//!   function shares.
 
 pub mod nvme;
 pub mod nvme_pcie;
 pub mod nvmf_rdma;
 pub mod nvmf_tcp;
+pub mod vfio_user;
 pub mod vhost_user_blk;
+pub mod virtio_pcie;

@@ -69,6 +69,7 @@ fn create(r: &Registry, id: &str, m: &pb::VirtioBlk) -> Result<pb::VirtioBlk, St
             queues,
             queue_size: DEFAULT_QUEUE_SIZE,
             socket: None,
+            transport: None,
             read_only: false,
         })
         .map_err(status)?;

@@ -93,6 +93,7 @@ mod test {
             s.vhost_blk.insert(
                 name.into(),
                 VhostBlkRecord {
+                    transport: None,
                     name: name.into(),
                     volume: volume.into(),
                     socket: format!("/run/{name}.sock").into(),

@@ -7,12 +7,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::controllers::Controllers;
+use super::vhost::BlkDevice;
 use super::windows::Windows;
 use crate::control::error::RpcError;
 use crate::control::state::{self, State, VolumeRecord};
 use crate::frontend::nvmf_rdma::RdmaPorts;
 use crate::frontend::nvmf_tcp::NvmfTarget;
-use crate::frontend::vhost_user_blk::VhostBlkServer;
 use crate::volume::qos::Qos;
 use crate::volume::BlockDevice;
 
@@ -64,7 +64,7 @@ impl Default for DataPathConfig {
 #[derive(Default)]
 pub(super) struct Live {
     pub volumes: HashMap<String, Arc<dyn BlockDevice>>,
-    pub vhost_blk: HashMap<String, VhostBlkServer>,
+    pub vhost_blk: HashMap<String, BlkDevice>,
     pub nvmf: Option<Arc<NvmfTarget>>,
     /// How [`Live::nvmf`] is configured when it is created ([`DataPathConfig::nvmf`]).
     pub nvmf_config: crate::frontend::nvmf_tcp::TargetConfig,

@@ -1,15 +1,46 @@
-//! vhost-user-blk devices: virtio-blk over vhost-user, one Unix socket each.
+//! virtio-blk devices: over vhost-user (one Unix socket each), or as a PCI function over
+//! vfio-user (one socket `cntrl` in a directory each).
 
 use std::path::PathBuf;
 
 use nacre_shared::api::validate_name;
-use nacre_shared::api::vhost::{VhostBlkCreate, VhostBlkInfo, MAX_QUEUES};
+use nacre_shared::api::vhost::{
+    VhostBlkCreate, VhostBlkInfo, MAX_QUEUES, TRANSPORT_VFIO_USER, TRANSPORT_VHOST_USER,
+};
 use tracing::info;
 
 use super::store::{Inner, Registry};
 use crate::control::error::RpcError;
 use crate::control::state::VhostBlkRecord;
 use crate::frontend::vhost_user_blk::{VhostBlkConfig, VhostBlkServer};
+use crate::frontend::virtio_pcie::{self, VirtioBlkPci, VirtioBlkPciConfig};
+
+/// A running virtio-blk device, whichever transport carries it.
+pub enum BlkDevice {
+    VhostUser(VhostBlkServer),
+    VfioUser(VirtioBlkPci),
+}
+
+impl BlkDevice {
+    pub fn is_connected(&self) -> bool {
+        match self {
+            BlkDevice::VhostUser(s) => s.is_connected(),
+            BlkDevice::VfioUser(f) => f.is_connected(),
+        }
+    }
+
+    /// Stop serving: a client is disconnected, the socket removed.
+    pub fn stop(self) {
+        match self {
+            BlkDevice::VhostUser(s) => s.stop(),
+            BlkDevice::VfioUser(f) => f.stop(),
+        }
+    }
+}
+
+fn vfio_user(rec: &VhostBlkRecord) -> bool {
+    rec.transport.as_deref() == Some(TRANSPORT_VFIO_USER)
+}
 
 impl Registry {
     /// Where a device's socket is unless told otherwise.
@@ -33,6 +64,29 @@ impl Registry {
                 p.queue_size
             )));
         }
+        let transport = match p.transport.as_deref() {
+            None | Some(TRANSPORT_VHOST_USER) => None,
+            Some(TRANSPORT_VFIO_USER) => {
+                if p.socket.is_none() {
+                    return Err(RpcError::invalid_params(
+                        "transport vfio-user needs socket: the directory for the function's socket `cntrl`",
+                    ));
+                }
+                if p.queues > virtio_pcie::MAX_QUEUES {
+                    return Err(RpcError::invalid_params(format!(
+                        "a virtio-blk PCI function has at most {} queues (got {})",
+                        virtio_pcie::MAX_QUEUES,
+                        p.queues
+                    )));
+                }
+                Some(TRANSPORT_VFIO_USER.to_string())
+            }
+            Some(other) => {
+                return Err(RpcError::invalid_params(format!(
+                "transport must be {TRANSPORT_VHOST_USER} or {TRANSPORT_VFIO_USER} (got {other:?})"
+            )))
+            }
+        };
         let socket = match &p.socket {
             Some(s) => {
                 let s = PathBuf::from(s);
@@ -63,6 +117,7 @@ impl Registry {
                 name: p.name.clone(),
                 volume: p.volume.clone(),
                 socket: socket.clone(),
+                transport,
                 queues: p.queues,
                 queue_size: p.queue_size,
                 read_only: p.read_only,
@@ -76,7 +131,8 @@ impl Registry {
             }
             inner.state = next;
             inner.live.vhost_blk.insert(rec.name.clone(), server);
-            info!(device = %rec.name, volume = %rec.volume, socket = %socket.display(), "vhost-user-blk device created");
+            info!(device = %rec.name, volume = %rec.volume, socket = %socket.display(),
+                transport = rec.transport.as_deref().unwrap_or(TRANSPORT_VHOST_USER), "virtio-blk device created");
             Ok(vhost_info(inner, &rec))
         })
     }
@@ -111,7 +167,7 @@ impl Registry {
 }
 
 /// Start the device of a record on its (already open) volume.
-fn start_device(inner: &Inner, rec: &VhostBlkRecord) -> Result<VhostBlkServer, RpcError> {
+fn start_device(inner: &Inner, rec: &VhostBlkRecord) -> Result<BlkDevice, RpcError> {
     let volume = inner
         .live
         .volumes
@@ -123,6 +179,20 @@ fn start_device(inner: &Inner, rec: &VhostBlkRecord) -> Result<VhostBlkServer, R
         .volumes
         .get(&rec.volume)
         .ok_or_else(|| RpcError::not_found("volume", &rec.volume))?;
+    if vfio_user(rec) {
+        return VirtioBlkPci::start(
+            VirtioBlkPciConfig {
+                dir: rec.socket.clone(),
+                queues: rec.queues,
+                queue_size: rec.queue_size,
+                read_only: rec.read_only,
+                serial: vol.serial.clone(),
+            },
+            volume,
+        )
+        .map(BlkDevice::VfioUser)
+        .map_err(|e| RpcError::failed(format!("cannot serve a virtio-blk PCI function: {e}")));
+    }
     VhostBlkServer::start(
         VhostBlkConfig {
             socket: rec.socket.clone(),
@@ -133,6 +203,7 @@ fn start_device(inner: &Inner, rec: &VhostBlkRecord) -> Result<VhostBlkServer, R
         },
         volume,
     )
+    .map(BlkDevice::VhostUser)
     .map_err(|e| {
         RpcError::failed(format!(
             "cannot serve vhost-user-blk on {}: {e}",
@@ -145,6 +216,13 @@ fn start_device(inner: &Inner, rec: &VhostBlkRecord) -> Result<VhostBlkServer, R
 pub(super) fn replay(inner: &mut Inner) {
     let recs: Vec<VhostBlkRecord> = inner.state.vhost_blk.values().cloned().collect();
     for rec in &recs {
+        // A function's directory existed when it was created; one under /run is gone after
+        // a reboot, and the operator asked for the device to stay: make it again.
+        if vfio_user(rec) {
+            if let Err(e) = std::fs::create_dir_all(&rec.socket) {
+                tracing::warn!(device = %rec.name, dir = %rec.socket.display(), "cannot make the vfio-user directory: {e}");
+            }
+        }
         match start_device(inner, rec) {
             Ok(server) => {
                 inner.live.vhost_blk.insert(rec.name.clone(), server);
@@ -161,6 +239,10 @@ fn vhost_info(inner: &Inner, rec: &VhostBlkRecord) -> VhostBlkInfo {
         name: rec.name.clone(),
         volume: rec.volume.clone(),
         socket: rec.socket.display().to_string(),
+        transport: rec
+            .transport
+            .clone()
+            .unwrap_or_else(|| TRANSPORT_VHOST_USER.to_string()),
         queues: rec.queues,
         queue_size: rec.queue_size,
         read_only: rec.read_only,

@@ -1,193 +1,50 @@
-//! PCI configuration space of the emulated controller (PCI Local Bus 3.0 §6.1, type 0
-//! header), with three capabilities: Power Management (PCI PM 1.2 §3.2), MSI-X (PCI Local
-//! Bus 3.0 §6.8.2) and PCI Express (PCIe Base 4.0 §7.5.3, an endpoint with nothing to
-//! report).
-//!
-//! The client (QEMU's `vfio-user-pci`, SPDK's NVMe driver) sizes and places the BARs itself
-//! from the region information; what this space must get right is the identity (class code
-//! 01 08 02: NVM Express), the BAR types, and the capability chain the client emulates
-//! MSI-X from. Writes reach only the bits a driver may change: the Command register, the
-//! interrupt line, MSI-X Enable and Function Mask, and the PM control bits.
+//! The NVMe controller's PCI configuration space: the generic function's
+//! ([`crate::frontend::vfio_user::config`]) with an NVM Express identity.
 
-/// Size of the configuration space served (the conventional 256 bytes).
-pub const CONFIG_LEN: usize = 256;
+use std::ops::{Deref, DerefMut};
+
+use crate::frontend::vfio_user::config::{self as pci, Identity};
 
 /// Vendor and device ID: the pair libvfio-user's (and so SPDK's) emulated NVMe controller
 /// reports; Linux binds NVMe controllers by class code and knows no quirks for it.
 pub const VENDOR_ID: u16 = 0x4e58;
 pub const DEVICE_ID: u16 = 0x0001;
 
-/// Header offsets (§6.1).
-mod hdr {
-    pub const COMMAND: usize = 0x04;
-    pub const STATUS: usize = 0x06;
-    pub const CLASS: usize = 0x09;
-    pub const BAR0: usize = 0x10;
-    pub const BAR4: usize = 0x20;
-    pub const BAR5: usize = 0x24;
-    pub const SUBSYS_VENDOR: usize = 0x2C;
-    pub const CAP_PTR: usize = 0x34;
-    pub const INT_LINE: usize = 0x3C;
-    pub const INT_PIN: usize = 0x3D;
-}
+/// Class code: mass storage (01h), non-volatile memory (08h), NVM Express (02h).
+const IDENTITY: Identity = Identity {
+    vendor: VENDOR_ID,
+    device: DEVICE_ID,
+    revision: 0,
+    class: [0x01, 0x08, 0x02],
+    subsystem_vendor: VENDOR_ID,
+    subsystem: DEVICE_ID,
+};
 
-/// Capability offsets in this space.
-pub const PM_CAP: usize = 0x40;
-pub const MSIX_CAP: usize = 0x50;
-pub const PCIE_CAP: usize = 0x60;
-
-/// Status register: Capabilities List.
-const STATUS_CAP_LIST: u16 = 1 << 4;
-/// Command register bits a driver may set: I/O space, memory space, bus master, and
-/// Interrupt Disable.
-const COMMAND_WRITABLE: u16 = 0b111 | 1 << 10;
-/// MSI-X Message Control: MSI-X Enable and Function Mask.
-const MSIX_CTRL_WRITABLE: u16 = 0xC000;
-
-/// The configuration space of one controller with `vectors` MSI-X vectors (table in BAR4,
-/// pending bits in BAR5) and a BAR0 of `bar0_len` bytes.
-pub struct ConfigSpace {
-    bytes: [u8; CONFIG_LEN],
-    /// Size masks of BAR0 (64-bit: BAR0 and BAR1), BAR4 and BAR5, for BAR sizing writes.
-    bar_sizes: [(usize, u64); 3],
-}
+/// The controller's configuration space.
+pub struct ConfigSpace(pci::ConfigSpace);
 
 impl ConfigSpace {
     pub fn new(vectors: u16, bar0_len: u64, msix_bar_len: u64) -> Self {
-        let mut b = [0u8; CONFIG_LEN];
-        put16(&mut b, 0, VENDOR_ID);
-        put16(&mut b, 2, DEVICE_ID);
-        put16(&mut b, hdr::STATUS, STATUS_CAP_LIST);
-        // Class code: mass storage (01h), non-volatile memory (08h), NVM Express (02h).
-        b[hdr::CLASS] = 0x02;
-        b[hdr::CLASS + 1] = 0x08;
-        b[hdr::CLASS + 2] = 0x01;
-        // BAR0: 64-bit memory, not prefetchable.
-        put32(&mut b, hdr::BAR0, 0b100);
-        // BAR4 and BAR5: 32-bit memory (MSI-X table and PBA).
-        put16(&mut b, hdr::SUBSYS_VENDOR, VENDOR_ID);
-        put16(&mut b, hdr::SUBSYS_VENDOR + 2, DEVICE_ID);
-        b[hdr::CAP_PTR] = PM_CAP as u8;
-        b[hdr::INT_PIN] = 1;
-        // Power Management: version 3 (PM 1.2), next MSI-X; PMCSR No_Soft_Reset.
-        b[PM_CAP] = 0x01;
-        b[PM_CAP + 1] = MSIX_CAP as u8;
-        put16(&mut b, PM_CAP + 2, 0x0003);
-        put16(&mut b, PM_CAP + 4, 0x0008);
-        // MSI-X: table size N-1, table at BAR4 offset 0, PBA at BAR5 offset 0.
-        b[MSIX_CAP] = 0x11;
-        b[MSIX_CAP + 1] = PCIE_CAP as u8;
-        put16(&mut b, MSIX_CAP + 2, vectors.saturating_sub(1) & 0x7FF);
-        put32(&mut b, MSIX_CAP + 4, 4);
-        put32(&mut b, MSIX_CAP + 8, 5);
-        // PCI Express: capability version 2, endpoint; the rest reads as zero.
-        b[PCIE_CAP] = 0x10;
-        b[PCIE_CAP + 1] = 0;
-        put16(&mut b, PCIE_CAP + 2, 0x0002);
-        ConfigSpace {
-            bytes: b,
-            bar_sizes: [
-                (hdr::BAR0, bar0_len),
-                (hdr::BAR4, msix_bar_len),
-                (hdr::BAR5, msix_bar_len),
-            ],
-        }
-    }
-
-    /// Read `out.len()` bytes at `offset`; bytes beyond the space read as zero.
-    pub fn read(&self, offset: u64, out: &mut [u8]) {
-        for (i, o) in out.iter_mut().enumerate() {
-            *o = usize::try_from(offset)
-                .ok()
-                .and_then(|off| off.checked_add(i))
-                .and_then(|at| self.bytes.get(at).copied())
-                .unwrap_or(0);
-        }
-    }
-
-    /// A driver's write: only the writable fields change, the rest is ignored.
-    pub fn write(&mut self, offset: u64, data: &[u8]) {
-        let Ok(off) = usize::try_from(offset) else {
-            return;
-        };
-        for (i, &v) in data.iter().enumerate() {
-            let Some(at) = off.checked_add(i) else { return };
-            let mask = self.writable_mask(at);
-            if let Some(b) = self.bytes.get_mut(at) {
-                *b = (*b & !mask) | (v & mask);
-            }
-        }
-        // BAR sizing: a BAR reads back its size mask after all-ones is written; the low
-        // type bits are read-only (masked above).
-        for &(bar, len) in &self.bar_sizes {
-            if (bar..bar + 4).contains(&off)
-                || (bar == hdr::BAR0 && (bar + 4..bar + 8).contains(&off))
-            {
-                let lo = get32(&self.bytes, bar) & !0xF;
-                let keep = get32(&self.bytes, bar) & 0xF;
-                let mask = !(len.max(16) - 1);
-                put32(&mut self.bytes, bar, (lo & mask as u32) | keep);
-                if bar == hdr::BAR0 {
-                    let hi = get32(&self.bytes, bar + 4);
-                    put32(&mut self.bytes, bar + 4, hi & (mask >> 32) as u32);
-                }
-            }
-        }
-    }
-
-    fn writable_mask(&self, at: usize) -> u8 {
-        let byte_of = |v: u16, base: usize| (v >> (8 * (at - base))) as u8;
-        match at {
-            a if (hdr::COMMAND..hdr::COMMAND + 2).contains(&a) => {
-                byte_of(COMMAND_WRITABLE, hdr::COMMAND)
-            }
-            a if (hdr::BAR0..hdr::BAR0 + 8).contains(&a) => {
-                if a == hdr::BAR0 {
-                    0xF0
-                } else {
-                    0xFF
-                }
-            }
-            a if (hdr::BAR4..hdr::BAR5 + 4).contains(&a) => {
-                if a == hdr::BAR4 || a == hdr::BAR5 {
-                    0xF0
-                } else {
-                    0xFF
-                }
-            }
-            hdr::INT_LINE => 0xFF,
-            a if (MSIX_CAP + 2..MSIX_CAP + 4).contains(&a) => {
-                byte_of(MSIX_CTRL_WRITABLE, MSIX_CAP + 2)
-            }
-            // PMCSR PowerState (bits 1:0).
-            a if a == PM_CAP + 4 => 0x03,
-            _ => 0,
-        }
-    }
-
-    /// MSI-X Enable and not Function Mask.
-    pub fn msix_enabled(&self) -> bool {
-        let ctrl = get16(&self.bytes, MSIX_CAP + 2);
-        ctrl & 0x8000 != 0 && ctrl & 0x4000 == 0
-    }
-
-    /// Bus Master Enable: the device may touch host memory.
-    pub fn bus_master(&self) -> bool {
-        get16(&self.bytes, hdr::COMMAND) & 0b100 != 0
+        ConfigSpace(pci::ConfigSpace::new(
+            IDENTITY,
+            vectors,
+            bar0_len,
+            msix_bar_len,
+        ))
     }
 }
 
-fn put16(b: &mut [u8], off: usize, v: u16) {
-    b[off..off + 2].copy_from_slice(&v.to_le_bytes());
+impl Deref for ConfigSpace {
+    type Target = pci::ConfigSpace;
+    fn deref(&self) -> &pci::ConfigSpace {
+        &self.0
+    }
 }
-fn put32(b: &mut [u8], off: usize, v: u32) {
-    b[off..off + 4].copy_from_slice(&v.to_le_bytes());
-}
-fn get16(b: &[u8], off: usize) -> u16 {
-    u16::from_le_bytes([b[off], b[off + 1]])
-}
-fn get32(b: &[u8], off: usize) -> u32 {
-    u32::from_le_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]])
+
+impl DerefMut for ConfigSpace {
+    fn deref_mut(&mut self) -> &mut pci::ConfigSpace {
+        &mut self.0
+    }
 }
 
 #[cfg(test)]
@@ -195,32 +52,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn identity_capabilities_and_bar_sizing() {
-        let mut c = ConfigSpace::new(33, 0x4000, 0x1000);
-        let mut b = [0u8; CONFIG_LEN];
+    fn an_nvm_express_identity() {
+        let c = ConfigSpace::new(33, 0x4000, 0x1000);
+        let mut b = [0u8; 12];
         c.read(0, &mut b);
         assert_eq!(&b[0..4], &[0x58, 0x4e, 0x01, 0x00]);
         assert_eq!(&b[9..12], &[0x02, 0x08, 0x01], "NVM Express class code");
-        // The chain: PM -> MSI-X -> PCIe -> end.
-        assert_eq!((b[0x34], b[0x40], b[0x41]), (0x40, 0x01, 0x50));
-        assert_eq!((b[0x50], b[0x51], b[0x60], b[0x61]), (0x11, 0x60, 0x10, 0));
-        assert_eq!(get16(&b, 0x52) & 0x7FF, 32, "table size is N-1");
-        // Sizing BAR0: all ones reads back the size mask, type bits kept.
-        c.write(0x10, &[0xFF; 4]);
-        c.write(0x14, &[0xFF; 4]);
-        let mut bar = [0u8; 8];
-        c.read(0x10, &mut bar);
-        assert_eq!(u64::from_le_bytes(bar), !0x3FFFu64 | 0b100);
-        // Read-only fields ignore writes; reads past the end are zero.
-        c.write(0, &[0; 4]);
-        c.read(0, &mut bar[..2]);
-        assert_eq!(&bar[..2], &[0x58, 0x4e]);
-        let mut far = [0xAAu8; 8];
-        c.read(u64::MAX - 2, &mut far);
-        assert_eq!(far, [0; 8]);
-        assert!(!c.msix_enabled() && !c.bus_master());
-        c.write(0x52, &[0, 0x80]);
-        c.write(0x04, &[0x06, 0]);
-        assert!(c.msix_enabled() && c.bus_master());
     }
 }

@@ -41,24 +41,25 @@
 mod coalesce;
 mod config;
 mod ctrl;
+mod function;
 mod prp;
 mod queue;
-mod server;
 mod sgl;
 
 use std::collections::HashMap;
 use std::os::fd::AsRawFd;
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 
 use thiserror::Error;
-use tracing::{info, warn};
+use tracing::info;
 
 use crate::frontend::nvme::{lock, NvmfError, TargetInner};
 use crate::frontend::nvmf_tcp::NvmfTarget;
+use crate::frontend::vfio_user::server;
 use ctrl::PcieController;
 #[cfg(feature = "fuzzing")]
 pub use server::FUZZ_MAX_STREAM;
@@ -124,20 +125,20 @@ impl VfioUserPorts {
         remove_stale_socket(&path).map_err(listen_err)?;
         let sock = UnixListener::bind(&path).map_err(|e| listen_err(e.to_string()))?;
         let sock2 = sock.try_clone().map_err(|e| listen_err(e.to_string()))?;
-        let bar0 = Arc::new(server::Bar0::new().map_err(|e| listen_err(e.to_string()))?);
+        let bar0 = Arc::new(function::bar0().map_err(|e| listen_err(e.to_string()))?);
         // SAFETY: the doorbell page lies in `bar0`'s mapping, which the controller holds.
         let dev = unsafe {
             PcieController::new(
                 target.clone(),
                 subsys,
                 format!("nqn.2024-01.io.nacre:pcie:{}", dir.display()),
-                bar0.doorbell_page(),
+                function::doorbell_page(&bar0),
                 bar0.clone(),
-                server::BAR0_LEN,
-                server::MSIX_BAR_LEN,
+                function::BAR0_LEN,
+                function::MSIX_BAR_LEN,
             )
         };
-        let regions = server::regions(&bar0);
+        let regions = function::regions(&bar0);
         let d = dev.clone();
         let server_thread = std::thread::Builder::new()
             .name("nvme-pcie-vfu".into())
@@ -231,23 +232,8 @@ fn stop(mut l: Listener) {
     info!(nqn = l.nqn, path = %l.socket_path.display(), "nvme pcie: vfio-user listener stopped");
 }
 
-/// A socket left behind by an earlier run (nobody accepts on it) is removed; anything else
-/// at the path is an error.
 fn remove_stale_socket(path: &Path) -> Result<(), String> {
-    match std::fs::symlink_metadata(path) {
-        Err(_) => Ok(()),
-        Ok(m) => {
-            use std::os::unix::fs::FileTypeExt;
-            if !m.file_type().is_socket() {
-                return Err(format!("{} exists and is not a socket", path.display()));
-            }
-            if UnixStream::connect(path).is_ok() {
-                return Err(format!("{} is in use", path.display()));
-            }
-            warn!(path = %path.display(), "nvme pcie: removing a stale socket");
-            std::fs::remove_file(path).map_err(|e| e.to_string())
-        }
-    }
+    crate::frontend::vfio_user::remove_stale_socket(path)
 }
 
 /// One session of a hostile vfio-user client against a fresh controller of subsystem `nqn`,
@@ -269,20 +255,20 @@ pub fn fuzz_session(
         .inner()
         .subsystem(nqn)
         .map_err(std::io::Error::other)?;
-    let bar0 = Arc::new(server::Bar0::new()?);
+    let bar0 = Arc::new(function::bar0()?);
     // SAFETY: the doorbell page lies in `bar0`'s mapping, which the controller holds.
     let dev = unsafe {
         PcieController::new(
             target.inner().clone(),
             subsys,
             "nqn.2024-01.io.nacre:pcie:fuzz".into(),
-            bar0.doorbell_page(),
+            function::doorbell_page(&bar0),
             bar0.clone(),
-            server::BAR0_LEN,
-            server::MSIX_BAR_LEN,
+            function::BAR0_LEN,
+            function::MSIX_BAR_LEN,
         )
     };
-    let regions = server::regions(&bar0);
+    let regions = function::regions(&bar0);
     let len = memory.len().div_ceil(4096).max(1) * 4096;
     // SAFETY: memfd_create with a NUL-terminated name; the result is checked.
     let raw = unsafe { libc::memfd_create(c"nacre-fuzz-guest".as_ptr(), libc::MFD_CLOEXEC) };
@@ -293,7 +279,17 @@ pub fn fuzz_session(
     let mut file = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(raw) };
     file.set_len(len as u64)?;
     file.write_all(memory)?;
-    server::fuzz_session(&dev, &regions, file.try_clone()?, len as u64, messages)?;
+    let poll = || {
+        dev.poll();
+    };
+    server::fuzz_session(
+        &dev,
+        &regions,
+        file.try_clone()?,
+        len as u64,
+        messages,
+        &poll,
+    )?;
     dev.stop.store(true, Ordering::SeqCst);
     let mut after = vec![0u8; len];
     file.rewind()?;

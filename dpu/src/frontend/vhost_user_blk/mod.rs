@@ -206,7 +206,7 @@ impl Drop for VhostBlkServer {
     }
 }
 
-fn validate(
+pub(crate) fn validate(
     config: &VhostBlkConfig,
     volume: &dyn BlockDevice,
 ) -> Result<DeviceParams, VhostBlkError> {

@@ -1,7 +1,8 @@
 //! The vfio-user server (vfio-user protocol 0.1: the messages QEMU's `vfio-user-pci` and
-//! SPDK's NVMe driver send): the regions the client sees (BAR0 with its doorbell page
-//! mmappable, the MSI-X BARs, the configuration space), its DMA maps as [`GuestMemoryMmap`]
-//! regions, its MSI-X eventfds, and the device reset.
+//! SPDK's NVMe driver send) for one emulated PCI function ([`Function`]): the regions the
+//! client sees (each function's BARs, parts of them mmappable, and its configuration space),
+//! the client's DMA maps as [`GuestMemoryMmap`] regions, its MSI-X eventfds, and the device
+//! reset.
 //!
 //! Written here rather than with rust-vmm's `vfio_user` server (0.1.7): that server fails
 //! SPDK's client at the first message (a Version without a capabilities string makes it
@@ -9,13 +10,12 @@
 //! is used: a size outside what its command allows, an unknown command or a region access
 //! out of range gets an error reply, and a header that cannot be trusted (a size below the
 //! header's own, or above [`MAX_MSG`]) ends the connection; nothing panics. One client is
-//! served at a time; a client that goes away leaves the controller reset.
+//! served at a time; a client that goes away leaves the function reset, with no memory and no interrupts.
 
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{FromRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use tracing::{debug, info, warn};
@@ -23,91 +23,19 @@ use vfio_bindings::bindings::vfio::*;
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
-use super::ctrl::{PcieController, MSIX_VECTORS};
-use super::queue::DOORBELLS;
+use super::{Function, REGION_CONFIG};
 use crate::frontend::nvme::lock;
 
-/// BAR0: registers (4 KiB) and the doorbell page (4 KiB).
-pub const BAR0_LEN: u64 = 0x2000;
-/// BAR4 (MSI-X table) and BAR5 (pending bits), each one page; the client emulates both.
-pub const MSIX_BAR_LEN: u64 = 0x1000;
-/// vfio-user's PCI region indexes (`VFIO_PCI_*_REGION_INDEX`).
-const REGION_BAR0: u32 = 0;
-const REGION_BAR4: u32 = 4;
-const REGION_BAR5: u32 = 5;
-const REGION_CONFIG: u32 = 7;
 /// vfio-user's PCI interrupt indexes.
 const IRQ_MSIX: u32 = 2;
 const IRQ_ERR: u32 = 3;
 
-/// BAR0's backing memory: a memfd the client maps the doorbell page of, mapped here too.
-pub struct Bar0 {
-    fd: OwnedFd,
-    ptr: *mut u8,
-}
-
-// SAFETY: the mapping is plain shared memory; every access goes through `queue::Doorbells`
-// (atomics).
-unsafe impl Send for Bar0 {}
-// SAFETY: as above.
-unsafe impl Sync for Bar0 {}
-
-impl Bar0 {
-    pub fn new() -> std::io::Result<Self> {
-        // SAFETY: memfd_create with a NUL-terminated name; the result is checked.
-        let raw = unsafe { libc::memfd_create(c"nacre-nvme-bar0".as_ptr(), libc::MFD_CLOEXEC) };
-        if raw < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `raw` is a new descriptor nobody else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: ftruncate on our descriptor.
-        if unsafe { libc::ftruncate(fd.as_raw_fd(), BAR0_LEN as libc::off_t) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: a new shared mapping of the whole memfd; checked for failure below.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                BAR0_LEN as usize,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(Bar0 {
-            fd,
-            ptr: ptr as *mut u8,
-        })
-    }
-
-    pub fn doorbell_page(&self) -> *mut u8 {
-        // SAFETY: DOORBELLS < BAR0_LEN: inside the mapping.
-        unsafe { self.ptr.add(DOORBELLS as usize) }
-    }
-
-    pub fn raw_fd(&self) -> RawFd {
-        self.fd.as_raw_fd()
-    }
-}
-
-impl Drop for Bar0 {
-    fn drop(&mut self) {
-        // SAFETY: unmapping the mapping made in `new`; the controller that read it held this
-        // Bar0, so it is gone.
-        unsafe { libc::munmap(self.ptr as *mut libc::c_void, BAR0_LEN as usize) };
-    }
-}
-
 /// The largest message accepted: a region write of one page plus headers is the largest a
 /// client needs for this device.
 pub const MAX_MSG: usize = 64 * 1024;
-/// File descriptors one message may carry (DMA map: one; MSI-X: one per vector).
-const MAX_FDS: usize = MSIX_VECTORS as usize;
+/// File descriptors one message may carry (DMA map: one; MSI-X: one per vector, and a
+/// function has at most this many).
+pub const MAX_FDS: usize = 64;
 
 /// vfio-user message header (protocol §"Header"): id, command, size (with the header),
 /// flags (type, no-reply, error), error.
@@ -148,8 +76,8 @@ type Message = ([u8; HEADER], Vec<u8>, Vec<File>);
 /// A reply: payload and the descriptor to pass with it, or an errno.
 type Reply = Result<(Vec<u8>, Option<RawFd>), i32>;
 
-struct Conn<'a> {
-    dev: &'a Arc<PcieController>,
+struct Conn<'a, F: Function> {
+    dev: &'a Arc<F>,
     regions: &'a [Region],
     stream: UnixStream,
 }
@@ -164,31 +92,7 @@ pub struct Region {
     pub fd: Option<RawFd>,
 }
 
-/// The regions of the function: BAR0 (doorbell page mmappable), BAR4/5 (MSI-X), config.
-pub fn regions(bar0: &Bar0) -> Vec<Region> {
-    let rw = VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE;
-    let plain = |flags, size| Region {
-        flags,
-        size,
-        sparse: Vec::new(),
-        fd: None,
-    };
-    (0..VFIO_PCI_NUM_REGIONS)
-        .map(|i| match i {
-            REGION_BAR0 => Region {
-                flags: rw | VFIO_REGION_INFO_FLAG_MMAP,
-                size: BAR0_LEN,
-                sparse: vec![(DOORBELLS, 0x1000)],
-                fd: Some(bar0.raw_fd()),
-            },
-            REGION_BAR4 | REGION_BAR5 => plain(rw, MSIX_BAR_LEN),
-            REGION_CONFIG => plain(rw, super::config::CONFIG_LEN as u64),
-            _ => plain(0, 0),
-        })
-        .collect()
-}
-
-impl Conn<'_> {
+impl<F: Function> Conn<'_, F> {
     /// Read one message: its header, payload and descriptors. `Ok(None)`: the client closed.
     fn read_msg(&mut self) -> std::io::Result<Option<Message>> {
         let mut hdr = [0u8; HEADER];
@@ -282,12 +186,12 @@ impl Conn<'_> {
                     // a PRP that points there fails like any unmapped address.
                     debug!(
                         address,
-                        size, "nvme pcie: DMA map without a descriptor ignored"
+                        size, "vfio-user: DMA map without a descriptor ignored"
                     );
                     return Ok((Vec::new(), None));
                 };
                 self.dma_map(fd, offset, address, size).map_err(|e| {
-                    warn!("nvme pcie: DMA map refused: {e}");
+                    warn!("vfio-user: DMA map refused: {e}");
                     libc::EINVAL
                 })?;
                 Ok((Vec::new(), None))
@@ -359,7 +263,7 @@ impl Conn<'_> {
                 // recovery setup succeeds; nacre never raises either).
                 let count = match index {
                     0 | IRQ_ERR => 1,
-                    IRQ_MSIX => MSIX_VECTORS as u32,
+                    IRQ_MSIX => u32::from(self.dev.msix_vectors()),
                     _ => 0,
                 };
                 let mut r = p[..16].to_vec();
@@ -415,21 +319,15 @@ impl Conn<'_> {
 
     fn region_read(&self, region: u32, offset: u64, data: &mut [u8]) {
         match region {
-            REGION_BAR0 if offset >= DOORBELLS => self.dev.doorbells.load(offset - DOORBELLS, data),
-            REGION_BAR0 => self.dev.read_regs(offset, data),
-            REGION_CONFIG => lock(&self.dev.config).read(offset, data),
-            _ => data.fill(0),
+            REGION_CONFIG => self.dev.config_read(offset, data),
+            _ => self.dev.region_read(region, offset, data),
         }
     }
 
     fn region_write(&self, region: u32, offset: u64, data: &[u8]) {
         match region {
-            REGION_BAR0 if offset >= DOORBELLS => {
-                self.dev.doorbells.store(offset - DOORBELLS, data)
-            }
-            REGION_BAR0 => self.dev.write_regs(offset, data),
-            REGION_CONFIG => lock(&self.dev.config).write(offset, data),
-            _ => {}
+            REGION_CONFIG => self.dev.config_write(offset, data),
+            _ => F::region_write(self.dev, region, offset, data),
         }
     }
 
@@ -439,7 +337,7 @@ impl Conn<'_> {
             MmapRegion::from_file(FileOffset::new(fd, offset), size).map_err(|e| e.to_string())?;
         let region = GuestRegionMmap::new(mapping, GuestAddress(address))
             .ok_or_else(|| "address range overflows".to_string())?;
-        let mut mem = lock(&self.dev.mem);
+        let mut mem = lock(self.dev.dma());
         let next = mem
             .insert_region(Arc::new(region))
             .map_err(|e| e.to_string())?;
@@ -448,7 +346,7 @@ impl Conn<'_> {
     }
 
     fn dma_unmap(&self, flags: u32, address: u64, size: u64) -> Result<(), i32> {
-        let mut mem = lock(&self.dev.mem);
+        let mut mem = lock(self.dev.dma());
         if flags & VFIO_DMA_UNMAP_FLAG_ALL != 0 {
             *mem = Arc::new(GuestMemoryMmap::new());
             return Ok(());
@@ -474,10 +372,10 @@ impl Conn<'_> {
         }
         let end = start
             .checked_add(count)
-            .filter(|&e| e <= MSIX_VECTORS as u32)
+            .filter(|&e| e <= u32::from(self.dev.msix_vectors()))
             .ok_or(libc::EINVAL)?;
-        let mut irqs = lock(&self.dev.irqs);
-        irqs.resize_with(MSIX_VECTORS as usize, || None);
+        let mut irqs = lock(self.dev.irqs());
+        irqs.resize_with(usize::from(self.dev.msix_vectors()), || None);
         if flags & VFIO_IRQ_SET_DATA_EVENTFD != 0 {
             let mut fds = fds.into_iter();
             for v in start..end {
@@ -495,7 +393,7 @@ impl Conn<'_> {
             let flags = u32_at(&hdr, 8);
             let reply = self.handle(command, &payload, fds);
             if let Err(e) = &reply {
-                debug!(command, errno = e, "nvme pcie: vfio-user request refused");
+                debug!(command, errno = e, "vfio-user: vfio-user request refused");
             }
             if flags & FLAG_NO_REPLY == 0 {
                 self.send(&hdr, reply)?;
@@ -507,18 +405,19 @@ impl Conn<'_> {
 
 /// One session of a client that sends `messages` (raw vfio-user bytes, headers and all) with
 /// `memory` already DMA-mapped at guest address 0, for the fuzzers
-/// ([`super::fuzz_session`]). The session runs as [`Conn::run`] does, on one end of a socket
-/// pair, except that the controller polls its queues after each message (as its poller
-/// thread would, at a point the input decides). No thread is spawned: the client's bytes (at
+/// (`nvme_pcie::fuzz_session`). The session runs as [`Conn::run`] does, on one end of a socket
+/// pair, except that `poll` runs after each message (the function's queues polled as its
+/// own thread would, at a point the input decides). No thread is spawned: the client's bytes (at
 /// most [`FUZZ_MAX_STREAM`], which the socket's buffer holds) are written before the session
 /// starts, and its replies are drained after each message.
 #[cfg(feature = "fuzzing")]
-pub(super) fn fuzz_session(
-    dev: &Arc<PcieController>,
+pub fn fuzz_session<F: Function>(
+    dev: &Arc<F>,
     regions: &[Region],
     memory: File,
     memory_len: u64,
     messages: &[u8],
+    poll: &dyn Fn(),
 ) -> std::io::Result<()> {
     let (ours, mut theirs) = UnixStream::pair()?;
     theirs.write_all(&messages[..messages.len().min(FUZZ_MAX_STREAM)])?;
@@ -538,12 +437,9 @@ pub(super) fn fuzz_session(
             break;
         }
         while matches!(theirs.read(&mut sink), Ok(n) if n > 0) {}
-        conn.dev.poll();
+        poll();
     }
-    // What `serve` does when a client goes away.
-    dev.reset();
-    *lock(&dev.mem) = Arc::new(GuestMemoryMmap::new());
-    lock(&dev.irqs).clear();
+    detach(dev.as_ref());
     Ok(())
 }
 
@@ -552,24 +448,32 @@ pub(super) fn fuzz_session(
 #[cfg(feature = "fuzzing")]
 pub const FUZZ_MAX_STREAM: usize = 64 * 1024;
 
-/// Serve clients one after the other on `listener` until `dev.stop` is set.
-pub fn serve(listener: UnixListener, regions: Vec<Region>, dev: Arc<PcieController>) {
+/// What a client leaves behind when it goes: a reset function with no memory and no
+/// interrupts.
+fn detach<F: Function>(dev: &F) {
+    dev.reset();
+    *lock(dev.dma()) = Arc::new(GuestMemoryMmap::new());
+    lock(dev.irqs()).clear();
+}
+
+/// Serve clients one after the other on `listener` until the function is stopping.
+pub fn serve<F: Function>(listener: UnixListener, regions: Vec<Region>, dev: Arc<F>) {
     for stream in listener.incoming() {
-        if dev.stop.load(Ordering::SeqCst) {
+        if dev.stopping() {
             return;
         }
         let stream = match stream {
             Ok(s) => s,
             Err(e) => {
-                warn!("nvme pcie: vfio-user accept failed: {e}");
+                warn!("vfio-user: vfio-user accept failed: {e}");
                 std::thread::sleep(std::time::Duration::from_millis(10));
                 continue;
             }
         };
-        info!("nvme pcie: vfio-user client connected");
-        *lock(&dev.client) = stream.try_clone().ok();
+        info!("vfio-user: vfio-user client connected");
+        *lock(dev.client()) = stream.try_clone().ok();
         // `stop` sets the flag, then takes the handle: one of the two sides sees the other.
-        if dev.stop.load(Ordering::SeqCst) {
+        if dev.stopping() {
             return;
         }
         let mut conn = Conn {
@@ -578,15 +482,13 @@ pub fn serve(listener: UnixListener, regions: Vec<Region>, dev: Arc<PcieControll
             stream,
         };
         match conn.run() {
-            Ok(()) => info!("nvme pcie: vfio-user client disconnected"),
-            Err(e) => warn!("nvme pcie: vfio-user connection closed: {e}"),
+            Ok(()) => info!("vfio-user: vfio-user client disconnected"),
+            Err(e) => warn!("vfio-user: vfio-user connection closed: {e}"),
         }
         // The client is gone: so is its view of the device.
-        *lock(&dev.client) = None;
-        dev.reset();
-        *lock(&dev.mem) = Arc::new(GuestMemoryMmap::new());
-        lock(&dev.irqs).clear();
-        if dev.stop.load(Ordering::SeqCst) {
+        *lock(dev.client()) = None;
+        detach(dev.as_ref());
+        if dev.stopping() {
             return;
         }
     }
