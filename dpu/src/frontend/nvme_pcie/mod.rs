@@ -4,7 +4,7 @@
 //! as SPDK's `vfiouser` transport does.
 //!
 //! ```text
-//!   client (QEMU vfio-user-pci / SPDK) ── DIR/cntrl ── server: vfio-user messages
+//!   client (QEMU vfio-user-pci / SPDK) ── DIR/cntrl ── vfio_user::server: vfio-user messages
 //!        │ guest memory by fd (DMA map)                   │ region access, DMA map, IRQs
 //!        │ doorbell page by fd (sparse mmap of BAR0)      ▼
 //!        │                                  ctrl: BAR0 registers, CC.EN/SHN, queue
@@ -12,7 +12,8 @@
 //!                                                 │  poller thread reads the doorbells
 //!              queue: SQ/CQ in guest memory ◄─────┤
 //!              prp, sgl: PRP lists, SGLs → segments ◄─┘
-//!              config: PCI configuration space and capabilities
+//!              config: PCI configuration space and capabilities (on vfio_user::config)
+//!              function: the controller as a vfio_user::Function (regions, DMA, IRQs, reset)
 //!                                                 │
 //!   frontend::nvme (the target core): the controller's admin commands, subsystems,
 //!   namespaces, asynchronous events — the same as over NVMe/TCP and NVMe/RDMA
@@ -26,8 +27,9 @@
 //! doorbell value beyond its queue's size, Controller Fatal Status until it resets the
 //! controller; never a write outside its mapping.
 //!
-//! The seam to a BlueField: DOCA DevEmu (the device-emulation API) would replace `server`
-//! and `config` (the PCI function, BARs, DMA and MSI-X come from the hardware's emulated
+//! The seam to a BlueField: DOCA DevEmu (the device-emulation API) would replace
+//! [`crate::frontend::vfio_user`] (the server and the configuration space) and `function`
+//! (the PCI function, BARs, DMA and MSI-X come from the hardware's emulated
 //! function instead of a socket and file descriptors) and the doorbell page (DevEmu raises
 //! doorbell events); `ctrl`, `queue`, `prp`, `sgl` and the target core stay, with guest memory
 //! reached through DevEmu's DMA mappings instead of `vm-memory` regions.
