@@ -30,6 +30,7 @@ use super::sgl;
 use crate::frontend::nvme::ctrl::{AdminReply, CtrlQueue, TargetController};
 use crate::frontend::nvme::io::{self, Arrived, Io, Plan, Then};
 use crate::frontend::nvme::{limits, lock, Subsystem, TargetInner};
+use crate::frontend::nvmf_tcp::PollPolicy;
 use crate::volume::{IoCompletion, IoKind, IoRequest, IoResult};
 
 /// BAR0 registers not in `registers` (§3.1.4).
@@ -71,6 +72,17 @@ pub(super) struct PollCache {
 }
 
 impl PollCache {
+    /// The largest completion backlog of the I/O queues: entries posted that the host has
+    /// not consumed yet, as of each queue's last post.
+    fn backlog(&self) -> u32 {
+        self.cqs
+            .iter()
+            .filter(|c| c.qid != 0)
+            .map(|c| c.backlog())
+            .max()
+            .unwrap_or(0)
+    }
+
     pub(super) fn new() -> Self {
         PollCache {
             gen: u64::MAX,
@@ -897,11 +909,32 @@ const INVALID_QUEUE_DELETION: Status = Status::new(1, 0x0C, true);
 /// PRP Offset Invalid (§4.1.1, generic status 13h).
 pub(super) const PRP_OFFSET_INVALID: Status = Status::new(0, 0x13, true);
 
+/// A completion backlog (entries the host has not consumed yet, on one completion queue)
+/// from which [`PollPolicy::Adaptive`] takes the host as deep, and one at or under which it
+/// takes it as waiting on each completion again.
+const NAP_BACKLOG: u32 = 8;
+const SPIN_BACKLOG: u32 = 2;
+/// The poller's pause between passes while the host is deep.
+const NAP: Duration = Duration::from_micros(4);
+
 /// The poller's loop: busy while there is work, then sleeping in growing steps (up to
 /// 1 ms, or one 100 µs unit of aggregation time while a coalesced interrupt waits: each
 /// pass raises the vectors whose time has come) so an idle controller costs little.
-pub(super) fn poller(dev: Weak<PcieController>) {
+///
+/// Busy-polling buys latency only for a host that waits on each completion. A host that
+/// leaves completions unconsumed on its queue (at least [`NAP_BACKLOG`]) gains nothing from
+/// the next pass coming sooner, and the poll costs the core it runs on (a DPU's Arm cores
+/// also run crypto, the initiator and other functions). So under [`PollPolicy::Adaptive`],
+/// the default, the poller pauses [`NAP`] after each pass while the host is that deep, and
+/// spins again once a pass sees [`SPIN_BACKLOG`] or fewer; `always` spins at any depth
+/// (SPDK's way), `off` pauses after every pass. Doorbells are stores to mapped memory that
+/// raise no event, so a pause is a timed sleep: the thread's timer slack is set to 1 µs so
+/// that it lasts microseconds, not the default 50.
+pub(super) fn poller(dev: Weak<PcieController>, policy: PollPolicy) {
+    // SAFETY: PR_SET_TIMERSLACK takes a plain integer and affects only this thread.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000u64) };
     let mut idle = 0u32;
+    let mut deep = false;
     let mut cache = PollCache::new();
     loop {
         let Some(d) = dev.upgrade() else { return };
@@ -910,6 +943,23 @@ pub(super) fn poller(dev: Weak<PcieController>) {
         }
         if d.poll_with(&mut cache) {
             idle = 0;
+            let nap = match policy {
+                PollPolicy::Always => false,
+                PollPolicy::Off => true,
+                PollPolicy::Adaptive => {
+                    let backlog = cache.backlog();
+                    if backlog >= NAP_BACKLOG {
+                        deep = true;
+                    } else if backlog <= SPIN_BACKLOG {
+                        deep = false;
+                    }
+                    deep
+                }
+            };
+            if nap {
+                drop(d);
+                std::thread::sleep(NAP);
+            }
             continue;
         }
         let most = if lock(&d.coalescing).waiting() {
@@ -919,7 +969,7 @@ pub(super) fn poller(dev: Weak<PcieController>) {
         };
         drop(d);
         idle = idle.saturating_add(1);
-        if idle < 64 {
+        if idle < 64 && policy != PollPolicy::Off {
             std::thread::yield_now();
         } else {
             std::thread::sleep(Duration::from_micros((idle as u64).min(most)));

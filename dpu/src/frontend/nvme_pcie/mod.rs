@@ -35,7 +35,8 @@
 //! reached through DevEmu's DMA mappings instead of `vm-memory` regions.
 //!
 //! What it does today: one client at a time per controller; a poller thread per controller
-//! (busy while there is work, then backing off to 1 ms sleeps); interrupt coalescing
+//! (busy while there is work, pausing 4 µs between passes while the host leaves completions
+//! unconsumed under nacred's `--nvmf-poll adaptive`, backing off to 1 ms sleeps when idle); interrupt coalescing
 //! (Features 08h and 09h, `coalesce`), each vector raised at most once per poller pass;
 //! shadow doorbells (Doorbell Buffer Config, `queue`); SGLs for I/O commands
 //! (`sgl`), PRPs for admin commands; 4 KiB pages only (CAP.MPSMAX = 0).
@@ -60,7 +61,7 @@ use thiserror::Error;
 use tracing::info;
 
 use crate::frontend::nvme::{lock, NvmfError, TargetInner};
-use crate::frontend::nvmf_tcp::NvmfTarget;
+use crate::frontend::nvmf_tcp::{NvmfTarget, PollPolicy};
 use crate::frontend::vfio_user::server;
 use ctrl::PcieController;
 #[cfg(feature = "fuzzing")]
@@ -93,6 +94,9 @@ struct Listener {
 /// subsystem, served on `DIR/cntrl`.
 pub struct VfioUserPorts {
     target: Weak<TargetInner>,
+    /// The target's poll policy (nacred's `--nvmf-poll`), which the controllers' pollers
+    /// follow too.
+    poll: PollPolicy,
     listeners: Mutex<HashMap<PathBuf, Listener>>,
 }
 
@@ -100,6 +104,7 @@ impl VfioUserPorts {
     pub fn new(target: &NvmfTarget) -> Arc<VfioUserPorts> {
         Arc::new(VfioUserPorts {
             target: Arc::downgrade(target.inner()),
+            poll: target.poll_policy(),
             listeners: Mutex::new(HashMap::new()),
         })
     }
@@ -146,10 +151,10 @@ impl VfioUserPorts {
             .name("nvme-pcie-vfu".into())
             .spawn(move || server::serve(sock, regions, d))
             .map_err(|e| listen_err(e.to_string()))?;
-        let w = Arc::downgrade(&dev);
+        let (w, policy) = (Arc::downgrade(&dev), self.poll);
         let poller = std::thread::Builder::new()
             .name("nvme-pcie-poll".into())
-            .spawn(move || ctrl::poller(w))
+            .spawn(move || ctrl::poller(w, policy))
             .map_err(|e| listen_err(e.to_string()))?;
         info!(nqn, path = %path.display(), "nvme pcie: vfio-user controller listening");
         ls.insert(

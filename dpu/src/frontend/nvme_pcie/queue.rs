@@ -186,6 +186,8 @@ pub struct CqState {
     pending: VecDeque<Pending>,
     /// Deleted (or the controller reset): nothing is posted to its memory any more.
     retired: bool,
+    /// Entries posted that the host had not consumed, as of the last post.
+    backlog: u32,
 }
 
 /// A completion queue.
@@ -219,6 +221,7 @@ impl Cq {
                 phase: true,
                 pending: VecDeque::new(),
                 retired: false,
+                backlog: 0,
             }),
         }
     }
@@ -240,6 +243,11 @@ impl Cq {
         let mut st = crate::frontend::nvme::lock(&self.state);
         st.retired = true;
         st.pending.clear();
+    }
+
+    /// Entries posted that the host had not consumed, as of the last post.
+    pub fn backlog(&self) -> u32 {
+        crate::frontend::nvme::lock(&self.state).backlog
     }
 
     /// Post what the host has room for.
@@ -288,6 +296,7 @@ impl Cq {
             }
             posted = true;
         }
+        st.backlog = (st.tail as u32 + self.size as u32 - head) % self.size as u32;
         Ok(posted)
     }
 }
@@ -385,6 +394,38 @@ mod tests {
         cq.retire();
         db.store(3 * 4, &0u32.to_le_bytes());
         assert_eq!(cq.post(&mem, &db, c(10)), Ok(false));
+    }
+
+    /// The backlog the adaptive poller reads: entries posted that the host has not
+    /// consumed (its head doorbell), as of the last post.
+    #[test]
+    fn the_backlog_counts_completions_the_host_has_not_consumed() {
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 0x10000)]).unwrap();
+        let mut page = vec![0u32; DOORBELL_SLOTS];
+        // SAFETY: `page` outlives `db` and holds DOORBELL_SLOTS aligned u32s.
+        let db = unsafe { Doorbells::new(page.as_mut_ptr() as *mut u8) };
+        let cq = Cq::new(1, 0x1000, 16, 1, false);
+        let c = |cid| Pending {
+            dw0: 0,
+            sqhd: 0,
+            sqid: 1,
+            cid,
+            status: Status::SUCCESS,
+        };
+        for cid in 0..10 {
+            cq.post(&mem, &db, c(cid)).unwrap();
+        }
+        assert_eq!(cq.backlog(), 10);
+        // The host consumed 7 (head 7), and the tail wraps past the end later.
+        db.store(3 * 4, &7u32.to_le_bytes());
+        for cid in 10..18 {
+            cq.post(&mem, &db, c(cid)).unwrap();
+        }
+        assert_eq!(cq.backlog(), 11);
+        db.store(3 * 4, &2u32.to_le_bytes());
+        cq.flush(&mem, &db).unwrap();
+        cq.post(&mem, &db, c(18)).unwrap();
+        assert_eq!(cq.backlog(), 1);
     }
 
     /// With shadow doorbells configured, an I/O queue's doorbells are read from the host's

@@ -113,6 +113,11 @@ impl NvmfTarget {
         &self.inner
     }
 
+    /// The poll policy its reactors (and the PCIe controllers' pollers) follow.
+    pub fn poll_policy(&self) -> PollPolicy {
+        self.tcp.reactors.policy
+    }
+
     /// Its reactors' poll policy and what each did (`nvmf_get_stats`).
     pub fn reactor_stats(&self) -> (PollPolicy, Vec<ReactorStats>) {
         (self.tcp.reactors.policy, self.tcp.reactors.stats())
