@@ -459,30 +459,39 @@ impl PcieController {
             q.cqs.get(&sq.cqid).cloned().map(|cq| (sq, cq))
         };
         if let Some((sq, cq)) = pair {
-            self.post(&sq, &cq, sqhd, cid, status, dw0);
+            let mem = lock(&self.mem).clone();
+            self.post(&mem, &sq, &cq, sqhd, cid, status, dw0);
         }
     }
 
-    /// Post a completion of a command of `sq` on its completion queue `cq`; nothing if
-    /// either was deleted meanwhile (a deleted queue's memory may be the host's again).
-    fn post(&self, sq: &Sq, cq: &Cq, sqhd: u16, cid: u16, status: Status, dw0: u32) {
+    /// Post a completion of a command of `sq` on its completion queue `cq`, in `mem` (the
+    /// memory map the command's data moved through); nothing if either queue was deleted
+    /// meanwhile (a deleted queue's memory may be the host's again).
+    #[allow(clippy::too_many_arguments)]
+    fn post(
+        &self,
+        mem: &GuestMemoryMmap,
+        sq: &Sq,
+        cq: &Cq,
+        sqhd: u16,
+        cid: u16,
+        status: Status,
+        dw0: u32,
+    ) {
         if sq.retired() {
             return;
         }
-        let posted = {
-            let mem = lock(&self.mem);
-            cq.post(
-                &mem,
-                &self.doorbells,
-                Pending {
-                    dw0,
-                    sqhd,
-                    sqid: sq.qid,
-                    cid,
-                    status,
-                },
-            )
-        };
+        let posted = cq.post(
+            mem,
+            &self.doorbells,
+            Pending {
+                dw0,
+                sqhd,
+                sqid: sq.qid,
+                cid,
+                status,
+            },
+        );
         match posted {
             Ok(true) => self.signal(cq),
             Ok(false) => {}
@@ -800,7 +809,7 @@ impl PcieController {
         prp1: u64,
         prp2: u64,
     ) {
-        let fail = |s: Status| self.post(sq, cq, sqhd, c.cid, s, 0);
+        let fail = |s: Status| self.post(mem, sq, cq, sqhd, c.cid, s, 0);
         let plan = match io::plan(c, &*self.subsys) {
             Plan::Ranges(ns, d) => {
                 // The range list, copied out of the host's memory.
@@ -848,7 +857,7 @@ impl PcieController {
         let done = Arc::new_cyclic(|me| Inflight {
             me: me.clone(),
             dev: Arc::downgrade(self),
-            _mem: mem.clone(),
+            mem: mem.clone(),
             sq: sq.clone(),
             cq: cq.clone(),
             sqhd,
@@ -861,12 +870,13 @@ impl PcieController {
     }
 }
 
-/// A command at the volumes. It holds the guest memory map its data spans point into, so
-/// the mapping outlives the request even if the client unmaps it meanwhile.
+/// A command at the volumes. It holds the guest memory map its data spans point into, and
+/// its completion is posted in the same map, so the mapping outlives the request even if the
+/// client unmaps it meanwhile.
 struct Inflight {
     me: Weak<Inflight>,
     dev: Weak<PcieController>,
-    _mem: Arc<GuestMemoryMmap>,
+    mem: Arc<GuestMemoryMmap>,
     /// The queues the command came from and completes on.
     sq: Arc<Sq>,
     cq: Arc<Cq>,
@@ -896,7 +906,9 @@ impl IoCompletion for Inflight {
         }
         if let Some(dev) = self.dev.upgrade() {
             let status = io::status(&result, self.read);
-            dev.post(&self.sq, &self.cq, self.sqhd, self.cid, status, 0);
+            dev.post(
+                &self.mem, &self.sq, &self.cq, self.sqhd, self.cid, status, 0,
+            );
         }
     }
 }

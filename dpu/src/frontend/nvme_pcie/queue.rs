@@ -186,7 +186,11 @@ pub struct CqState {
     pending: VecDeque<Pending>,
     /// Deleted (or the controller reset): nothing is posted to its memory any more.
     retired: bool,
-    /// Entries posted that the host had not consumed, as of the last post.
+    /// The host's head as last read from its doorbell: posting reads the doorbell again
+    /// only when the queue looks full by it, and each poller pass reads it once
+    /// ([`Cq::flush`]), so a completion costs no read of a line the host keeps writing.
+    head: u32,
+    /// Entries posted that the host had not consumed, as of the last pass.
     backlog: u32,
 }
 
@@ -221,6 +225,7 @@ impl Cq {
                 phase: true,
                 pending: VecDeque::new(),
                 retired: false,
+                head: 0,
                 backlog: 0,
             }),
         }
@@ -245,18 +250,37 @@ impl Cq {
         st.pending.clear();
     }
 
-    /// Entries posted that the host had not consumed, as of the last post.
+    /// Entries posted that the host had not consumed, as of the last poller pass.
     pub fn backlog(&self) -> u32 {
         crate::frontend::nvme::lock(&self.state).backlog
     }
 
-    /// Post what the host has room for.
+    /// The poller's pass: read the host's head doorbell (a value beyond the queue is
+    /// fatal), then post what the host has room for.
     pub fn flush(&self, mem: &GuestMemoryMmap, db: &Doorbells) -> Result<bool, Fatal> {
         let mut st = crate::frontend::nvme::lock(&self.state);
-        if st.pending.is_empty() || st.retired {
+        if st.retired {
             return Ok(false);
         }
-        self.drain(&mut st, mem, db)
+        self.read_head(&mut st, mem, db)?;
+        let posted = !st.pending.is_empty() && self.drain(&mut st, mem, db)?;
+        st.backlog = (st.tail as u32 + self.size as u32 - st.head) % self.size as u32;
+        Ok(posted)
+    }
+
+    fn read_head(
+        &self,
+        st: &mut CqState,
+        mem: &GuestMemoryMmap,
+        db: &Doorbells,
+    ) -> Result<(), Fatal> {
+        let head = db.cq_head(self.qid, mem);
+        if head >= self.size as u32 {
+            return Err(Fatal::Doorbell);
+        }
+        db.consumed(2 * self.qid as usize + 1, head, mem);
+        st.head = head;
+        Ok(())
     }
 
     fn drain(
@@ -265,16 +289,15 @@ impl Cq {
         mem: &GuestMemoryMmap,
         db: &Doorbells,
     ) -> Result<bool, Fatal> {
-        let head = db.cq_head(self.qid, mem);
-        if head >= self.size as u32 {
-            return Err(Fatal::Doorbell);
-        }
-        db.consumed(2 * self.qid as usize + 1, head, mem);
         let mut posted = false;
         while let Some(c) = st.pending.front().copied() {
             let next = (st.tail + 1) % self.size;
-            if next as u32 == head {
-                break; // full
+            if next as u32 == st.head {
+                // Full by the head last read: read it again before waiting.
+                self.read_head(st, mem, db)?;
+                if next as u32 == st.head {
+                    break;
+                }
             }
             let at = self.base + st.tail as u64 * CQE_LEN;
             let mut b = [0u8; 12];
@@ -296,7 +319,6 @@ impl Cq {
             }
             posted = true;
         }
-        st.backlog = (st.tail as u32 + self.size as u32 - head) % self.size as u32;
         Ok(posted)
     }
 }
@@ -375,7 +397,7 @@ mod tests {
         assert_eq!((dw3(0) & 0xFFFF, dw3(0) >> 16 & 1), (4, 0));
         // A head doorbell beyond the size is fatal.
         db.store(3 * 4, &9u32.to_le_bytes());
-        assert_eq!(cq.post(&mem, &db, c(9)), Err(Fatal::Doorbell));
+        assert_eq!(cq.flush(&mem, &db), Err(Fatal::Doorbell));
         let sq = Sq {
             qid: 1,
             base: 0x2000,
@@ -415,17 +437,24 @@ mod tests {
         for cid in 0..10 {
             cq.post(&mem, &db, c(cid)).unwrap();
         }
+        cq.flush(&mem, &db).unwrap();
         assert_eq!(cq.backlog(), 10);
-        // The host consumed 7 (head 7), and the tail wraps past the end later.
+        // The host consumed 7 (head 7); the tail wraps past the end: the queue fills up
+        // to the head it last read (15 entries), the rest wait for the next pass.
         db.store(3 * 4, &7u32.to_le_bytes());
-        for cid in 10..18 {
+        for cid in 10..30 {
             cq.post(&mem, &db, c(cid)).unwrap();
         }
-        assert_eq!(cq.backlog(), 11);
-        db.store(3 * 4, &2u32.to_le_bytes());
         cq.flush(&mem, &db).unwrap();
-        cq.post(&mem, &db, c(18)).unwrap();
-        assert_eq!(cq.backlog(), 1);
+        assert_eq!(cq.backlog(), 15);
+        // The host consumed all 15 (head 6): the 8 that waited are posted.
+        db.store(3 * 4, &6u32.to_le_bytes());
+        cq.flush(&mem, &db).unwrap();
+        assert_eq!(
+            cq.backlog(),
+            8,
+            "the waiting completions took the freed entries"
+        );
     }
 
     /// With shadow doorbells configured, an I/O queue's doorbells are read from the host's
