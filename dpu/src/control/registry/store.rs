@@ -7,12 +7,13 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::controllers::Controllers;
-use super::vhost::BlkDevice;
 use super::windows::Windows;
 use crate::control::error::RpcError;
 use crate::control::state::{self, State, VolumeRecord};
 use crate::frontend::nvmf_rdma::RdmaPorts;
 use crate::frontend::nvmf_tcp::NvmfTarget;
+use crate::frontend::vhost_user_blk::VhostBlkServer;
+use crate::frontend::virtio_pcie::VirtioBlkPci;
 use crate::volume::qos::Qos;
 use crate::volume::BlockDevice;
 
@@ -61,6 +62,29 @@ impl Default for DataPathConfig {
 }
 
 /// Objects that exist only while nacred runs: opened volumes and running devices.
+/// A running virtio-blk device, whichever transport carries it.
+pub(super) enum BlkDevice {
+    VhostUser(VhostBlkServer),
+    VfioUser(VirtioBlkPci),
+}
+
+impl BlkDevice {
+    pub fn is_connected(&self) -> bool {
+        match self {
+            BlkDevice::VhostUser(s) => s.is_connected(),
+            BlkDevice::VfioUser(f) => f.is_connected(),
+        }
+    }
+
+    /// Stop serving: a client is disconnected, the socket removed.
+    pub fn stop(self) {
+        match self {
+            BlkDevice::VhostUser(s) => s.stop(),
+            BlkDevice::VfioUser(f) => f.stop(),
+        }
+    }
+}
+
 #[derive(Default)]
 pub(super) struct Live {
     pub volumes: HashMap<String, Arc<dyn BlockDevice>>,

@@ -9,34 +9,11 @@ use nacre_shared::api::vhost::{
 };
 use tracing::info;
 
-use super::store::{Inner, Registry};
+use super::store::{BlkDevice, Inner, Registry};
 use crate::control::error::RpcError;
 use crate::control::state::VhostBlkRecord;
 use crate::frontend::vhost_user_blk::{VhostBlkConfig, VhostBlkServer};
 use crate::frontend::virtio_pcie::{self, VirtioBlkPci, VirtioBlkPciConfig};
-
-/// A running virtio-blk device, whichever transport carries it.
-pub enum BlkDevice {
-    VhostUser(VhostBlkServer),
-    VfioUser(VirtioBlkPci),
-}
-
-impl BlkDevice {
-    pub fn is_connected(&self) -> bool {
-        match self {
-            BlkDevice::VhostUser(s) => s.is_connected(),
-            BlkDevice::VfioUser(f) => f.is_connected(),
-        }
-    }
-
-    /// Stop serving: a client is disconnected, the socket removed.
-    pub fn stop(self) {
-        match self {
-            BlkDevice::VhostUser(s) => s.stop(),
-            BlkDevice::VfioUser(f) => f.stop(),
-        }
-    }
-}
 
 fn vfio_user(rec: &VhostBlkRecord) -> bool {
     rec.transport.as_deref() == Some(TRANSPORT_VFIO_USER)
