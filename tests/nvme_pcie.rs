@@ -544,6 +544,68 @@ fn a_raw_host_writes_and_reads_back_through_prp_lists() {
     h.wait_csts(|v| v >> 2 & 3 == 2, "CSTS.SHST complete");
 }
 
+/// The controller follows the client while it runs: memory mapped for DMA after the
+/// controller was enabled carries data, memory unmapped fails the commands that point into
+/// it (Data Transfer Error), and while the driver has Bus Master Enable off no command is
+/// taken from its queues (the command waits until the bit is set again).
+#[test]
+fn dma_maps_and_bus_mastering_changed_while_the_controller_runs_take_effect() {
+    use std::os::fd::AsRawFd;
+    let s = serve();
+    let mut h = RawHost::connect(s.dir.path());
+    h.io_queues();
+    // A second region, mapped once the controller is running and has served commands.
+    const IOVA2: u64 = 0x100_0000;
+    let extra = GuestMem::new();
+    h.c.dma_map(0, IOVA2, MEM_LEN as u64, extra.fd.as_raw_fd())
+        .unwrap();
+    let pattern: Vec<u8> = (0..4096u32).map(|i| (i * 13 + 5) as u8).collect();
+    // SAFETY: the first 4 KiB of the region's mapping; nothing else writes it meanwhile.
+    unsafe { std::ptr::copy_nonoverlapping(pattern.as_ptr(), extra.ptr, 4096) };
+    let (st, _) = h.submit(1, sqe(0x01, 1, IOVA2, 0, 8, 0, 7));
+    assert_eq!(code(st), SUCCESS, "a write from memory mapped after enable");
+    let mut on_vol = vec![0u8; 4096];
+    s.vol.read_at(8 * 512, &mut on_vol).unwrap();
+    assert_eq!(
+        on_vol, pattern,
+        "the volume holds the data of the new region"
+    );
+    // Unmapped: a command pointing there fails and the volume is untouched.
+    h.c.dma_unmap(IOVA2, MEM_LEN as u64).unwrap();
+    let (st, _) = h.submit(1, sqe(0x01, 1, IOVA2, 0, 16, 0, 7));
+    assert_eq!(
+        code(st),
+        DATA_TRANSFER_ERROR,
+        "a write from unmapped memory"
+    );
+    s.vol.read_at(16 * 512, &mut on_vol).unwrap();
+    assert!(on_vol.iter().all(|&b| b == 0));
+    // Bus Master Enable off (Memory Space on): the command is not taken.
+    h.c.region_write(CONFIG, 4, &2u16.to_le_bytes()).unwrap();
+    h.mem.at(DATA, 4096).copy_from_slice(&pattern);
+    h.place(1, sqe(0x01, 1, DATA, 0, 24, 0, 7));
+    let tail = h.sq_tail[1] as u32;
+    h.ring(1, tail);
+    std::thread::sleep(Duration::from_millis(300));
+    s.vol.read_at(24 * 512, &mut on_vol).unwrap();
+    assert!(
+        on_vol.iter().all(|&b| b == 0),
+        "a command ran while bus mastering was off"
+    );
+    let cq = h.mem.at(IOCQ + h.cq_head[1] as u64 * 16, 16).to_vec();
+    assert_ne!(
+        (u16::from_le_bytes([cq[14], cq[15]]) & 1 == 1),
+        h.phase[1],
+        "a completion was posted while bus mastering was off"
+    );
+    // On again: it runs.
+    h.c.region_write(CONFIG, 4, &6u16.to_le_bytes()).unwrap();
+    let (_, st, _) = h.reap(1);
+    assert_eq!(code(st), SUCCESS);
+    s.vol.read_at(24 * 512, &mut on_vol).unwrap();
+    assert_eq!(on_vol, pattern);
+}
+
 /// SGLs (PSDT = 01b) on I/O commands: a write gathered from byte-aligned blocks of a Last
 /// Segment, read back scattered through a Segment → Last Segment chain and through one
 /// Data Block in the command; Identify Controller says SGLs are supported.

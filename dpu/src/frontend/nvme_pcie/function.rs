@@ -79,7 +79,9 @@ impl Function for PcieController {
     }
 
     fn config_write(&self, offset: u64, data: &[u8]) {
-        lock(&self.config).write(offset, data)
+        lock(&self.config).write(offset, data);
+        // Bus Master Enable may have changed: the poller reads it again.
+        self.changed();
     }
 
     fn msix_vectors(&self) -> u16 {
@@ -88,6 +90,10 @@ impl Function for PcieController {
 
     fn dma(&self) -> &Mutex<Arc<GuestMemoryMmap>> {
         &self.mem
+    }
+
+    fn dma_changed(&self) {
+        self.changed();
     }
 
     fn irqs(&self) -> &Mutex<Vec<Option<File>>> {

@@ -53,6 +53,8 @@ pub trait Function: Send + Sync + 'static {
     fn msix_vectors(&self) -> u16;
     /// The memory the client mapped for DMA; replaced whole on each map and unmap.
     fn dma(&self) -> &Mutex<Arc<GuestMemoryMmap>>;
+    /// [`Function::dma`] was replaced (for a function that keeps a copy of it).
+    fn dma_changed(&self) {}
     /// MSI-X vector → the client's eventfd.
     fn irqs(&self) -> &Mutex<Vec<Option<File>>>;
     /// A second handle on the connected client's socket (stopping shuts it down).

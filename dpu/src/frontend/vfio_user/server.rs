@@ -342,6 +342,8 @@ impl<F: Function> Conn<'_, F> {
             .insert_region(Arc::new(region))
             .map_err(|e| e.to_string())?;
         *mem = Arc::new(next);
+        drop(mem);
+        self.dev.dma_changed();
         Ok(())
     }
 
@@ -349,13 +351,13 @@ impl<F: Function> Conn<'_, F> {
         let mut mem = lock(self.dev.dma());
         if flags & VFIO_DMA_UNMAP_FLAG_ALL != 0 {
             *mem = Arc::new(GuestMemoryMmap::new());
-            return Ok(());
-        }
-        // An unmap of what was never mapped (a map without a descriptor) changes nothing.
-        if let Ok((next, _)) = mem.remove_region(GuestAddress(address), size) {
+        } else if let Ok((next, _)) = mem.remove_region(GuestAddress(address), size) {
             // Requests in flight keep the old map (and so the mapping) until they complete.
+            // (An unmap of what was never mapped, a map without a descriptor, changes nothing.)
             *mem = Arc::new(next);
         }
+        drop(mem);
+        self.dev.dma_changed();
         Ok(())
     }
 
@@ -453,6 +455,7 @@ pub const FUZZ_MAX_STREAM: usize = 64 * 1024;
 fn detach<F: Function>(dev: &F) {
     dev.reset();
     *lock(dev.dma()) = Arc::new(GuestMemoryMmap::new());
+    dev.dma_changed();
     lock(dev.irqs()).clear();
 }
 
