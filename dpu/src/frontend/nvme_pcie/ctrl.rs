@@ -1053,11 +1053,13 @@ const SPIN_BACKLOG: u32 = 2;
 /// The poller's pause between passes while the host is deep.
 const NAP: Duration = Duration::from_micros(4);
 
-/// Idle passes the poller spins through before it starts to yield and then sleep: about
-/// 100 µs of a pass that finds nothing, so a host waiting on each completion (queue depth 1)
-/// finds the poller spinning, not in a system call, when it rings.
-const SPIN_PASSES: u32 = 2048;
-/// Idle passes after those with a `sched_yield` between them before sleeping.
+/// How long the poller spins once it finds no work, before it starts to yield and then to
+/// sleep: a host waiting on each completion (queue depth 1) finds the poller spinning, not
+/// in a system call, when it rings; a controller left idle costs a core for no longer.
+const SPIN_TIME: Duration = Duration::from_micros(50);
+/// Idle passes between two looks at the clock while spinning.
+const SPIN_CLOCK_EVERY: u32 = 16;
+/// Idle passes with a `sched_yield` between them, after the spin, before sleeping.
 const YIELD_PASSES: u32 = 64;
 /// Passes run on one strong handle on the controller before the poller lets go of it and
 /// looks again whether the controller still exists.
@@ -1081,6 +1083,9 @@ pub(super) fn poller(dev: Weak<PcieController>, policy: PollPolicy) {
     // SAFETY: PR_SET_TIMERSLACK takes a plain integer and affects only this thread.
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000u64) };
     let mut idle = 0u32;
+    // The passes that spun, once the spin is over (0 while spinning).
+    let mut spun = 0u32;
+    let mut idle_since = Instant::now();
     let mut deep = false;
     let mut cache = PollCache::new();
     loop {
@@ -1092,6 +1097,7 @@ pub(super) fn poller(dev: Weak<PcieController>, policy: PollPolicy) {
             }
             if d.poll_with(&mut cache) {
                 idle = 0;
+                spun = 0;
                 let nap = match policy {
                     PollPolicy::Always => false,
                     PollPolicy::Off => true,
@@ -1112,24 +1118,29 @@ pub(super) fn poller(dev: Weak<PcieController>, policy: PollPolicy) {
                 continue;
             }
             idle = idle.saturating_add(1);
-            if idle < SPIN_PASSES && policy != PollPolicy::Off {
-                std::hint::spin_loop();
-                continue;
+            if spun == 0 && policy != PollPolicy::Off {
+                if idle == 1 {
+                    idle_since = Instant::now();
+                }
+                if idle % SPIN_CLOCK_EVERY != 0 || idle_since.elapsed() < SPIN_TIME {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                spun = idle;
             }
-            pause = Some(
-                if idle < SPIN_PASSES + YIELD_PASSES && policy != PollPolicy::Off {
-                    Duration::ZERO
+            let after_spin = idle - spun;
+            pause = Some(if after_spin < YIELD_PASSES && policy != PollPolicy::Off {
+                Duration::ZERO
+            } else {
+                let most = if lock(&d.coalescing).waiting() {
+                    100
                 } else {
-                    let most = if lock(&d.coalescing).waiting() {
-                        100
-                    } else {
-                        1000
-                    };
-                    Duration::from_micros(
-                        (idle.saturating_sub(SPIN_PASSES + YIELD_PASSES) as u64).clamp(1, most),
-                    )
-                },
-            );
+                    1000
+                };
+                Duration::from_micros(
+                    (after_spin.saturating_sub(YIELD_PASSES) as u64).clamp(1, most),
+                )
+            });
             break;
         }
         drop(d);
