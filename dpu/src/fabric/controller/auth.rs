@@ -115,8 +115,8 @@ pub(super) fn authenticate(
     send(q, h.negotiate(), deadline)?;
     let challenge = receive(q, deadline)?;
     let reply = h.on_challenge(&challenge).map_err(|e| fail(&h, e))?;
-    send(q, reply, deadline)?;
-    let success1 = receive(q, deadline)?;
+    send(q, reply, deadline).map_err(|e| closed_after_reply(e, qid))?;
+    let success1 = receive(q, deadline).map_err(|e| closed_after_reply(e, qid))?;
     if let Some(success2) = h.on_success1(&success1).map_err(|e| fail(&h, e))? {
         send(q, success2, deadline)?;
     }
@@ -130,6 +130,21 @@ pub(super) fn authenticate(
         );
     }
     Ok(())
+}
+
+/// The connection ended between the host's Reply and the controller's Success1 or Failure1.
+/// Linux's nvmet does that to a Reply it refuses: it declares the controller failed while it
+/// completes the Authentication Receive that carries Failure1, and the teardown can close the
+/// connection before Failure1 is sent. So the error names authentication as the likely cause;
+/// it stays a connection error (the reconnect knobs apply), since a path lost at that moment
+/// looks the same.
+fn closed_after_reply(e: FabricError, qid: u16) -> FabricError {
+    match e {
+        FabricError::Connect(why) => FabricError::Connect(format!(
+            "DH-HMAC-CHAP authentication failed on queue {qid}: the controller closed the connection after the host's Reply, before its Success1 or Failure1 ({why})"
+        )),
+        e => e,
+    }
 }
 
 /// A refusal in the command's status (rather than a Failure message) is an authentication
@@ -161,4 +176,27 @@ fn receive(q: &dyn FabricQueue, deadline: Instant) -> Result<Vec<u8>, FabricErro
     )
     .map(|(_, data)| data)
     .map_err(|e| status_to_auth(e, "Authentication Receive", q.qid()))
+}
+
+#[cfg(test)]
+mod closed_after_reply_tests {
+    use super::*;
+
+    /// A connection closed right after the host's Reply reads as the authentication failure
+    /// it most likely is (Linux's nvmet may close before its Failure1 is sent), and stays a
+    /// connection error; other errors pass unchanged.
+    #[test]
+    fn a_connection_closed_after_the_reply_names_authentication() {
+        let e = closed_after_reply(
+            FabricError::Connect("admin command 0x7f: path to storage lost".into()),
+            0,
+        );
+        let FabricError::Connect(msg) = &e else {
+            panic!("not a connection error: {e:?}");
+        };
+        assert!(msg.starts_with("DH-HMAC-CHAP authentication failed on queue 0: "));
+        assert!(msg.contains("path to storage lost"));
+        let timeout = closed_after_reply(FabricError::Timeout("x".into()), 0);
+        assert!(matches!(timeout, FabricError::Timeout(_)));
+    }
 }
