@@ -179,7 +179,7 @@ fn receive(q: &dyn FabricQueue, deadline: Instant) -> Result<Vec<u8>, FabricErro
 }
 
 #[cfg(test)]
-mod closed_after_reply_tests {
+mod tests {
     use super::*;
 
     /// A connection closed right after the host's Reply reads as the authentication failure

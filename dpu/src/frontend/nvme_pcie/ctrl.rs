@@ -69,8 +69,6 @@ pub(super) struct PollCache {
     bus_master: bool,
     /// The memory the client mapped for DMA (the function's `mem`).
     mem: Arc<GuestMemoryMmap>,
-    /// The controller, as completion objects hold it.
-    me: Weak<PcieController>,
     /// Each submission queue with its completion queue and completion objects.
     sqs: Vec<QueuePair>,
     cqs: Vec<Arc<Cq>>,
@@ -98,7 +96,6 @@ impl PollCache {
             enabled: false,
             bus_master: false,
             mem: Arc::new(GuestMemoryMmap::new()),
-            me: Weak::new(),
             sqs: Vec::new(),
             cqs: Vec::new(),
             ns_gen: 0,
@@ -113,6 +110,8 @@ impl PollCache {
 /// and used again command after command, so a command costs no allocation and none of the
 /// reference counting a fresh object's fields would.
 struct QueuePair {
+    /// The controller, as completion objects hold it.
+    dev: Weak<PcieController>,
     sq: Arc<Sq>,
     cq: Arc<Cq>,
     slots: Vec<Slot>,
@@ -133,8 +132,9 @@ struct Slot {
 const SLOT_SCAN: usize = 4;
 
 impl QueuePair {
-    fn new(sq: Arc<Sq>, cq: Arc<Cq>) -> Self {
+    fn new(dev: Weak<PcieController>, sq: Arc<Sq>, cq: Arc<Cq>) -> Self {
         QueuePair {
+            dev,
             sq,
             cq,
             slots: Vec::new(),
@@ -147,7 +147,7 @@ impl QueuePair {
     /// fewer commands at the volumes than entries, else a one-off (a host may keep more
     /// commands outstanding than its queue holds, and each still completes). The volumes
     /// clone what they keep past their `submit`.
-    fn take(&mut self, dev: &Weak<PcieController>) -> &Slot {
+    fn take(&mut self) -> &Slot {
         let n = self.slots.len();
         for _ in 0..n.min(SLOT_SCAN) {
             let i = self.next;
@@ -157,7 +157,7 @@ impl QueuePair {
                 return &self.slots[i];
             }
         }
-        let this = Inflight::new(dev.clone(), self.sq.clone(), self.cq.clone());
+        let this = Inflight::new(self.dev.clone(), self.sq.clone(), self.cq.clone());
         let slot = Slot {
             done: this.clone(),
             this,
@@ -602,7 +602,7 @@ impl PcieController {
                     .position(|p| Arc::ptr_eq(&p.sq, sq) && Arc::ptr_eq(&p.cq, cq))
                 {
                     Some(i) => old.swap_remove(i),
-                    None => QueuePair::new(sq.clone(), cq.clone()),
+                    None => QueuePair::new(Arc::downgrade(self), sq.clone(), cq.clone()),
                 };
                 cache.sqs.push(pair);
             }
@@ -612,7 +612,6 @@ impl PcieController {
         cache.enabled = lock(&self.ctrl).is_some();
         cache.bus_master = lock(&self.config).bus_master();
         cache.mem = lock(&self.mem).clone();
-        cache.me = Arc::downgrade(self);
         cache.gen = gen;
     }
 
@@ -657,7 +656,6 @@ impl PcieController {
             entries,
             namespaces,
             mem,
-            me,
             ..
         } = cache;
         for pair in sqs.iter_mut() {
@@ -676,8 +674,7 @@ impl PcieController {
                 if pair.sq.qid == 0 {
                     self.admin_command(mem, sqhd, &cmd, prp1, prp2);
                 } else {
-                    let at = Origin { sqhd, cid: cmd.cid };
-                    self.io_command(mem, pair, me, namespaces, at, &cmd, prp1, prp2);
+                    self.io_command(mem, pair, namespaces, sqhd, &cmd, prp1, prp2);
                 }
             }
         }
@@ -910,14 +907,13 @@ impl PcieController {
         &self,
         mem: &Arc<GuestMemoryMmap>,
         pair: &mut QueuePair,
-        me: &Weak<PcieController>,
         namespaces: &BTreeMap<u32, Arc<Namespace>>,
-        at: Origin,
+        sqhd: u16,
         c: &Command,
         prp1: u64,
         prp2: u64,
     ) {
-        let fail = |s: Status| self.post(mem, &pair.sq, &pair.cq, at.sqhd, at.cid, s, 0);
+        let fail = |s: Status| self.post(mem, &pair.sq, &pair.cq, sqhd, c.cid, s, 0);
         let plan = match io::plan(c, namespaces) {
             Plan::Ranges(ns, d) => {
                 // The range list, copied out of the host's memory.
@@ -948,11 +944,11 @@ impl PcieController {
         if let Some(spans) = spans {
             req.segments = spans;
         }
-        let slot = pair.take(me);
+        let slot = pair.take();
         {
             let mut cmd = lock(&slot.this.cmd);
             cmd.mem = Some(mem.clone());
-            cmd.at = at;
+            cmd.at = Origin { sqhd, cid: c.cid };
             cmd.read = io.is_read();
             cmd.then = std::mem::take(&mut io.then);
             cmd.arrived = io.arrive();
@@ -1165,26 +1161,25 @@ mod tests {
             head: Mutex::new(0),
             retired: AtomicBool::new(false),
         });
-        QueuePair::new(sq, Arc::new(Cq::new(1, 0, size, 1, false)))
+        QueuePair::new(Weak::new(), sq, Arc::new(Cq::new(1, 0, size, 1, false)))
     }
 
     /// Completion objects are made once per entry of the queue and used again once their
     /// command has completed; past a queue's worth in use, each command gets a one-off.
     #[test]
     fn completion_objects_are_pooled_per_queue_and_reused_once_free() {
-        let dev = Weak::new();
         let mut p = pair(4);
-        let taken: Vec<*const Inflight> = (0..4).map(|_| Arc::as_ptr(&p.take(&dev).this)).collect();
+        let taken: Vec<*const Inflight> = (0..4).map(|_| Arc::as_ptr(&p.take().this)).collect();
         assert_eq!(p.slots.len(), 4);
         let distinct: std::collections::BTreeSet<_> = taken.iter().collect();
         assert_eq!(distinct.len(), 4, "four commands in flight, four objects");
         // All four busy: a one-off, not kept in the pool.
-        let extra = Arc::as_ptr(&p.take(&dev).this);
+        let extra = Arc::as_ptr(&p.take().this);
         assert!(!taken.contains(&extra));
         assert_eq!(p.slots.len(), 4);
         // The second command completes: its object is the next one handed out.
         p.slots[1].this.busy.store(false, Ordering::Release);
-        assert_eq!(Arc::as_ptr(&p.take(&dev).this), taken[1]);
+        assert_eq!(Arc::as_ptr(&p.take().this), taken[1]);
         assert!(p.slots.iter().all(|s| s.this.busy.load(Ordering::Acquire)));
     }
 }
