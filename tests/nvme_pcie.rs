@@ -165,6 +165,29 @@ fn spdk_perf_runs_error_free_and_writes_land_whole() {
         assert!(!out.contains("*ERROR*"), "{out}");
         assert!(out.contains("Total"), "no summary from perf:\n{out}");
     }
+    // The poller's own account (`nvmf_get_stats`): passes that found work, and the time in
+    // them, no more than the time its clock moved. It publishes before pausing, which it
+    // does once perf is gone.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (nqn, dir, st) = loop {
+        let v = s.ports.poll_stats();
+        assert_eq!(v.len(), 1, "one listener, one poller: {v:?}");
+        let (_, _, st) = &v[0];
+        if st.pauses > 0 || Instant::now() > deadline {
+            break v.into_iter().next().unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!((nqn.as_str(), dir.as_path()), (NQN, s.dir.path()));
+    assert!(st.pauses > 0, "the poller never paused after perf: {st:?}");
+    assert!(
+        st.busy_passes > 0 && st.idle_passes > 0,
+        "passes with and without work: {st:?}"
+    );
+    assert!(
+        st.busy_ns > 0 && st.busy_ns < st.at_ns,
+        "busy time within the poller's clock: {st:?}"
+    );
     s.vol.read_at(0, &mut buf).unwrap();
     let tag = |b: u64, i: usize| (b << 16 | i as u64 | 1 << 63).to_le_bytes();
     let mut moved = 0;

@@ -161,10 +161,11 @@ pub enum NvmfCmd {
     /// List subsystems: namespaces, listeners (and why one is not listening), hosts.
     #[command(after_help = "Examples:\n  nacre nvmf list\n  nacre --json nvmf list")]
     List,
-    /// What the NVMe/TCP reactor threads did: the poll policy, and per reactor its
-    /// connections, busy passes, idle polls, sleeps and deep sleeps.
+    /// What the pollers did: the poll policy; per NVMe/TCP reactor its connections, busy
+    /// passes, idle polls, sleeps and deep sleeps; per PCIe (vfio-user) controller its busy
+    /// and idle passes, busy time and pauses.
     #[command(
-        after_help = "Idle polls are the busy-poll's cost: empty looks for work. Deep sleeps are sleeps the\nadaptive policy took at once because a host keeps 8 or more commands in flight\n(nacred --nvmf-poll adaptive|always|off sets the policy).\n\nExamples:\n  nacre nvmf stats\n  nacre --json nvmf stats"
+        after_help = "Idle polls are the busy-poll's cost: empty looks for work. Deep sleeps are sleeps the\nadaptive policy took at once because a host keeps 8 or more commands in flight\n(nacred --nvmf-poll adaptive|always|off sets the policy).\n\nA PCIe controller's BUSY is the time its poller spent in passes that found work since\nthe listener started (SPDK's thread_get_stats busy ticks); its load between two readings\nis the difference of busy_ns over the difference of at_ns (nacre --json nvmf stats).\n\nExamples:\n  nacre nvmf stats\n  nacre --json nvmf stats"
     )]
     Stats,
     /// Generate a DH-HMAC-CHAP secret (NVMe in-band authentication), as `nvme
@@ -643,6 +644,31 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
                     ]);
                 }
                 t.print();
+                let pcie = v["pcie"].as_array().into_iter().flatten();
+                let mut t = Table::new(&[
+                    "PCIE CONTROLLER",
+                    "SUBSYSTEM",
+                    "BUSY PASSES",
+                    "IDLE PASSES",
+                    "BUSY",
+                    "PAUSES",
+                ]);
+                let mut any = false;
+                for p in pcie {
+                    any = true;
+                    t.row(vec![
+                        p["path"].as_str().unwrap_or("?").to_string(),
+                        p["nqn"].as_str().unwrap_or("?").to_string(),
+                        p["busy_passes"].to_string(),
+                        p["idle_passes"].to_string(),
+                        format!("{:.3} s", p["busy_ns"].as_u64().unwrap_or(0) as f64 / 1e9),
+                        p["pauses"].to_string(),
+                    ]);
+                }
+                if any {
+                    println!();
+                    t.print();
+                }
             });
         }
     }

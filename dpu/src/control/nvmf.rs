@@ -70,7 +70,7 @@ pub const METHODS: &[Method] = &[
     Method {
         name: "nvmf_get_stats",
         handler: nvmf_get_stats,
-        help: "What the NVMe/TCP reactors did: poll policy, and per reactor connections, busy passes, idle polls, sleeps, deep sleeps.",
+        help: "What the pollers did: poll policy; per NVMe/TCP reactor connections, busy passes, idle polls, sleeps, deep sleeps; per PCIe (vfio-user) controller busy and idle passes, busy ns, pauses and the poller clock they were published at.",
     },
 ];
 

@@ -192,6 +192,30 @@ pub struct NvmfStats {
     /// The reactors' poll policy: "adaptive", "always" or "off" (nacred's `--nvmf-poll`).
     pub poll: String,
     pub reactors: Vec<NvmfReactorStats>,
+    /// Each PCIe controller served over vfio-user: its poller (one thread per controller).
+    #[serde(default)]
+    pub pcie: Vec<NvmfPcieStats>,
+}
+
+/// One vfio-user listener's controller poller in `nvmf_get_stats`: counts since the listener
+/// started, published by the poller at least every 1024 passes and before each pause. Its
+/// load is `busy_ns` over the span of `at_ns` between two readings (SPDK's `thread_get_stats`
+/// busy ticks): a poller that spins while it waits for work still uses its whole core.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct NvmfPcieStats {
+    pub nqn: String,
+    /// The listener's directory (the socket is `DIR/cntrl`).
+    pub path: String,
+    /// Passes that found work (a command fetched or a held completion posted).
+    pub busy_passes: u64,
+    /// Passes that found nothing.
+    pub idle_passes: u64,
+    /// Nanoseconds spent in passes that found work.
+    pub busy_ns: u64,
+    /// Times the poller yielded or slept between passes.
+    pub pauses: u64,
+    /// The poller's monotonic clock (ns) when it published these.
+    pub at_ns: u64,
 }
 
 /// One reactor thread of `nvmf_get_stats`; counts since the target started, published by

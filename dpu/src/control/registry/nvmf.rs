@@ -11,8 +11,8 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use nacre_shared::api::nvmf::{
-    NvmfHostKeyFiles, NvmfListenerState, NvmfReactorStats, NvmfStats, NvmfSubsystemCreate,
-    NvmfSubsystemInfo, NvmfSubsystemStatus,
+    NvmfHostKeyFiles, NvmfListenerState, NvmfPcieStats, NvmfReactorStats, NvmfStats,
+    NvmfSubsystemCreate, NvmfSubsystemInfo, NvmfSubsystemStatus,
 };
 use nacre_shared::nvme::validate_nqn;
 use tracing::{info, warn};
@@ -460,9 +460,27 @@ impl Registry {
         with_listener_states(&inner, subs)
     }
 
-    /// `nvmf_get_stats`: the NVMe/TCP target's reactors.
+    /// `nvmf_get_stats`: the NVMe/TCP target's reactors and the PCIe controllers' pollers.
     pub fn nvmf_stats(&self) -> NvmfStats {
-        let (policy, reactors) = target(&mut self.lock()).reactor_stats();
+        let mut inner = self.lock();
+        let (policy, reactors) = target(&mut inner).reactor_stats();
+        let pcie = inner
+            .live
+            .nvmf_vfio_user
+            .as_ref()
+            .map(|p| p.poll_stats())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(nqn, dir, s)| NvmfPcieStats {
+                nqn,
+                path: dir.display().to_string(),
+                busy_passes: s.busy_passes,
+                idle_passes: s.idle_passes,
+                busy_ns: s.busy_ns,
+                pauses: s.pauses,
+                at_ns: s.at_ns,
+            })
+            .collect();
         NvmfStats {
             poll: policy.as_str().to_string(),
             reactors: reactors
@@ -475,6 +493,7 @@ impl Registry {
                     deep_sleeps: r.deep_sleeps,
                 })
                 .collect(),
+            pcie,
         }
     }
 

@@ -76,6 +76,9 @@ pub(super) struct PollCache {
     namespaces: BTreeMap<u32, Arc<Namespace>>,
     /// The entries one queue's fetch took.
     entries: Vec<(u16, [u8; SQE_LEN as usize])>,
+    /// When the last pass took its first command (the batch clock's instant, ns of
+    /// [`crate::telemetry::clock::read_ns`]), or 0 if it took none.
+    pass_started: u64,
 }
 
 impl PollCache {
@@ -101,6 +104,7 @@ impl PollCache {
             ns_gen: 0,
             namespaces: BTreeMap::new(),
             entries: Vec::with_capacity(FETCH_BATCH),
+            pass_started: 0,
         }
     }
 }
@@ -203,6 +207,8 @@ pub struct PcieController {
     /// cleared by a controller reset.
     fatal: AtomicBool,
     pub(super) stop: AtomicBool,
+    /// What the poller did, as it last published it (`nvmf_get_stats`).
+    pub(super) poll_counters: PollCounters,
     /// A second handle on the connected client's socket: stopping the listener shuts it down,
     /// which disconnects the client and ends the server thread.
     pub(super) client: Mutex<Option<std::os::unix::net::UnixStream>>,
@@ -275,6 +281,7 @@ impl PcieController {
             epoch: Instant::now(),
             fatal: AtomicBool::new(false),
             stop: AtomicBool::new(false),
+            poll_counters: PollCounters::default(),
             client: Mutex::new(None),
             _doorbell_backing: backing,
         })
@@ -636,6 +643,7 @@ impl PcieController {
             return false;
         }
         let mut work = false;
+        cache.pass_started = 0;
         for cq in &cache.cqs {
             match cq.flush(&cache.mem, &self.doorbells) {
                 Ok(true) => {
@@ -656,6 +664,7 @@ impl PcieController {
             entries,
             namespaces,
             mem,
+            pass_started,
             ..
         } = cache;
         for pair in sqs.iter_mut() {
@@ -664,6 +673,7 @@ impl PcieController {
             }
             if !entries.is_empty() && batch.is_none() {
                 batch = Some(crate::telemetry::clock::batch());
+                *pass_started = crate::telemetry::clock::now_ns();
                 lock(&self.coalescing).begin_pass();
             }
             for (sqhd, raw) in entries.drain(..) {
@@ -1061,6 +1071,92 @@ const YIELD_PASSES: u32 = 64;
 /// looks again whether the controller still exists.
 const HOLD_PASSES: u32 = 1024;
 
+/// What a controller's poller did since it started, as `nvmf_get_stats` shows it: SPDK's
+/// thread statistics (`thread_get_stats`: busy and idle ticks), so a polled target's load can
+/// be read as the share of its core spent in passes that found work rather than as the whole
+/// core it spins on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PollStats {
+    /// Passes that found work (a command fetched or a held completion posted).
+    pub busy_passes: u64,
+    /// Passes that found nothing: the price of polling.
+    pub idle_passes: u64,
+    /// Time in busy passes: from the end of the pass before (when that one was busy too) or
+    /// the first command's fetch, to the pass's end.
+    pub busy_ns: u64,
+    /// Times the poller paused (yielded or slept) between passes.
+    pub pauses: u64,
+    /// The poller's clock when it published these ([`crate::telemetry::clock::read_ns`]):
+    /// the time base of `busy_ns`.
+    pub at_ns: u64,
+}
+
+/// [`PollStats`] as the poller publishes them: written by the poller thread alone, at least
+/// every [`HOLD_PASSES`] passes and before each pause.
+#[derive(Default)]
+pub(super) struct PollCounters {
+    busy_passes: AtomicU64,
+    idle_passes: AtomicU64,
+    busy_ns: AtomicU64,
+    pauses: AtomicU64,
+    at_ns: AtomicU64,
+}
+
+impl PollCounters {
+    fn publish(&self, s: &PollStats) {
+        self.busy_passes.store(s.busy_passes, Ordering::Relaxed);
+        self.idle_passes.store(s.idle_passes, Ordering::Relaxed);
+        self.busy_ns.store(s.busy_ns, Ordering::Relaxed);
+        self.pauses.store(s.pauses, Ordering::Relaxed);
+        self.at_ns.store(s.at_ns, Ordering::Release);
+    }
+
+    pub(super) fn read(&self) -> PollStats {
+        let at_ns = self.at_ns.load(Ordering::Acquire);
+        PollStats {
+            busy_passes: self.busy_passes.load(Ordering::Relaxed),
+            idle_passes: self.idle_passes.load(Ordering::Relaxed),
+            busy_ns: self.busy_ns.load(Ordering::Relaxed),
+            pauses: self.pauses.load(Ordering::Relaxed),
+            at_ns,
+        }
+    }
+}
+
+/// The poller's account of its passes ([`PollStats`]), kept on its own stack.
+#[derive(Default)]
+struct BusyClock {
+    stats: PollStats,
+    /// When the last pass ended, if it was busy (0 after an idle pass).
+    busy_until: u64,
+}
+
+impl BusyClock {
+    /// A pass found work; `started` is when it took its first command (0 if it took none).
+    /// One clock read: the pass's end.
+    fn busy(&mut self, started: u64) {
+        let end = crate::telemetry::clock::read_ns();
+        let from = match (self.busy_until, started) {
+            (0, 0) => end,
+            (0, s) => s,
+            (b, _) => b,
+        };
+        self.stats.busy_ns += end.saturating_sub(from);
+        self.stats.busy_passes += 1;
+        self.busy_until = end;
+    }
+
+    fn idle(&mut self) {
+        self.stats.idle_passes += 1;
+        self.busy_until = 0;
+    }
+
+    fn publish(&mut self, to: &PollCounters) {
+        self.stats.at_ns = crate::telemetry::clock::read_ns();
+        to.publish(&self.stats);
+    }
+}
+
 /// The poller's loop: busy while there is work, spinning for a while once there is none,
 /// then sleeping in growing steps (up to 1 ms, or one 100 µs unit of aggregation time while
 /// a coalesced interrupt waits: each pass raises the vectors whose time has come) so an idle
@@ -1084,6 +1180,7 @@ pub(super) fn poller(dev: Weak<PcieController>, policy: PollPolicy) {
     let mut idle_since = Instant::now();
     let mut deep = false;
     let mut cache = PollCache::new();
+    let mut clock = BusyClock::default();
     loop {
         let Some(d) = dev.upgrade() else { return };
         let mut pause = None;
@@ -1092,6 +1189,7 @@ pub(super) fn poller(dev: Weak<PcieController>, policy: PollPolicy) {
                 return;
             }
             if d.poll_with(&mut cache) {
+                clock.busy(cache.pass_started);
                 idle = 0;
                 spun = 0;
                 let nap = match policy {
@@ -1113,6 +1211,7 @@ pub(super) fn poller(dev: Weak<PcieController>, policy: PollPolicy) {
                 }
                 continue;
             }
+            clock.idle();
             idle = idle.saturating_add(1);
             if spun == 0 && policy != PollPolicy::Off {
                 if idle == 1 {
@@ -1139,6 +1238,10 @@ pub(super) fn poller(dev: Weak<PcieController>, policy: PollPolicy) {
             });
             break;
         }
+        if pause.is_some() {
+            clock.stats.pauses += 1;
+        }
+        clock.publish(&d.poll_counters);
         drop(d);
         match pause {
             None => {}

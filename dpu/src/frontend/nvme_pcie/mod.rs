@@ -64,6 +64,7 @@ use crate::frontend::nvme::{lock, NvmfError, TargetInner};
 use crate::frontend::nvmf_tcp::{NvmfTarget, PollPolicy};
 use crate::frontend::vfio_user::server;
 use ctrl::PcieController;
+pub use ctrl::PollStats;
 #[cfg(feature = "fuzzing")]
 pub use server::FUZZ_MAX_STREAM;
 
@@ -200,6 +201,17 @@ impl VfioUserPorts {
         for l in gone {
             stop(l);
         }
+    }
+
+    /// (subsystem NQN, listener directory, what its controller's poller did) of every
+    /// listener, ordered by directory.
+    pub fn poll_stats(&self) -> Vec<(String, PathBuf, PollStats)> {
+        let mut v: Vec<_> = lock(&self.listeners)
+            .iter()
+            .map(|(d, l)| (l.nqn.clone(), d.clone(), l.dev.poll_counters.read()))
+            .collect();
+        v.sort_by(|a, b| a.1.cmp(&b.1));
+        v
     }
 
     /// (subsystem NQN, listener directory) of every listener.
