@@ -1081,8 +1081,8 @@ pub struct PollStats {
     pub busy_passes: u64,
     /// Passes that found nothing: the price of polling.
     pub idle_passes: u64,
-    /// Time in busy passes: from the end of the pass before (when that one was busy too) or
-    /// the first command's fetch, to the pass's end.
+    /// Time in busy passes: from the end of the pass before (when that one was busy too and
+    /// no pause came between) or else the first command's fetch, to the pass's end.
     pub busy_ns: u64,
     /// Times the poller paused (yielded or slept) between passes.
     pub pauses: u64,
@@ -1148,6 +1148,13 @@ impl BusyClock {
 
     fn idle(&mut self) {
         self.stats.idle_passes += 1;
+        self.busy_until = 0;
+    }
+
+    /// The poller pauses (yields or sleeps) before its next pass: that time is not busy,
+    /// whatever the pass before found.
+    fn paused(&mut self) {
+        self.stats.pauses += 1;
         self.busy_until = 0;
     }
 
@@ -1239,7 +1246,7 @@ pub(super) fn poller(dev: Weak<PcieController>, policy: PollPolicy) {
             break;
         }
         if pause.is_some() {
-            clock.stats.pauses += 1;
+            clock.paused();
         }
         clock.publish(&d.poll_counters);
         drop(d);
@@ -1265,6 +1272,52 @@ mod tests {
             retired: AtomicBool::new(false),
         });
         QueuePair::new(Weak::new(), sq, Arc::new(Cq::new(1, 0, size, 1, false)))
+    }
+
+    /// Busy time runs from a pass's first command (or the end of a busy pass just before it)
+    /// to the pass's end; idle passes and pauses between passes are not in it.
+    #[test]
+    fn busy_time_leaves_out_idle_passes_and_pauses() {
+        use crate::telemetry::clock::read_ns;
+        let mut c = BusyClock::default();
+        let t0 = read_ns();
+        std::thread::sleep(Duration::from_millis(20));
+        // A pass whose first command came at t0 ran until now: at least the 20 ms.
+        c.busy(t0);
+        let first = c.stats.busy_ns;
+        assert!(first >= 20_000_000, "{first}");
+        // A pause after a busy pass, then a pass that found work but took no command (a
+        // held completion posted): neither the pause nor that pass adds anything.
+        c.paused();
+        std::thread::sleep(Duration::from_millis(20));
+        c.busy(0);
+        assert_eq!(c.stats.busy_ns, first, "the pause counted as busy");
+        // Busy again right after: the time since the last pass's end is busy.
+        let last_end = c.busy_until;
+        assert_ne!(last_end, 0);
+        c.busy(0);
+        assert_eq!(c.stats.busy_ns - first, c.busy_until - last_end);
+        // An idle pass, 20 ms, then a pass whose first command came at t1: only from t1.
+        let mid = c.stats.busy_ns;
+        c.idle();
+        std::thread::sleep(Duration::from_millis(20));
+        let t1 = read_ns();
+        c.busy(t1);
+        let end = read_ns();
+        assert!(
+            c.stats.busy_ns - mid <= end - t1,
+            "the idle time counted as busy: {:?}",
+            c.stats
+        );
+        assert_eq!(
+            (c.stats.busy_passes, c.stats.idle_passes, c.stats.pauses),
+            (4, 1, 1)
+        );
+        let counters = PollCounters::default();
+        c.publish(&counters);
+        let read = counters.read();
+        assert_eq!(read.busy_ns, c.stats.busy_ns);
+        assert!(read.at_ns >= end && read.busy_ns < read.at_ns, "{read:?}");
     }
 
     /// Completion objects are made once per entry of the queue and used again once their
