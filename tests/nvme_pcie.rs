@@ -1082,6 +1082,43 @@ fn nacred_serves_a_vfio_user_listener_added_by_the_cli_and_replays_it() {
         st["read_ops"].as_u64() > Some(0) && st["write_ops"].as_u64() > Some(0),
         "PCIe I/O missing from the volume's statistics: {st}"
     );
+    // The controller's poller in `nvmf_get_stats` and `nacre nvmf stats`: the passes that
+    // found work for perf's commands, and their time.
+    let pcie = n.ok("nvmf_get_stats", json!({}))["pcie"].clone();
+    let p = &pcie[0];
+    assert_eq!(
+        (
+            p["nqn"].as_str(),
+            p["path"].as_str(),
+            pcie.as_array().map(Vec::len)
+        ),
+        (Some(NQN), Some(path), Some(1)),
+        "{pcie}"
+    );
+    assert!(
+        p["busy_passes"].as_u64() > Some(0)
+            && p["busy_ns"].as_u64() > Some(0)
+            && p["busy_ns"].as_u64() < p["at_ns"].as_u64(),
+        "{pcie}"
+    );
+    let out = n.cli(&["nvmf", "stats"]);
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let row = table
+        .lines()
+        .skip_while(|l| !l.starts_with("PCIE CONTROLLER"))
+        .nth(1)
+        .unwrap_or_else(|| panic!("no PCIe table in `nacre nvmf stats`:\n{table}"));
+    assert!(
+        row.starts_with(path)
+            && row.contains(NQN)
+            && row.trim_end().ends_with(|c: char| c.is_ascii_digit()),
+        "{table}"
+    );
     let subs = n.ok("nvmf_get_subsystems", json!({}));
     let listed = format!("vfio-user:{path}");
     assert!(subs.to_string().contains(&listed), "{subs}");
