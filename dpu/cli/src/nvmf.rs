@@ -644,28 +644,26 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
                     ]);
                 }
                 t.print();
-                let pcie = v["pcie"].as_array().into_iter().flatten();
-                let mut t = Table::new(&[
-                    "PCIE CONTROLLER",
-                    "SUBSYSTEM",
-                    "BUSY PASSES",
-                    "IDLE PASSES",
-                    "BUSY",
-                    "PAUSES",
-                ]);
-                let mut any = false;
-                for p in pcie {
-                    any = true;
-                    t.row(vec![
-                        p["path"].as_str().unwrap_or("?").to_string(),
-                        p["nqn"].as_str().unwrap_or("?").to_string(),
-                        p["busy_passes"].to_string(),
-                        p["idle_passes"].to_string(),
-                        format!("{:.3} s", p["busy_ns"].as_u64().unwrap_or(0) as f64 / 1e9),
-                        p["pauses"].to_string(),
+                // The PCIe controllers' pollers, when there are any.
+                if let Some(pcie) = v["pcie"].as_array().filter(|a| !a.is_empty()) {
+                    let mut t = Table::new(&[
+                        "PCIE CONTROLLER",
+                        "SUBSYSTEM",
+                        "BUSY PASSES",
+                        "IDLE PASSES",
+                        "BUSY",
+                        "PAUSES",
                     ]);
-                }
-                if any {
+                    for p in pcie {
+                        t.row(vec![
+                            p["path"].as_str().unwrap_or("?").to_string(),
+                            p["nqn"].as_str().unwrap_or("?").to_string(),
+                            p["busy_passes"].to_string(),
+                            p["idle_passes"].to_string(),
+                            format!("{:.3} s", p["busy_ns"].as_u64().unwrap_or(0) as f64 / 1e9),
+                            p["pauses"].to_string(),
+                        ]);
+                    }
                     println!();
                     t.print();
                 }
