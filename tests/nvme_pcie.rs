@@ -11,7 +11,7 @@ use std::process::Command as Process;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nacre_dpu::frontend::nvme_pcie::VfioUserPorts;
+use nacre_dpu::frontend::nvme_pcie::{Signals, VfioUserPorts};
 use nacre_dpu::frontend::nvmf_tcp::NvmfTarget;
 use nacre_dpu::volume::ram::RamVolume;
 use nacre_dpu::volume::BlockDevice;
@@ -42,6 +42,11 @@ struct Served {
 }
 
 fn serve() -> Served {
+    serve_with(Signals::Msix)
+}
+
+/// A controller whose function signals with `interrupts`.
+fn serve_with(interrupts: Signals) -> Served {
     let target = NvmfTarget::new();
     target.create_subsystem(NQN, SERIAL, "nacre", true).unwrap();
     let vol: Arc<dyn BlockDevice> = Arc::new(RamVolume::new(VOL_SIZE, 512).unwrap());
@@ -50,7 +55,7 @@ fn serve() -> Served {
         .unwrap();
     let ports = VfioUserPorts::new(&target);
     let dir = tempfile::tempdir().unwrap();
-    let sock = ports.add_listener(NQN, dir.path()).unwrap();
+    let sock = ports.add_listener(NQN, dir.path(), interrupts).unwrap();
     assert_eq!(sock, dir.path().join("cntrl"));
     Served {
         _target: target,
@@ -801,6 +806,94 @@ fn interrupt_coalescing_raises_the_io_vector_less_often() {
     assert_eq!(get(&mut h, 0x09, 1), 1);
 }
 
+/// A function with MSI (`Signals::Msi`, what QEMU 11.1.3 can hot-remove): its capability
+/// list has MSI and no MSI-X, it has no BAR4 or BAR5, vfio-user offers 32 vectors on the MSI
+/// index and none on MSI-X's. With one MSI vector enabled (Linux on x86), a completion queue
+/// on vector 1 raises vector 0; INTMS holds a vector's interrupt back and INTMC raises it;
+/// with MSI off nothing is raised.
+#[test]
+fn an_msi_function_signals_through_msi_and_intms_masks_it() {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let s = serve_with(Signals::Msi);
+    let mut h = RawHost::connect(s.dir.path());
+    let mut cfg = [0u8; 256];
+    for (i, chunk) in cfg.chunks_mut(64).enumerate() {
+        h.c.region_read(CONFIG, 64 * i as u64, chunk).unwrap();
+    }
+    let (mut at, mut ids) = (cfg[0x34] as usize, Vec::new());
+    while at != 0 && ids.len() < 8 {
+        ids.push((cfg[at], at));
+        at = cfg[at + 1] as usize;
+    }
+    assert_eq!(
+        ids.iter().map(|c| c.0).collect::<Vec<_>>(),
+        vec![0x01, 0x05, 0x10],
+        "PM, MSI, PCIe and no MSI-X"
+    );
+    let msi = ids[1].1 as u64;
+    let ctrl = u16::from_le_bytes([cfg[msi as usize + 2], cfg[msi as usize + 3]]);
+    assert_eq!((ctrl >> 1) & 7, 5, "Multiple Message Capable: 32 vectors");
+    assert_ne!(ctrl & 1 << 7, 0, "64-bit message address");
+    assert_eq!(h.c.region(4).map(|r| r.size).unwrap_or(0), 0, "no BAR4");
+    assert_eq!(h.c.region(5).map(|r| r.size).unwrap_or(0), 0, "no BAR5");
+    const MSI_INDEX: u32 = 1;
+    const MSIX_INDEX: u32 = 2;
+    assert_eq!(h.c.get_irq_info(MSI_INDEX).unwrap().count, 32);
+    assert_eq!(h.c.get_irq_info(MSIX_INDEX).unwrap().count, 0);
+    // SAFETY: eventfd(2) with flags only; the result is checked, then owned once.
+    let irq = unsafe {
+        let fd = libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC);
+        assert!(fd >= 0);
+        std::os::fd::OwnedFd::from_raw_fd(fd)
+    };
+    const TRIGGER_EVENTFD: u32 = 1 << 5 | 1 << 2;
+    h.c.set_irqs(MSI_INDEX, TRIGGER_EVENTFD, 0, 1, &[irq.as_raw_fd()])
+        .unwrap();
+    // The I/O completion queue on vector 1 (of 32 offered); MSI still off.
+    h.io_queues_on(1 | 2 | 1 << 16);
+    let read = sqe(0x02, 1, DATA, 0, 0, 0, 7);
+    let wait_for = |want: u64| {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut got = 0;
+        while got < want && Instant::now() < deadline {
+            got += signals(&irq);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(30));
+        got + signals(&irq)
+    };
+    assert_eq!(code(h.submit(1, read).0), SUCCESS);
+    assert_eq!(wait_for(0), 0, "MSI off: no interrupt");
+    // MSI Enable with Multiple Message Enable 000b: one vector.
+    h.c.region_write(CONFIG, msi + 2, &(ctrl | 1).to_le_bytes())
+        .unwrap();
+    assert_eq!(code(h.submit(1, read).0), SUCCESS);
+    assert_eq!(
+        wait_for(1),
+        1,
+        "vector 1 raised as vector 0, the one enabled"
+    );
+    // INTMS masks vector 0: the completion arrives, its interrupt waits for INTMC.
+    h.c.region_write(BAR0, 0x0C, &1u32.to_le_bytes()).unwrap();
+    let mut intms = [0u8; 4];
+    h.c.region_read(BAR0, 0x0C, &mut intms).unwrap();
+    assert_eq!(u32::from_le_bytes(intms), 1, "INTMS reads the mask");
+    assert_eq!(code(h.submit(1, read).0), SUCCESS);
+    assert_eq!(code(h.submit(1, read).0), SUCCESS);
+    assert_eq!(wait_for(0), 0, "masked: no interrupt");
+    h.c.region_write(BAR0, 0x10, &1u32.to_le_bytes()).unwrap();
+    assert_eq!(
+        wait_for(1),
+        1,
+        "INTMC raised the vector that came due while masked"
+    );
+    h.c.region_read(BAR0, 0x0C, &mut intms).unwrap();
+    assert_eq!(u32::from_le_bytes(intms), 0);
+    // Unmasked again: one interrupt per completion.
+    assert_eq!(code(h.submit(1, read).0), SUCCESS);
+    assert_eq!(wait_for(1), 1);
+}
+
 #[test]
 fn a_hostile_host_gets_error_statuses_and_cannot_write_outside_its_memory() {
     let s = serve();
@@ -1122,13 +1215,95 @@ fn nacred_serves_a_vfio_user_listener_added_by_the_cli_and_replays_it() {
     let subs = n.ok("nvmf_get_subsystems", json!({}));
     let listed = format!("vfio-user:{path}");
     assert!(subs.to_string().contains(&listed), "{subs}");
-    // Persisted and replayed.
+    // A second controller whose function has MSI instead of MSI-X (--interrupts msi); the
+    // option is refused for other transports and values other than msix and msi.
+    let msi_dir = tempfile::tempdir().unwrap();
+    let msi_path = msi_dir.path().to_str().unwrap();
+    let out = n.cli(&[
+        "nvmf",
+        "add-listener",
+        NQN,
+        "--address",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--interrupts",
+        "msi",
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--interrupts is for --transport vfio-user"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (_, msg) = n.err(
+        "nvmf_subsystem_add_listener",
+        json!({"nqn": NQN, "transport": "vfio-user", "address": msi_path, "interrupts": "intx"}),
+    );
+    assert!(msg.contains("interrupts \"intx\""), "{msg}");
+    let (_, msg) = n.err(
+        "nvmf_subsystem_add_listener",
+        json!({"nqn": NQN, "address": "127.0.0.1", "port": 0, "interrupts": "msi"}),
+    );
+    assert!(msg.contains("vfio-user listeners only"), "{msg}");
+    let out = n.cli(&[
+        "nvmf",
+        "add-listener",
+        NQN,
+        "--transport",
+        "vfio-user",
+        "--path",
+        msi_path,
+        "--interrupts",
+        "msi",
+    ]);
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("vfio-user, MSI)"),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let interrupts_of = |n: &Nacred| {
+        let subs = n.ok("nvmf_get_subsystems", json!({}));
+        let sub = subs
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["nqn"] == NQN)
+            .unwrap()
+            .clone();
+        let of = |p: &str| {
+            sub["listener_states"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|l| l["address"] == format!("vfio-user:{p}"))
+                .map(|l| l["interrupts"].clone())
+        };
+        (of(path), of(msi_path))
+    };
+    assert_eq!(interrupts_of(&n), (Some(json!("msix")), Some(json!("msi"))));
+    let listing = String::from_utf8_lossy(&n.cli(&["nvmf", "list"]).stdout).to_string();
+    assert!(
+        listing.contains(&format!("vfio-user:{msi_path} msi")),
+        "{listing}"
+    );
+    // Persisted and replayed, each with its interrupts.
     n.restart();
     let out = identify();
     assert!(
         out.contains("Model Number:                          nacre"),
         "{out}"
     );
+    assert_eq!(interrupts_of(&n), (Some(json!("msix")), Some(json!("msi"))));
+    let mut c = vfio_user::Client::new(&msi_dir.path().join("cntrl")).unwrap();
+    assert_eq!(
+        c.get_irq_info(1).unwrap().count,
+        32,
+        "the replayed function has MSI"
+    );
+    assert_eq!(c.get_irq_info(2).unwrap().count, 0, "and no MSI-X");
+    drop(c);
     // A reboot empties /run: the listener's directory is made again at start.
     assert!(n.stop(), "{}", n.log_text());
     std::fs::remove_dir_all(dir.path()).unwrap();

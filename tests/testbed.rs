@@ -994,6 +994,32 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
     let vblk_arg = json!({"driver": "vfio-user-pci", "id": "vblk", "bus": "rp2",
                           "socket": {"path": vblk_dir.path().join("cntrl"), "type": "unix"}})
     .to_string();
+    // A second subsystem served by a function with MSI instead of MSI-X (`interrupts`: msi),
+    // which QEMU 11.1.3 can hot-remove: plugged in (rp3), removed and plugged in again at the
+    // end, after nacred's restart (so its listener is also one nacred replayed).
+    let msi_nqn = "nqn.2024-01.io.nacre:pcie-msi";
+    let msi_serial = "NACREPCIEMSI01";
+    d.ok(
+        "volume_create",
+        json!({"name": "pm", "size": 16 * MIB, "block_size": 512, "backend": "file"}),
+    );
+    d.ok(
+        "nvmf_subsystem_create",
+        json!({"nqn": msi_nqn, "serial": msi_serial, "allow_any_host": true}),
+    );
+    d.ok(
+        "nvmf_subsystem_add_ns",
+        json!({"nqn": msi_nqn, "volume": "pm"}),
+    );
+    let msi_dir = tempfile::tempdir().expect("socket directory");
+    let added = d.ok(
+        "nvmf_subsystem_add_listener",
+        json!({"nqn": msi_nqn, "transport": "vfio-user", "address": msi_dir.path(),
+               "interrupts": "msi"}),
+    );
+    assert_eq!(added["interrupts"], "msi");
+    let msi_device = json!({"driver": "vfio-user-pci", "id": "nvme-msi", "bus": "rp3",
+                            "socket": {"path": msi_dir.path().join("cntrl"), "type": "unix"}});
     // The function sits behind a PCIe root port (rp0); a second, empty one (rp1) takes the
     // function the host plugs in after nacred's restart.
     let device = json!({"driver": "vfio-user-pci", "id": "nvme", "bus": "rp0",
@@ -1007,6 +1033,7 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
         .param("hotplug", 1)
         .param("reboot", 1)
         .param("replug", 1)
+        .param("unplug", msi_serial)
         .param("failure", 1)
         .param("vblk_bytes", 32 * MIB)
         .smp(4)
@@ -1028,6 +1055,8 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
             "pcie-root-port,id=rp2,chassis=3",
             "-device",
             vblk_arg.as_str(),
+            "-device",
+            "pcie-root-port,id=rp3,chassis=4",
         ])
         .timeout(Duration::from_secs(300))
         .spawn()
@@ -1098,6 +1127,36 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
                 qmp.device_add(again)
                     .unwrap_or_else(|e| panic!("device_add after nacred's restart: {e:#}"));
                 g.signal("replug").unwrap();
+                // The function with MSI: plugged in, removed (QMP device_del returns once
+                // QEMU has freed it: DEVICE_DELETED), plugged in again.
+                if g.wait_for("TB-WAIT msi-plug", Duration::from_secs(120))
+                    .is_ok()
+                {
+                    qmp.device_add(msi_device.clone())
+                        .unwrap_or_else(|e| panic!("device_add of the function with MSI: {e:#}"));
+                    g.signal("msi-plug").unwrap();
+                    if g.wait_for("TB-WAIT unplug", Duration::from_secs(120))
+                        .is_ok()
+                    {
+                        qmp.device_del("nvme-msi", Duration::from_secs(60))
+                            .unwrap_or_else(|e| {
+                                panic!("device_del of the function with MSI: {e:#}")
+                            });
+                        let status = qmp
+                            .execute("query-status", json!({}))
+                            .unwrap_or_else(|e| panic!("QEMU after device_del: {e:#}"));
+                        assert_eq!(status["status"], "running", "QEMU after device_del");
+                        g.signal("unplug").unwrap();
+                        if g.wait_for("TB-WAIT msi-replug", Duration::from_secs(120))
+                            .is_ok()
+                        {
+                            qmp.device_add(msi_device.clone()).unwrap_or_else(|e| {
+                                panic!("device_add of the function with MSI, again: {e:#}")
+                            });
+                            g.signal("msi-replug").unwrap();
+                        }
+                    }
+                }
             }
         }
     }
@@ -1160,6 +1219,15 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
         "only {acked} blocks acknowledged before the kill"
     );
     assert_eq!(out.fact("replugged_acked"), acked.to_string());
+    // The function with MSI: the guest's driver bound it with MSI (one vector on x86 without
+    // interrupt remapping, so one I/O queue), its I/O worked, QMP device_del removed it while
+    // QEMU ran on (QEMU 11.1.3 aborts there for a function with MSI-X), the guest let the
+    // function and its disk go, and plugged in again it read back what was written.
+    assert_eq!(out.fact("msi_irqs"), "msi");
+    assert_eq!(out.fact("msi_queues"), "1");
+    assert_eq!(out.fact("msi_verified"), "4MiB");
+    assert_eq!(out.fact("unplugged"), "yes");
+    assert_eq!(out.fact("msi_replug_verified"), "yes");
     let image = std::fs::read(d.state_dir.join("volumes/pv.img")).unwrap();
     for i in 0..acked {
         let at = (64 * MIB + 4096 * i) as usize;

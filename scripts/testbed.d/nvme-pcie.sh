@@ -13,6 +13,9 @@
 # it again (restarted); what the guest's I/O does each time; the scenario ends there),
 # replug (1, with failure=1: then the host plugs a new function in (replug, QMP device_add) and
 # the guest reads every acknowledged block back through it).
+# unplug (a serial, with replug=1: then the host plugs in a function with MSI of the controller
+# with that serial (msi-plug), the guest writes 4 MiB to it, the host removes it (unplug, QMP
+# device_del) and plugs it in again (msi-replug), and the guest reads the 4 MiB back).
 # vblk_bytes (not 0: a virtio-blk PCI function of that size is on the bus too; see below).
 # Facts: pci (vendor:device class of the NVMe function), model, serial, transport, bytes, queues, bound_s
 # (seconds from modprobe to /dev/nvme0n1), verified, reset_verified, rebind_verified, hot_added
@@ -22,7 +25,9 @@
 # acked_blocks (blocks acknowledged before the kill), killed_state, restarted_io, restarted_state
 # (the controller's sysfs state, or gone), restarted_disk (namespace 1's block device, or gone),
 # replugged_functions (NVMe functions on the bus then),
-# replugged_acked (acknowledged blocks read back intact through the new function).
+# replugged_acked (acknowledged blocks read back intact through the new function),
+# msi_irqs (the MSI function's interrupt modes, as sysfs names them), msi_queues, msi_verified,
+# unplugged (yes: the function and its disk left the guest), msi_replug_verified.
 mib=$(param mib 64)
 step "PCI functions"
 # nvme_fn: the sysfs directory of the NVM Express function (class 010802), if there is one
@@ -243,6 +248,44 @@ if [ "$(param failure 0)" = 1 ]; then
             i=$((i + 1))
         done
         fact replugged_acked "$acked"
+    fi
+    userial=$(param unplug "")
+    if [ -n "$userial" ]; then
+        # ctrl_of SERIAL: the controller (nvmeN) with that serial
+        ctrl_of() {
+            local c
+            for c in /sys/class/nvme/nvme*; do
+                [ "$(sed 's/ *$//' "$c/serial" 2>/dev/null)" = "$1" ] && { echo "${c##*/}"; return 0; }
+            done
+            return 1
+        }
+        msi_disk() { local c; c=$(ctrl_of "$1") && test -b "/dev/${c}n1"; }
+        step "the host plugs in a function with MSI (QMP device_add)"
+        wait_host msi-plug 120
+        wait_until 30 msi_disk "$userial" ||
+            fail "no disk of the function with MSI ($userial) after the host plugged it in"
+        mc=$(ctrl_of "$userial")
+        mfn=$(readlink -f "/sys/class/nvme/$mc/device")
+        fact msi_irqs "$(cat "$mfn"/msi_irqs/* | sort -u | tr '\n' ' ' | sed 's/ $//')"
+        fact msi_queues "$(ls "/sys/block/${mc}n1/mq" | wc -l)"
+        dd if=/dev/urandom of=/tmp/patm bs=1M count=4 2>/dev/null
+        dd if=/tmp/patm of="/dev/${mc}n1" bs=1M count=4 oflag=direct conv=fsync 2>/dev/null || fail "write through the function with MSI"
+        dd if="/dev/${mc}n1" of=/tmp/backm bs=1M count=4 iflag=direct 2>/dev/null || fail "read through the function with MSI"
+        cmp /tmp/patm /tmp/backm || fail "read-back through the function with MSI differs"
+        fact msi_verified 4MiB
+        step "the host removes it (QMP device_del)"
+        wait_host unplug 120
+        wait_until 30 sh -c "! test -e $mfn" || fail "the function is still on the bus after device_del"
+        ! ctrl_of "$userial" >/dev/null || fail "the controller is still there after device_del"
+        fact unplugged yes
+        step "the host plugs it in again"
+        wait_host msi-replug 120
+        wait_until 30 msi_disk "$userial" ||
+            fail "no disk of the function with MSI after it was plugged in again"
+        mc=$(ctrl_of "$userial")
+        dd if="/dev/${mc}n1" of=/tmp/backm bs=1M count=4 iflag=direct 2>/dev/null || fail "read after the function came back"
+        cmp /tmp/patm /tmp/backm || fail "the 4 MiB differ after the function was removed and plugged in again"
+        fact msi_replug_verified yes
     fi
     exit 0
 fi

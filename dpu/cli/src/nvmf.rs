@@ -57,7 +57,7 @@ pub enum NvmfCmd {
     /// Listen for NVMe/TCP (or NVMe/RDMA) connections to the subsystem, or serve it as a PCIe
     /// NVMe controller over vfio-user (a QEMU guest's own nvme driver binds it).
     #[command(
-        after_help = "Examples:\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address 127.0.0.1 --port 4420\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address ::1 --port 4421\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --transport rdma --address 192.0.2.1\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --transport vfio-user --path /run/nacre/vfu/data\n\nRDMA needs an RDMA device with that address (RoCE NIC, or soft-RoCE:\n  rdma link add rxe0 type rxe netdev eth0)\n\nvfio-user: the directory must exist; the controller's socket is DIR/cntrl, as with SPDK's\nVFIOUSER transport. QEMU >= 10.1.1: -device vfio-user-pci,socket=DIR/cntrl (guest memory\nshared: -object memory-backend-memfd,...,share=on). See docs/nvme-pcie.md.\n\nTLS (NVMe/TCP with TLS 1.3 and a pre-shared key): --secure-channel tls makes a TLS-only\nlistener; hosts need a PSK (nacre nvmf add-host NQN HOST --psk FILE). A listener is TLS-only\nor plain, never both:\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address 127.0.0.1 --port 4421 --secure-channel tls\nSee docs/nvme-tls.md."
+        after_help = "Examples:\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address 127.0.0.1 --port 4420\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address ::1 --port 4421\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --transport rdma --address 192.0.2.1\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --transport vfio-user --path /run/nacre/vfu/data\n\nRDMA needs an RDMA device with that address (RoCE NIC, or soft-RoCE:\n  rdma link add rxe0 type rxe netdev eth0)\n\nvfio-user: the directory must exist; the controller's socket is DIR/cntrl, as with SPDK's\nVFIOUSER transport. QEMU >= 10.1.1: -device vfio-user-pci,socket=DIR/cntrl (guest memory\nshared: -object memory-backend-memfd,...,share=on). See docs/nvme-pcie.md.\n\n--interrupts msi gives the function MSI instead of MSI-X (fewer vectors: Linux on x86\nshares one among all queues). QEMU 11.1.3 aborts on device_del of a vfio-user-pci\nfunction with MSI-X and removes one with MSI: use msi where the guest must be able to\nlet the function go while it runs:\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --transport vfio-user --path /run/nacre/vfu/data --interrupts msi\n\nTLS (NVMe/TCP with TLS 1.3 and a pre-shared key): --secure-channel tls makes a TLS-only\nlistener; hosts need a PSK (nacre nvmf add-host NQN HOST --psk FILE). A listener is TLS-only\nor plain, never both:\n  nacre nvmf add-listener nqn.2024-01.io.nacre:data --address 127.0.0.1 --port 4421 --secure-channel tls\nSee docs/nvme-tls.md."
     )]
     AddListener {
         /// Subsystem NQN.
@@ -80,6 +80,10 @@ pub enum NvmfCmd {
         /// for a plain one.
         #[arg(long, default_value = "none", value_parser = ["none", "tls"])]
         secure_channel: String,
+        /// vfio-user only: how the PCIe function signals its host, msix (a vector per queue)
+        /// or msi (one vector on most x86 guests; QEMU 11.1.3 can hot-remove it).
+        #[arg(long, value_parser = ["msix", "msi"])]
+        interrupts: Option<String>,
     },
     /// Stop offering the subsystem on an address.
     #[command(
@@ -452,20 +456,30 @@ pub fn run(ctx: &mut Ctx, cmd: NvmfCmd) -> Result<()> {
             port,
             transport,
             secure_channel,
+            interrupts,
         } => {
             let address = listener_address(&transport, address, path)?;
             let secure = secure_channel == "tls";
             if secure && transport != "tcp" {
                 anyhow::bail!("--secure-channel tls is for NVMe/TCP listeners only");
             }
+            if interrupts.is_some() && transport != "vfio-user" {
+                anyhow::bail!("--interrupts is for --transport vfio-user only");
+            }
             if transport == "vfio-user" {
-                let v = ctx.call(
-                    "nvmf_subsystem_add_listener",
-                    json!({"nqn": nqn, "address": address, "transport": transport}),
-                )?;
+                let mut params = json!({"nqn": nqn, "address": address, "transport": transport});
+                if let Some(i) = interrupts {
+                    params["interrupts"] = json!(i);
+                }
+                let v = ctx.call("nvmf_subsystem_add_listener", params)?;
                 let msg = format!(
-                    "{nqn} is a PCIe NVMe controller on {} (vfio-user)",
-                    v["socket"].as_str().unwrap_or("")
+                    "{nqn} is a PCIe NVMe controller on {} (vfio-user, {})",
+                    v["socket"].as_str().unwrap_or(""),
+                    if v["interrupts"] == "msi" {
+                        "MSI"
+                    } else {
+                        "MSI-X"
+                    }
                 );
                 ack(ctx, &v, msg);
                 return Ok(());
@@ -688,9 +702,13 @@ fn listeners(s: &Value) -> String {
     states
         .iter()
         .map(|l| {
-            let addr = l["address"].as_str().unwrap_or("");
+            let mut addr = l["address"].as_str().unwrap_or("").to_string();
+            // A PCIe function with MSI says so (MSI-X is the default, not shown).
+            if l["interrupts"] == "msi" {
+                addr.push_str(" msi");
+            }
             match l["state"].as_str() {
-                Some("listening") | None => addr.to_string(),
+                Some("listening") | None => addr,
                 Some(st) => format!(
                     "{addr} ({st}: {})",
                     l["reason"].as_str().unwrap_or("unknown reason")

@@ -5,8 +5,8 @@ use std::net::{IpAddr, SocketAddr};
 
 use nacre_shared::api::nvmf::{
     NvmfAllowAnyHost, NvmfHost, NvmfHostKeyFiles, NvmfListener, NvmfSubsystemAddNs,
-    NvmfSubsystemCreate, NvmfSubsystemName, NvmfSubsystemRemoveNs, TRANSPORT_RDMA, TRANSPORT_TCP,
-    TRANSPORT_VFIO_USER,
+    NvmfSubsystemCreate, NvmfSubsystemName, NvmfSubsystemRemoveNs, INTERRUPTS_MSI, INTERRUPTS_MSIX,
+    TRANSPORT_RDMA, TRANSPORT_TCP, TRANSPORT_VFIO_USER,
 };
 use nacre_shared::api::Ack;
 use serde_json::{json, Value};
@@ -15,6 +15,7 @@ use super::daemon::Daemon;
 use super::error::RpcError;
 use super::method::{parse_params, to_value, Method, NoParams};
 use super::registry::ListenerTransport;
+use crate::frontend::nvme_pcie::Signals;
 
 pub const METHODS: &[Method] = &[
     Method {
@@ -134,11 +135,26 @@ fn nvmf_subsystem_add_listener(d: &Daemon, params: Value) -> Result<Value, RpcEr
     let p: NvmfListener = parse_params(params)?;
     if is_vfio_user(&p) {
         let dir = std::path::Path::new(&p.address);
-        let sock = d.registry.add_vfio_user_listener(&p.nqn, dir)?;
+        let interrupts = match p.interrupts.as_deref() {
+            None | Some(INTERRUPTS_MSIX) => Signals::Msix,
+            Some(INTERRUPTS_MSI) => Signals::Msi,
+            Some(other) => {
+                return Err(RpcError::invalid_params(format!(
+                    "interrupts {other:?}: {INTERRUPTS_MSIX} or {INTERRUPTS_MSI}"
+                )))
+            }
+        };
+        let sock = d.registry.add_vfio_user_listener(&p.nqn, dir, interrupts)?;
         return to_value(json!({
             "nqn": p.nqn, "address": p.address, "socket": sock.display().to_string(),
-            "transport": TRANSPORT_VFIO_USER
+            "transport": TRANSPORT_VFIO_USER,
+            "interrupts": if interrupts == Signals::Msi { INTERRUPTS_MSI } else { INTERRUPTS_MSIX }
         }));
+    }
+    if p.interrupts.is_some() {
+        return Err(RpcError::invalid_params(
+            "interrupts is for vfio-user listeners only",
+        ));
     }
     let (addr, transport) = listener(&p)?;
     let bound = d.registry.add_listener(&p.nqn, addr, transport)?;

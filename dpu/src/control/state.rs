@@ -137,6 +137,9 @@ pub struct NvmfSubsystemRecord {
     /// vfio-user listeners: directories of PCIe NVMe controllers' sockets.
     #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
     pub vfio_user_listeners: BTreeSet<std::path::PathBuf>,
+    /// Those of `vfio_user_listeners` whose functions signal with MSI (the others: MSI-X).
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub vfio_user_msi: BTreeSet<std::path::PathBuf>,
     /// TLS-only NVMe/TCP listeners (bound addresses).
     #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
     pub tls_listeners: BTreeSet<SocketAddr>,
@@ -293,6 +296,7 @@ pub(crate) mod fixtures {
             tls_listeners: Default::default(),
             host_psks: Default::default(),
             vfio_user_listeners: Default::default(),
+            vfio_user_msi: Default::default(),
         }
     }
 }

@@ -64,7 +64,16 @@ pub struct NvmfListener {
     /// `secure_channel`. Hosts need a PSK (`nvmf_subsystem_add_host` with `psk`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub secure_channel: bool,
+    /// vfio-user only, `add_listener`: how the PCIe function signals its host,
+    /// [`INTERRUPTS_MSIX`] (the default: a vector per queue) or [`INTERRUPTS_MSI`] (MSI, which
+    /// QEMU 11.1.3 can hot-remove; with MSI-X its `device_del` aborts QEMU).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interrupts: Option<String>,
 }
+
+/// `interrupts` of a vfio-user listener.
+pub const INTERRUPTS_MSIX: &str = "msix";
+pub const INTERRUPTS_MSI: &str = "msi";
 
 /// Transports `nvmf_subsystem_add_listener` takes.
 pub const TRANSPORT_TCP: &str = "tcp";
@@ -173,6 +182,9 @@ pub struct NvmfListenerState {
     pub state: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// vfio-user listeners: how the function signals, `msix` or `msi`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interrupts: Option<String>,
 }
 
 /// `nvmf_get_subsystems` element as nacred answers it: the subsystem and the state of each

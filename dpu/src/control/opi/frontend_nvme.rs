@@ -24,6 +24,7 @@ use super::{
 };
 use crate::control::registry::{ListenerTransport, Registry};
 use crate::control::state::{NvmfSubsystemRecord, OpiBinding};
+use crate::frontend::nvme_pcie::Signals;
 
 const SUBSYSTEMS: &str = "nvmeSubsystems";
 
@@ -551,7 +552,7 @@ fn create_controller(
             }
             std::fs::create_dir_all(&dir)
                 .map_err(|e| Status::unavailable(format!("cannot make {}: {e}", dir.display())))?;
-            if let Err(e) = r.add_vfio_user_listener(&nqn, &dir) {
+            if let Err(e) = r.add_vfio_user_listener(&nqn, &dir, Signals::Msix) {
                 let _ = std::fs::remove_dir(&dir);
                 return Err(status(e));
             }

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use nacre_shared::api::nvmf::{
     NvmfHostKeyFiles, NvmfListenerState, NvmfPcieStats, NvmfReactorStats, NvmfStats,
-    NvmfSubsystemCreate, NvmfSubsystemInfo, NvmfSubsystemStatus,
+    NvmfSubsystemCreate, NvmfSubsystemInfo, NvmfSubsystemStatus, INTERRUPTS_MSI, INTERRUPTS_MSIX,
 };
 use nacre_shared::nvme::validate_nqn;
 use tracing::{info, warn};
@@ -25,6 +25,7 @@ use crate::auth::tls_psk::TlsPsk;
 use crate::auth::Secret;
 use crate::control::error::RpcError;
 use crate::control::state::{serial_from_uuid, NvmfState, NvmfSubsystemRecord};
+use crate::frontend::nvme_pcie::Signals;
 use crate::frontend::nvmf_tcp::{HostKeys, NvmfTarget, AUTH_DHGROUPS, AUTH_HASHES, DEFAULT_MODEL};
 
 impl Registry {
@@ -58,6 +59,7 @@ impl Registry {
                 listeners: BTreeSet::new(),
                 rdma_listeners: BTreeSet::new(),
                 vfio_user_listeners: BTreeSet::new(),
+                vfio_user_msi: BTreeSet::new(),
                 tls_listeners: BTreeSet::new(),
                 host_psks: BTreeMap::new(),
             };
@@ -208,8 +210,14 @@ impl Registry {
     }
 
     /// `nvmf_subsystem_add_listener` with transport `vfio-user`: serve the subsystem as a
-    /// PCIe NVMe controller on `dir/cntrl` (`dir` must exist). Returns the socket's path.
-    pub fn add_vfio_user_listener(&self, nqn: &str, dir: &Path) -> Result<PathBuf, RpcError> {
+    /// PCIe NVMe controller on `dir/cntrl` (`dir` must exist), its function signalling with
+    /// `interrupts`. Returns the socket's path.
+    pub fn add_vfio_user_listener(
+        &self,
+        nqn: &str,
+        dir: &Path,
+        interrupts: Signals,
+    ) -> Result<PathBuf, RpcError> {
         if !dir.is_absolute() {
             return Err(RpcError::invalid_params(format!(
                 "vfio-user directory {} must be an absolute path",
@@ -224,7 +232,7 @@ impl Registry {
                 ));
             }
             let ports = vfio_user_ports(inner);
-            let sock = ports.add_listener(nqn, dir).map_err(pcie_err)?;
+            let sock = ports.add_listener(nqn, dir, interrupts).map_err(pcie_err)?;
             inner
                 .live
                 .vfio_user_listeners_failed
@@ -234,6 +242,9 @@ impl Registry {
                 |s| {
                     if let Some(r) = s.subsystems.get_mut(nqn) {
                         r.vfio_user_listeners.insert(dir.to_path_buf());
+                        if interrupts == Signals::Msi {
+                            r.vfio_user_msi.insert(dir.to_path_buf());
+                        }
                     }
                 },
                 || {
@@ -258,6 +269,7 @@ impl Registry {
                 |s| {
                     if let Some(r) = s.subsystems.get_mut(nqn) {
                         r.vfio_user_listeners.remove(dir);
+                        r.vfio_user_msi.remove(dir);
                     }
                 },
                 || {},
@@ -678,7 +690,12 @@ fn start_subsystem(
         if let Err(e) = std::fs::create_dir_all(d) {
             warn!(nqn = %rec.nqn, dir = %d.display(), "cannot make the vfio-user directory: {e}");
         }
-        if let Err(e) = ports.add_listener(&rec.nqn, d) {
+        let interrupts = if rec.vfio_user_msi.contains(d) {
+            Signals::Msi
+        } else {
+            Signals::Msix
+        };
+        if let Err(e) = ports.add_listener(&rec.nqn, d, interrupts) {
             // Not retried: reported by nvmf_get_subsystems until it is re-added.
             warn!(nqn = %rec.nqn, dir = %d.display(), "vfio-user listener not restored: {e}");
             inner
@@ -751,6 +768,7 @@ fn with_listener_states(inner: &Inner, subs: Vec<NvmfSubsystemInfo>) -> Vec<Nvmf
                 }
                 .into(),
                 reason,
+                interrupts: None,
             };
             let mut listener_states = Vec::new();
             if let Some(r) = inner.state.nvmf.subsystems.get(&info.nqn) {
@@ -768,7 +786,15 @@ fn with_listener_states(inner: &Inner, subs: Vec<NvmfSubsystemInfo>) -> Vec<Nvmf
                         .live
                         .vfio_user_listeners_failed
                         .get(&(info.nqn.clone(), d.clone()));
-                    state(format!("vfio-user:{}", d.display()), reason.cloned())
+                    let interrupts = if r.vfio_user_msi.contains(d) {
+                        INTERRUPTS_MSI
+                    } else {
+                        INTERRUPTS_MSIX
+                    };
+                    NvmfListenerState {
+                        interrupts: Some(interrupts.into()),
+                        ..state(format!("vfio-user:{}", d.display()), reason.cloned())
+                    }
                 }));
                 listener_states.extend(r.rdma_listeners.iter().map(|l| {
                     let reason = inner.live.rdma_listeners_failed.get(&key(l));

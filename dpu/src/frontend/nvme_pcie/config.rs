@@ -3,7 +3,7 @@
 
 use std::ops::{Deref, DerefMut};
 
-use crate::frontend::vfio_user::config::{self as pci, Identity};
+use crate::frontend::vfio_user::config::{self as pci, Identity, Interrupts};
 
 /// Vendor and device ID: the pair libvfio-user's (and so SPDK's) emulated NVMe controller
 /// reports; Linux binds NVMe controllers by class code and knows no quirks for it.
@@ -24,10 +24,10 @@ const IDENTITY: Identity = Identity {
 pub struct ConfigSpace(pci::ConfigSpace);
 
 impl ConfigSpace {
-    pub fn new(vectors: u16, bar0_len: u64, msix_bar_len: u64) -> Self {
+    pub fn new(interrupts: Interrupts, bar0_len: u64, msix_bar_len: u64) -> Self {
         ConfigSpace(pci::ConfigSpace::new(
             IDENTITY,
-            vectors,
+            interrupts,
             bar0_len,
             msix_bar_len,
         ))
@@ -53,7 +53,7 @@ mod tests {
 
     #[test]
     fn an_nvm_express_identity() {
-        let c = ConfigSpace::new(33, 0x4000, 0x1000);
+        let c = ConfigSpace::new(Interrupts::Msix(33), 0x4000, 0x1000);
         let mut b = [0u8; 12];
         c.read(0, &mut b);
         assert_eq!(&b[0..4], &[0x58, 0x4e, 0x01, 0x00]);

@@ -24,6 +24,7 @@ use vm_memory::GuestMemoryMmap;
 
 use super::coalesce::Coalescing;
 use super::config::ConfigSpace;
+use super::function::{BAR0_LEN, MSIX_BAR_LEN};
 use super::prp;
 use super::queue::{self, Cq, Doorbells, Fatal, Pending, Sq, SQE_LEN};
 use super::sgl;
@@ -31,6 +32,7 @@ use crate::frontend::nvme::ctrl::{AdminReply, CtrlQueue, TargetController};
 use crate::frontend::nvme::io::{self, Arrived, Plan, Then};
 use crate::frontend::nvme::{limits, lock, Namespace, Subsystem, TargetInner};
 use crate::frontend::nvmf_tcp::PollPolicy;
+use crate::frontend::vfio_user::config::Interrupts;
 use crate::volume::{IoCompletion, IoKind, IoRequest, IoResult};
 
 /// BAR0 registers not in `registers` (§3.1.4).
@@ -40,8 +42,10 @@ const ACQ: u64 = 0x30;
 /// Bytes of the register file below the doorbells that mean anything.
 const REGS_LEN: usize = 0x40;
 
-/// MSI-X vectors the function offers (admin plus one per I/O queue a host typically asks for).
+/// MSI-X vectors a function offers (admin plus one per I/O queue a host typically asks for).
 pub const MSIX_VECTORS: u16 = 64;
+/// MSI vectors a function with MSI offers (the most MSI allows).
+pub const MSI_VECTORS: u16 = crate::frontend::vfio_user::config::MSI_MAX_VECTORS;
 /// Entries the poller takes from one queue per pass (so one busy queue cannot starve others).
 const FETCH_BATCH: usize = 64;
 
@@ -50,7 +54,11 @@ struct Regs {
     aqa: u32,
     asq: u64,
     acq: u64,
+    /// INTMS/INTMC (§3.1.4.3-4): vectors the host masked; they apply with MSI only (with
+    /// MSI-X the host masks in the table the client emulates).
     intms: u32,
+    /// MSI vectors that came due while masked: raised when the host unmasks them.
+    intm_pending: u32,
 }
 
 struct Queues {
@@ -182,6 +190,8 @@ pub struct PcieController {
     /// What the host sees as its identity in the core's logs.
     hostnqn: String,
     pub(super) config: Mutex<ConfigSpace>,
+    /// MSI-X or MSI, and the vectors offered.
+    pub(super) interrupts: Interrupts,
     regs: Mutex<Regs>,
     queues: Mutex<Queues>,
     /// Moves on every change of the queue table or of `ctrl` (after the change), so the
@@ -193,7 +203,7 @@ pub struct PcieController {
     pub(super) doorbells: Doorbells,
     /// The memory the client mapped for DMA; replaced whole on each map and unmap.
     pub(super) mem: Mutex<Arc<GuestMemoryMmap>>,
-    /// MSI-X vector → eventfd.
+    /// Vector (MSI-X or MSI) → eventfd.
     pub(super) irqs: Mutex<Vec<Option<File>>>,
     /// Interrupt coalescing settings and the vectors' unsignalled completions.
     coalescing: Mutex<Coalescing>,
@@ -250,20 +260,21 @@ impl PcieController {
         hostnqn: String,
         doorbell_page: *mut u8,
         backing: Arc<dyn std::any::Any + Send + Sync>,
-        bar0_len: u64,
-        msix_bar_len: u64,
+        interrupts: Interrupts,
     ) -> Arc<Self> {
         Arc::new(PcieController {
             target,
             subsys,
             hostnqn,
-            config: Mutex::new(ConfigSpace::new(MSIX_VECTORS, bar0_len, msix_bar_len)),
+            config: Mutex::new(ConfigSpace::new(interrupts, BAR0_LEN, MSIX_BAR_LEN)),
+            interrupts,
             regs: Mutex::new(Regs {
                 cc: 0,
                 aqa: 0,
                 asq: 0,
                 acq: 0,
                 intms: 0,
+                intm_pending: 0,
             }),
             queues: Mutex::new(Queues {
                 sqs: BTreeMap::new(),
@@ -275,7 +286,7 @@ impl PcieController {
             doorbells: unsafe { Doorbells::new(doorbell_page) },
             mem: Mutex::new(Arc::new(GuestMemoryMmap::new())),
             irqs: Mutex::new(Vec::new()),
-            coalescing: Mutex::new(Coalescing::new(MSIX_VECTORS)),
+            coalescing: Mutex::new(Coalescing::new(interrupts.vectors())),
             coalescing_timed: AtomicBool::new(false),
             generation: AtomicU64::new(0),
             epoch: Instant::now(),
@@ -338,7 +349,18 @@ impl PcieController {
         };
         match offset {
             o if o == registers::INTMS as u64 => lock(&self.regs).intms |= v as u32,
-            o if o == registers::INTMC as u64 => lock(&self.regs).intms &= !(v as u32),
+            o if o == registers::INTMC as u64 => {
+                let due = {
+                    let mut r = lock(&self.regs);
+                    r.intms &= !(v as u32);
+                    let due = r.intm_pending & !r.intms;
+                    r.intm_pending &= r.intms;
+                    due
+                };
+                (0..32u16)
+                    .filter(|b| due & 1 << b != 0)
+                    .for_each(|iv| self.interrupt(iv));
+            }
             o if o == registers::CC as u64 => self.write_cc(v as u32),
             AQA => lock(&self.regs).aqa = v as u32,
             ASQ => {
@@ -480,6 +502,7 @@ impl PcieController {
         let mut r = lock(&self.regs);
         r.cc = 0;
         r.intms = 0;
+        r.intm_pending = 0;
     }
 
     fn set_fatal(&self, why: Fatal) {
@@ -492,11 +515,26 @@ impl PcieController {
         }
     }
 
-    /// Raise MSI-X vector `iv` (if the function has MSI-X on and the client gave an eventfd).
+    /// Raise vector `iv`, if the function's interrupts are on and the client gave an eventfd.
+    /// With MSI, a vector the host masked (INTMS) is raised when it unmasks it, and with fewer
+    /// vectors enabled than the queues name, vector `iv` is raised as the enabled vector its
+    /// low bits name (the Message Data bits the function may change, PCI Local Bus 3.0
+    /// §6.8.1.6: Linux on x86 enables one MSI vector and gives every queue vector 0 then).
     fn interrupt(&self, iv: u16) {
-        if !lock(&self.config).msix_enabled() {
+        let Some(enabled) = lock(&self.config).vectors_enabled() else {
             return;
-        }
+        };
+        let iv = if let Interrupts::Msi(_) = self.interrupts {
+            let iv = iv & (enabled - 1);
+            let mut r = lock(&self.regs);
+            if r.intms & 1 << iv != 0 {
+                r.intm_pending |= 1 << iv;
+                return;
+            }
+            iv
+        } else {
+            iv
+        };
         if let Some(Some(f)) = lock(&self.irqs).get(iv as usize) {
             let _ = (&*f).write_all(&1u64.to_ne_bytes());
         }
@@ -773,7 +811,7 @@ impl PcieController {
             };
         }
         let g = GetFeatures::from_command(c);
-        let reset = Coalescing::new(MSIX_VECTORS);
+        let reset = Coalescing::new(self.interrupts.vectors());
         let from = match g.select {
             Select::Current => &*co,
             Select::Default | Select::Saved => &reset,
@@ -833,7 +871,7 @@ impl PcieController {
         if !contiguous {
             return Status::INVALID_FIELD;
         }
-        if iv >= MSIX_VECTORS {
+        if iv >= self.interrupts.vectors() {
             return INVALID_INTERRUPT_VECTOR;
         }
         if base % prp::PAGE != 0 {

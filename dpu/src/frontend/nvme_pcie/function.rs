@@ -1,6 +1,6 @@
 //! The controller as a vfio-user PCI function ([`Function`]): its regions (BAR0 with the
-//! doorbell page mmappable, the MSI-X BARs the client emulates, the configuration space) and
-//! where their accesses go.
+//! doorbell page mmappable, the MSI-X BARs the client emulates when the function has MSI-X,
+//! the configuration space) and where their accesses go.
 
 use std::fs::File;
 use std::os::unix::net::UnixStream;
@@ -10,9 +10,10 @@ use std::sync::{Arc, Mutex};
 use vfio_bindings::bindings::vfio::*;
 use vm_memory::GuestMemoryMmap;
 
-use super::ctrl::{PcieController, MSIX_VECTORS};
+use super::ctrl::PcieController;
 use super::queue::DOORBELLS;
 use crate::frontend::nvme::lock;
+use crate::frontend::vfio_user::config::Interrupts;
 use crate::frontend::vfio_user::{
     Function, Region, SharedRegion, REGION_BAR0, REGION_BAR4, REGION_BAR5, REGION_CONFIG,
 };
@@ -33,8 +34,9 @@ pub fn doorbell_page(bar0: &SharedRegion) -> *mut u8 {
         .expect("the doorbell page lies inside BAR0")
 }
 
-/// The regions of the function: BAR0 (doorbell page mmappable), BAR4/5 (MSI-X), config.
-pub fn regions(bar0: &SharedRegion) -> Vec<Region> {
+/// The regions of the function: BAR0 (doorbell page mmappable), BAR4/5 (MSI-X only),
+/// config.
+pub fn regions(bar0: &SharedRegion, interrupts: Interrupts) -> Vec<Region> {
     let rw = VFIO_REGION_INFO_FLAG_READ | VFIO_REGION_INFO_FLAG_WRITE;
     let plain = |flags, size| Region {
         flags,
@@ -50,7 +52,9 @@ pub fn regions(bar0: &SharedRegion) -> Vec<Region> {
                 sparse: vec![(DOORBELLS, 0x1000)],
                 fd: Some(bar0.raw_fd()),
             },
-            REGION_BAR4 | REGION_BAR5 => plain(rw, MSIX_BAR_LEN),
+            REGION_BAR4 | REGION_BAR5 if matches!(interrupts, Interrupts::Msix(_)) => {
+                plain(rw, MSIX_BAR_LEN)
+            }
             REGION_CONFIG => plain(rw, crate::frontend::vfio_user::config::CONFIG_LEN as u64),
             _ => plain(0, 0),
         })
@@ -84,8 +88,8 @@ impl Function for PcieController {
         self.changed();
     }
 
-    fn msix_vectors(&self) -> u16 {
-        MSIX_VECTORS
+    fn interrupts(&self) -> Interrupts {
+        self.interrupts
     }
 
     fn dma(&self) -> &Mutex<Arc<GuestMemoryMmap>> {

@@ -62,6 +62,7 @@ use tracing::info;
 
 use crate::frontend::nvme::{lock, NvmfError, TargetInner};
 use crate::frontend::nvmf_tcp::{NvmfTarget, PollPolicy};
+use crate::frontend::vfio_user::config::Interrupts;
 use crate::frontend::vfio_user::server;
 use ctrl::PcieController;
 pub use ctrl::PollStats;
@@ -70,6 +71,29 @@ pub use server::FUZZ_MAX_STREAM;
 
 /// The socket's name in the listener directory (SPDK's and libvfio-user's).
 pub const SOCKET_NAME: &str = "cntrl";
+
+/// How a controller's function signals its host: the operator's choice per listener.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Signals {
+    /// MSI-X, a vector per queue ([`ctrl::MSIX_VECTORS`]): what every NVMe driver asks for
+    /// first, and what SPDK's and a BlueField's functions have.
+    #[default]
+    Msix,
+    /// MSI, up to [`ctrl::MSI_VECTORS`] vectors (Linux on x86 enables one without interrupt
+    /// remapping, so every queue shares it). For a client that must be able to remove the
+    /// function: QEMU 11.1.3's `device_del` of a `vfio-user-pci` function with MSI-X aborts
+    /// QEMU, one without MSI-X it removes (docs/nvme-pcie.md).
+    Msi,
+}
+
+impl Signals {
+    fn config(self) -> Interrupts {
+        match self {
+            Signals::Msix => Interrupts::Msix(ctrl::MSIX_VECTORS),
+            Signals::Msi => Interrupts::Msi(ctrl::MSI_VECTORS),
+        }
+    }
+}
 
 #[derive(Debug, Error)]
 pub enum PcieError {
@@ -110,9 +134,14 @@ impl VfioUserPorts {
         })
     }
 
-    /// Serve subsystem `nqn` as a PCIe NVMe controller on `dir/cntrl` (`dir` must exist).
-    /// Returns the socket's path.
-    pub fn add_listener(&self, nqn: &str, dir: &Path) -> Result<PathBuf, PcieError> {
+    /// Serve subsystem `nqn` as a PCIe NVMe controller on `dir/cntrl` (`dir` must exist),
+    /// signalling its host with `interrupts` ([`Signals`]). Returns the socket's path.
+    pub fn add_listener(
+        &self,
+        nqn: &str,
+        dir: &Path,
+        interrupts: Signals,
+    ) -> Result<PathBuf, PcieError> {
         let listen_err = |reason: String| PcieError::Listen {
             path: dir.to_path_buf(),
             reason,
@@ -142,11 +171,10 @@ impl VfioUserPorts {
                 format!("nqn.2024-01.io.nacre:pcie:{}", dir.display()),
                 function::doorbell_page(&bar0),
                 bar0.clone(),
-                function::BAR0_LEN,
-                function::MSIX_BAR_LEN,
+                interrupts.config(),
             )
         };
-        let regions = function::regions(&bar0);
+        let regions = function::regions(&bar0, interrupts.config());
         let d = dev.clone();
         let server_thread = std::thread::Builder::new()
             .name("nvme-pcie-vfu".into())
@@ -283,11 +311,10 @@ pub fn fuzz_session(
             "nqn.2024-01.io.nacre:pcie:fuzz".into(),
             function::doorbell_page(&bar0),
             bar0.clone(),
-            function::BAR0_LEN,
-            function::MSIX_BAR_LEN,
+            Signals::Msix.config(),
         )
     };
-    let regions = function::regions(&bar0);
+    let regions = function::regions(&bar0, Signals::Msix.config());
     let len = memory.len().div_ceil(4096).max(1) * 4096;
     // SAFETY: memfd_create with a NUL-terminated name; the result is checked.
     let raw = unsafe { libc::memfd_create(c"nacre-fuzz-guest".as_ptr(), libc::MFD_CLOEXEC) };

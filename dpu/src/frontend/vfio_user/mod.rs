@@ -4,17 +4,17 @@
 //! ```text
 //!   client (QEMU vfio-user-pci / SPDK) ── DIR/cntrl ── server: vfio-user messages
 //!        │ guest memory by fd (DMA map)                 │ version, region info, DMA map,
-//!        │ mmappable parts of a BAR by fd               │ IRQs (MSI-X eventfds), reset
+//!        │ mmappable parts of a BAR by fd               │ IRQs (MSI-X or MSI eventfds), reset
 //!        │                                              ▼
 //!        └── region reads and writes ──────────► Function (a trait): its BARs, its config
 //!                                                space, its reset; one per device model
 //!                                                  ├── nvme_pcie: an NVMe controller
 //!                                                  └── virtio_pcie: a virtio-blk device
-//!   config: a PCI type 0 configuration space (PM, MSI-X, PCIe capabilities, and whatever
+//!   config: a PCI type 0 configuration space (PM, MSI-X or MSI, PCIe capabilities, and whatever
 //!           a function adds, such as virtio's vendor-specific capabilities)
 //! ```
 //!
-//! A function holds what the client gives it (the DMA-mapped memory, the MSI-X eventfds,
+//! A function holds what the client gives it (the DMA-mapped memory, the interrupt eventfds,
 //! the connected socket) in fields the server reaches through [`Function`]; the server
 //! answers the messages, checks every access against the regions' sizes, and clears what a
 //! client gave when it goes away.
@@ -49,13 +49,14 @@ pub trait Function: Send + Sync + 'static {
     fn config_read(&self, offset: u64, data: &mut [u8]);
     /// A write to the configuration space.
     fn config_write(&self, offset: u64, data: &[u8]);
-    /// MSI-X vectors the function has (at most [`server::MAX_FDS`]).
-    fn msix_vectors(&self) -> u16;
+    /// How the function signals its host: MSI-X or MSI, and how many vectors (at most
+    /// [`server::MAX_FDS`]).
+    fn interrupts(&self) -> config::Interrupts;
     /// The memory the client mapped for DMA; replaced whole on each map and unmap.
     fn dma(&self) -> &Mutex<Arc<GuestMemoryMmap>>;
     /// [`Function::dma`] was replaced (for a function that keeps a copy of it).
     fn dma_changed(&self) {}
-    /// MSI-X vector → the client's eventfd.
+    /// Vector (MSI-X or MSI) → the client's eventfd.
     fn irqs(&self) -> &Mutex<Vec<Option<File>>>;
     /// A second handle on the connected client's socket (stopping shuts it down).
     fn client(&self) -> &Mutex<Option<UnixStream>>;

@@ -1,7 +1,7 @@
 //! The vfio-user server (vfio-user protocol 0.1: the messages QEMU's `vfio-user-pci` and
 //! SPDK's NVMe driver send) for one emulated PCI function ([`Function`]): the regions the
 //! client sees (each function's BARs, parts of them mmappable, and its configuration space),
-//! the client's DMA maps as [`GuestMemoryMmap`] regions, its MSI-X eventfds, and the device
+//! the client's DMA maps as [`GuestMemoryMmap`] regions, its MSI-X or MSI eventfds, and the device
 //! reset.
 //!
 //! Written here rather than with rust-vmm's `vfio_user` server (0.1.7): that server fails
@@ -26,8 +26,8 @@ use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 use super::{Function, REGION_CONFIG};
 use crate::frontend::nvme::lock;
 
-/// vfio-user's PCI interrupt indexes.
-const IRQ_MSIX: u32 = 2;
+/// vfio-user's PCI interrupt indexes (`VFIO_PCI_*_IRQ_INDEX`).
+const IRQ_INTX: u32 = 0;
 const IRQ_ERR: u32 = 3;
 
 /// The largest message accepted: a region write of one page plus headers is the largest a
@@ -260,10 +260,12 @@ impl<F: Function> Conn<'_, F> {
                     return Err(libc::EINVAL);
                 }
                 // INTx and the error interrupt: one each (offered so that a client's error
-                // recovery setup succeeds; nacre never raises either).
+                // recovery setup succeeds; nacre never raises either); the function's own kind
+                // (MSI-X or MSI) its vectors; the other kind none.
+                let irqs = self.dev.interrupts();
                 let count = match index {
-                    0 | IRQ_ERR => 1,
-                    IRQ_MSIX => u32::from(self.dev.msix_vectors()),
+                    IRQ_INTX | IRQ_ERR => 1,
+                    i if i == irqs.irq_index() => u32::from(irqs.vectors()),
                     _ => 0,
                 };
                 let mut r = p[..16].to_vec();
@@ -369,15 +371,16 @@ impl<F: Function> Conn<'_, F> {
         count: u32,
         fds: Vec<File>,
     ) -> Result<(), i32> {
-        if index != IRQ_MSIX {
+        let kind = self.dev.interrupts();
+        if index != kind.irq_index() {
             return Ok(());
         }
         let end = start
             .checked_add(count)
-            .filter(|&e| e <= u32::from(self.dev.msix_vectors()))
+            .filter(|&e| e <= u32::from(kind.vectors()))
             .ok_or(libc::EINVAL)?;
         let mut irqs = lock(self.dev.irqs());
-        irqs.resize_with(usize::from(self.dev.msix_vectors()), || None);
+        irqs.resize_with(usize::from(kind.vectors()), || None);
         if flags & VFIO_IRQ_SET_DATA_EVENTFD != 0 {
             let mut fds = fds.into_iter();
             for v in start..end {

@@ -22,7 +22,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use super::transport::{self, bar0, status, Effect, QueueConfig, Transport, NO_VECTOR};
 use crate::frontend::nvme::lock;
-use crate::frontend::vfio_user::config::{ConfigSpace, Identity};
+use crate::frontend::vfio_user::config::{ConfigSpace, Identity, Interrupts};
 use crate::frontend::vfio_user::{
     self, Function, Region, REGION_BAR0, REGION_BAR4, REGION_BAR5, REGION_CONFIG,
 };
@@ -103,7 +103,8 @@ impl VirtioBlkFunction {
         queue_size: u16,
     ) -> std::io::Result<Arc<Self>> {
         let vectors = num_queues + 1;
-        let mut config = ConfigSpace::new(IDENTITY, vectors, bar0::LEN, MSIX_BAR_LEN);
+        let mut config =
+            ConfigSpace::new(IDENTITY, Interrupts::Msix(vectors), bar0::LEN, MSIX_BAR_LEN);
         config
             .add_vendor_caps(&transport::capabilities())
             .ok_or_else(|| std::io::Error::other("virtio capabilities do not fit"))?;
@@ -338,8 +339,10 @@ impl Function for VirtioBlkFunction {
         lock(&self.config).write(offset, data)
     }
 
-    fn msix_vectors(&self) -> u16 {
-        self.num_queues + 1
+    fn interrupts(&self) -> Interrupts {
+        // virtio over PCI signals through MSI-X or INTx (virtio 1.2 §4.1.4.5); nacre's
+        // function offers MSI-X, a vector per queue and one for configuration changes.
+        Interrupts::Msix(self.num_queues + 1)
     }
 
     fn dma(&self) -> &Mutex<Arc<GuestMemoryMmap>> {
