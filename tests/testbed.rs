@@ -953,7 +953,10 @@ fn nvme_tcp_against_nacred() {
 /// once nacred is started again. The operator's recovery, a function plugged in with QMP
 /// `device_add` (to nacred's same socket, in a free PCIe root port), gives the guest its disk
 /// back, and every block it had acknowledged reads back intact there and is in the volume's
-/// file.
+/// file. Then a second controller whose function has MSI instead of MSI-X (`interrupts`
+/// msi, replayed by the restarted nacred) is plugged in, written and read, removed with QMP
+/// `device_del` while QEMU runs on (with MSI-X QEMU 11.1.3 aborts there), and plugged in again
+/// with its data intact.
 #[test]
 fn nvme_pcie_over_vfio_user_in_a_guest() {
     use serde_json::json;

@@ -340,8 +340,8 @@ impl Function for VirtioBlkFunction {
     }
 
     fn interrupts(&self) -> Interrupts {
-        // virtio over PCI signals through MSI-X or INTx (virtio 1.2 §4.1.4.5); nacre's
-        // function offers MSI-X, a vector per queue and one for configuration changes.
+        // virtio over PCI signals through MSI-X or INTx, not MSI; nacre's function offers
+        // MSI-X, a vector per queue and one for configuration changes.
         Interrupts::Msix(self.num_queues + 1)
     }
 
