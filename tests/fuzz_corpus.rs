@@ -123,11 +123,18 @@ fn corpus_replays_vfio_user() {
 /// seed `well-formed-identify` (a driver's start: bus mastering, the admin queue registers,
 /// CC.EN, an Identify Controller on the admin queue, its doorbell) leaves a successful
 /// completion in the admin completion queue (guest address 0x2000) and the controller's
-/// identify data, model "nacre", at 0x4000.
+/// identify data, model "nacre", at 0x4000; `well-formed-identify-msi` (the same with byte
+/// 0's top bit set) does the same on a function with MSI.
 #[test]
 fn vfio_user_harness_runs_an_identify() {
+    for seed in ["well-formed-identify", "well-formed-identify-msi"] {
+        harness_runs_an_identify(seed);
+    }
+}
+
+fn harness_runs_an_identify(seed: &str) {
     let _turn = serial();
-    let seed = fuzz_dir().join("corpus/vfio_user/well-formed-identify");
+    let seed = fuzz_dir().join("corpus/vfio_user").join(seed);
     let input = std::fs::read(&seed).unwrap_or_else(|e| panic!("{}: {e}", seed.display()));
     let mem = nacre_dpu::fuzzing::vfio_user_session(&input);
     assert!(mem.len() >= 0x5000, "guest memory of {} bytes", mem.len());

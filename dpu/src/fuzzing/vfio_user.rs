@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use crate::frontend::nvme_pcie::{fuzz_session, FUZZ_MAX_STREAM};
+use crate::frontend::nvme_pcie::{fuzz_session, Signals, FUZZ_MAX_STREAM};
 use crate::frontend::nvmf_tcp::NvmfTarget;
 use crate::volume::ram::RamVolume;
 
@@ -35,7 +35,8 @@ fn target() -> &'static Arc<NvmfTarget> {
 }
 
 /// One vfio-user session. Input: byte 0 is the number of 4 KiB pages of guest memory less
-/// one (modulo [`PCIE_MAX_PAGES`]); bytes 1..3 a little-endian length L; the next L bytes
+/// one (modulo [`PCIE_MAX_PAGES`]), its top bit set for a function with MSI instead of MSI-X
+/// (so the fuzzer reaches both kinds' configuration space and interrupt paths); bytes 1..3 a little-endian length L; the next L bytes
 /// (at most the memory's size) the start of guest memory, the rest zero; what follows is the
 /// client's byte stream (vfio-user messages, 16-byte headers and all). The memory is mapped
 /// at guest address 0 before the first message; the controller polls its queues after each
@@ -50,6 +51,11 @@ pub fn vfio_user_session(data: &[u8]) -> Vec<u8> {
     let Some((&pages, rest)) = data.split_first() else {
         return Vec::new();
     };
+    let signals = if pages & 0x80 != 0 {
+        Signals::Msi
+    } else {
+        Signals::Msix
+    };
     let pages = pages as usize % PCIE_MAX_PAGES + 1;
     let (len, rest) = match rest {
         [a, b, rest @ ..] => (u16::from_le_bytes([*a, *b]) as usize, rest),
@@ -60,7 +66,8 @@ pub fn vfio_user_session(data: &[u8]) -> Vec<u8> {
     let mut memory = vec![0u8; pages * 4096];
     memory[..image.len()].copy_from_slice(image);
     let stream = &stream[..stream.len().min(FUZZ_MAX_STREAM)];
-    let after = fuzz_session(target(), PCIE_NQN, &memory, stream).expect("fuzz session setup");
+    let after =
+        fuzz_session(target(), PCIE_NQN, &memory, stream, signals).expect("fuzz session setup");
     assert_eq!(after.len(), memory.len(), "guest memory changed size");
     after
 }

@@ -288,14 +288,15 @@ fn remove_stale_socket(path: &Path) -> Result<(), String> {
 /// DMA-mapped at guest address 0 from a memfd of its size (whole pages), and `messages` the
 /// bytes the client sends on the socket. The controller serves them as it serves a real
 /// client (the same message checks, register and doorbell handling, queues, PRP and SGL
-/// walks and I/O), polling its queues after each message. Returns the guest memory as the session
-/// left it.
+/// walks and I/O), polling its queues after each message; its function signals with `signals`.
+/// Returns the guest memory as the session left it.
 #[cfg(feature = "fuzzing")]
 pub fn fuzz_session(
     target: &NvmfTarget,
     nqn: &str,
     memory: &[u8],
     messages: &[u8],
+    signals: Signals,
 ) -> std::io::Result<Vec<u8>> {
     use std::io::{Read, Seek, Write};
     let subsys = target
@@ -311,10 +312,10 @@ pub fn fuzz_session(
             "nqn.2024-01.io.nacre:pcie:fuzz".into(),
             function::doorbell_page(&bar0),
             bar0.clone(),
-            Signals::Msix.config(),
+            signals.config(),
         )
     };
-    let regions = function::regions(&bar0, Signals::Msix.config());
+    let regions = function::regions(&bar0, signals.config());
     let len = memory.len().div_ceil(4096).max(1) * 4096;
     // SAFETY: memfd_create with a NUL-terminated name; the result is checked.
     let raw = unsafe { libc::memfd_create(c"nacre-fuzz-guest".as_ptr(), libc::MFD_CLOEXEC) };
