@@ -956,7 +956,9 @@ fn nvme_tcp_against_nacred() {
 /// file. Then a second controller whose function has MSI instead of MSI-X (`interrupts`
 /// msi, replayed by the restarted nacred) is plugged in, written and read, removed with QMP
 /// `device_del` while QEMU runs on (with MSI-X QEMU 11.1.3 aborts there), and plugged in again
-/// with its data intact.
+/// with its data intact; then nacred is stopped in order under it, and after the operator's
+/// recovery (`device_del`, nacred started, `device_add`) what the guest flushed before the
+/// stop reads back.
 #[test]
 fn nvme_pcie_over_vfio_user_in_a_guest() {
     use serde_json::json;
@@ -1158,6 +1160,31 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
                             });
                             g.signal("msi-replug").unwrap();
                         }
+                        // nacred stopped (SIGTERM) while the guest has the function; the
+                        // operator's whole recovery: device_del of the dead function, nacred
+                        // started again, device_add into the same port.
+                        if g.wait_for("TB-WAIT stop", Duration::from_secs(120)).is_ok() {
+                            assert!(d.stop(), "nacred's orderly stop failed");
+                            g.signal("stop").unwrap();
+                            if g.wait_for("TB-WAIT recover", Duration::from_secs(120))
+                                .is_ok()
+                            {
+                                qmp.device_del("nvme-msi", Duration::from_secs(60))
+                                    .unwrap_or_else(|e| {
+                                        panic!("device_del after nacred's stop: {e:#}")
+                                    });
+                                d.spawn_again();
+                                let sock = msi_dir.path().join("cntrl");
+                                let t = std::time::Instant::now();
+                                while !sock.exists() && t.elapsed() < Duration::from_secs(30) {
+                                    std::thread::sleep(Duration::from_millis(100));
+                                }
+                                qmp.device_add(msi_device.clone()).unwrap_or_else(|e| {
+                                    panic!("device_add after nacred's start: {e:#}")
+                                });
+                                g.signal("recover").unwrap();
+                            }
+                        }
                     }
                 }
             }
@@ -1231,6 +1258,13 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
     assert_eq!(out.fact("msi_verified"), "4MiB");
     assert_eq!(out.fact("unplugged"), "yes");
     assert_eq!(out.fact("msi_replug_verified"), "yes");
+    // nacred stopped in order (SIGTERM: it flushes every volume, then its sockets close): the
+    // guest's next I/O fails and its driver removes the controller, as when nacred is killed;
+    // after device_del, nacred's start and device_add the 4 MiB the guest had flushed before
+    // the stop read back.
+    assert_eq!(out.fact("stopped_io"), "error");
+    assert_eq!(out.fact("stopped_disk"), "gone");
+    assert_eq!(out.fact("stopped_recovered"), "yes");
     let image = std::fs::read(d.state_dir.join("volumes/pv.img")).unwrap();
     for i in 0..acked {
         let at = (64 * MIB + 4096 * i) as usize;

@@ -15,7 +15,10 @@
 # the guest reads every acknowledged block back through it).
 # unplug (a serial, with replug=1: then the host plugs in a function with MSI of the controller
 # with that serial (msi-plug), the guest writes 4 MiB to it, the host removes it (unplug, QMP
-# device_del) and plugs it in again (msi-replug), and the guest reads the 4 MiB back).
+# device_del) and plugs it in again (msi-replug), and the guest reads the 4 MiB back; then
+# another 4 MiB written and flushed, the host stops nacred (stop: SIGTERM), the guest's I/O
+# meets the stopped controller, and the host's recovery (recover: device_del of the dead
+# function, nacred started again, device_add) gives the disk back with those 4 MiB).
 # vblk_bytes (not 0: a virtio-blk PCI function of that size is on the bus too; see below).
 # Facts: pci (vendor:device class of the NVMe function), model, serial, transport, bytes, queues, bound_s
 # (seconds from modprobe to /dev/nvme0n1), verified, reset_verified, rebind_verified, hot_added
@@ -27,7 +30,9 @@
 # replugged_functions (NVMe functions on the bus then),
 # replugged_acked (acknowledged blocks read back intact through the new function),
 # msi_irqs (the MSI function's interrupt modes, as sysfs names them), msi_queues, msi_verified,
-# unplugged (yes: the function and its disk left the guest), msi_replug_verified.
+# unplugged (yes: the function and its disk left the guest), msi_replug_verified, stopped_io
+# (ok/error: a read once nacred was stopped), stopped_disk (the disk then, or gone),
+# stopped_recovered (yes: the 4 MiB flushed before the stop read back after the recovery).
 mib=$(param mib 64)
 step "PCI functions"
 # nvme_fn: the sysfs directory of the NVM Express function (class 010802), if there is one
@@ -286,6 +291,25 @@ if [ "$(param failure 0)" = 1 ]; then
         dd if="/dev/${mc}n1" of=/tmp/backm bs=1M count=4 iflag=direct 2>/dev/null || fail "read after the function came back"
         cmp /tmp/patm /tmp/backm || fail "the 4 MiB differ after the function was removed and plugged in again"
         fact msi_replug_verified yes
+        step "nacred stopped (SIGTERM) while the guest has the function with MSI"
+        dd if=/dev/urandom of=/tmp/pats bs=1M count=4 2>/dev/null
+        dd if=/tmp/pats of="/dev/${mc}n1" bs=1M count=4 seek=4 oflag=direct conv=fsync 2>/dev/null ||
+            fail "write and flush before the stop"
+        wait_host stop 120
+        if timeout 60 dd if="/dev/${mc}n1" of=/dev/null bs=4k count=1 skip=2048 iflag=direct 2>/dev/null; then
+            fact stopped_io ok
+        else
+            fact stopped_io error
+        fi
+        wait_until 30 sh -c "! test -b /dev/${mc}n1" || true
+        fact stopped_disk "$(test -b "/dev/${mc}n1" && echo "${mc}n1" || echo gone)"
+        step "the host's recovery: device_del, nacred started again, device_add"
+        wait_host recover 120
+        wait_until 30 msi_disk "$userial" || fail "no disk of the function with MSI after the recovery"
+        mc=$(ctrl_of "$userial")
+        dd if="/dev/${mc}n1" of=/tmp/backs bs=1M count=4 skip=4 iflag=direct 2>/dev/null || fail "read after the recovery"
+        cmp /tmp/pats /tmp/backs || fail "the 4 MiB flushed before nacred's stop differ after the recovery"
+        fact stopped_recovered yes
     fi
     exit 0
 fi
