@@ -714,6 +714,9 @@ impl PcieController {
                 *pass_started = crate::telemetry::clock::now_ns();
                 lock(&self.coalescing).begin_pass();
             }
+            if entries.len() >= queue::PREFETCH_FROM && pair.sq.qid != 0 {
+                pair.cq.prefetch(mem, entries.len());
+            }
             for (sqhd, raw) in entries.drain(..) {
                 work = true;
                 let cmd = Command::decode(&raw);

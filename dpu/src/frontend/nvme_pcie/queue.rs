@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use nacre_shared::nvme::Status;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 
 /// Bytes of a submission queue entry (CC.IOSQES = 6) and a completion queue entry
 /// (CC.IOCQES = 4).
@@ -31,6 +31,11 @@ pub const CQE_LEN: u64 = 16;
 pub const DOORBELLS: u64 = 0x1000;
 /// Doorbell registers in the page: SQyTDBL at 2y, CQyHDBL at 2y + 1 (DSTRD = 0).
 pub const DOORBELL_SLOTS: usize = 1024;
+/// Entries from which the queues' cache lines are asked for ahead ([`Cq::prefetch`], and the
+/// submission entries in [`fetch`]): with fewer, all lie in the line the host polls or are
+/// read at once anyway, and asking costs a queue lookup per pass (measured at queue depth 1:
+/// 20 ns more per pass).
+pub const PREFETCH_FROM: usize = 4;
 
 /// The doorbell page: a view of shared memory the client writes at any time; and the host's
 /// shadow doorbell and EventIdx buffers once it has configured them (0: none).
@@ -231,6 +236,25 @@ impl Cq {
         }
     }
 
+    /// `n` completions are coming (the commands of a poller pass): ask the CPU to own the
+    /// cache lines of the next `n` entries for writing now, so the line transfers (the host
+    /// read those lines when it last consumed them) overlap the commands' work instead of
+    /// stalling each completion's store. A hint only: nothing is written here.
+    pub fn prefetch(&self, mem: &GuestMemoryMmap, n: usize) {
+        let tail = crate::frontend::nvme::lock(&self.state).tail as u64;
+        let size = self.size as u64;
+        let Some(ring) = ring_ptr(mem, self.base, size * CQE_LEN) else {
+            return;
+        };
+        let lines_per_entry = 64 / CQE_LEN;
+        let mut i = 0;
+        while i < (n as u64).min(size) {
+            let at = (tail + i) % size * CQE_LEN;
+            prefetch_write(ring.wrapping_add(at as usize));
+            i += lines_per_entry - (tail + i) % lines_per_entry;
+        }
+    }
+
     /// Post `c` (or keep it until the host frees an entry). Returns whether anything was
     /// posted (the caller then raises the interrupt).
     pub fn post(&self, mem: &GuestMemoryMmap, db: &Doorbells, c: Pending) -> Result<bool, Fatal> {
@@ -340,6 +364,19 @@ pub fn fetch(
     if *head as u32 == tail {
         return Ok(());
     }
+    // Each entry is a cache line the host just wrote: ask for all of them at once, so their
+    // transfers overlap rather than follow one another through the copies below.
+    // (Not for a few: the copy below asks for those as soon.)
+    let n = (tail + sq.size as u32 - *head as u32) % sq.size as u32;
+    if let Some(ring) = (n as usize >= PREFETCH_FROM)
+        .then(|| ring_ptr(mem, sq.base, sq.size as u64 * SQE_LEN))
+        .flatten()
+    {
+        for i in 0..n.min(max as u32) {
+            let at = (*head as u64 + i as u64) % sq.size as u64 * SQE_LEN;
+            prefetch_read(ring.wrapping_add(at as usize));
+        }
+    }
     while *head as u32 != tail && out.len() < max {
         let mut e = [0u8; SQE_LEN as usize];
         let at = sq.base + *head as u64 * SQE_LEN;
@@ -351,6 +388,49 @@ pub fn fetch(
     }
     db.consumed(2 * sq.qid as usize, *head as u32, mem);
     Ok(())
+}
+
+/// The host address of a queue of `len` bytes at `base`, if it lies whole in one mapped
+/// region (only for prefetch hints: reads and writes go through `vm-memory`'s checks).
+fn ring_ptr(mem: &GuestMemoryMmap, base: u64, len: u64) -> Option<*const u8> {
+    let s = mem.get_slice(GuestAddress(base), len as usize).ok()?;
+    Some(s.ptr_guard().as_ptr())
+}
+
+/// A hint that the line at `p` is about to be written (x86 PREFETCHW, Arm PRFM PSTL1KEEP).
+#[inline(always)]
+fn prefetch_write(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch never faults and changes no memory, whatever the address.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0};
+        _mm_prefetch::<_MM_HINT_ET0>(p as *const i8)
+    }
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: as above.
+    unsafe {
+        std::arch::asm!("prfm pstl1keep, [{0}]", in(reg) p, options(nostack, readonly, preserves_flags))
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    let _ = p;
+}
+
+/// A hint that the line at `p` is about to be read.
+#[inline(always)]
+fn prefetch_read(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch never faults and changes no memory, whatever the address.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>(p as *const i8)
+    }
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: as above.
+    unsafe {
+        std::arch::asm!("prfm pldl1keep, [{0}]", in(reg) p, options(nostack, readonly, preserves_flags))
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    let _ = p;
 }
 
 #[cfg(test)]
