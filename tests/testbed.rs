@@ -1038,7 +1038,7 @@ fn nvme_pcie_over_vfio_user_in_a_guest() {
         .param("hotplug", 1)
         .param("reboot", 1)
         .param("replug", 1)
-        .param("unplug", msi_serial)
+        .param("unplug", msi_nqn)
         .param("failure", 1)
         .param("vblk_bytes", 32 * MIB)
         .smp(4)

@@ -13,8 +13,8 @@
 # it again (restarted); what the guest's I/O does each time; the scenario ends there),
 # replug (1, with failure=1: then the host plugs a new function in (replug, QMP device_add) and
 # the guest reads every acknowledged block back through it).
-# unplug (a serial, with replug=1: then the host plugs in a function with MSI of the controller
-# with that serial (msi-plug), the guest writes 4 MiB to it, the host removes it (unplug, QMP
+# unplug (a subsystem NQN, with replug=1: then the host plugs in a function with MSI of that
+# subsystem (msi-plug), the guest writes 4 MiB to it, the host removes it (unplug, QMP
 # device_del) and plugs it in again (msi-replug), and the guest reads the 4 MiB back; then
 # another 4 MiB written and flushed, the host stops nacred (stop: SIGTERM), the guest's I/O
 # meets the stopped controller, and the host's recovery (recover: device_del of the dead
@@ -254,22 +254,14 @@ if [ "$(param failure 0)" = 1 ]; then
         done
         fact replugged_acked "$acked"
     fi
-    userial=$(param unplug "")
-    if [ -n "$userial" ]; then
-        # ctrl_of SERIAL: the controller (nvmeN) with that serial
-        ctrl_of() {
-            local c
-            for c in /sys/class/nvme/nvme*; do
-                [ "$(sed 's/ *$//' "$c/serial" 2>/dev/null)" = "$1" ] && { echo "${c##*/}"; return 0; }
-            done
-            return 1
-        }
-        msi_disk() { local c; c=$(ctrl_of "$1") && test -b "/dev/${c}n1"; }
+    unqn=$(param unplug "")
+    if [ -n "$unqn" ]; then
+        msi_disk() { local c; c=$(nvme_ctrl_for "$1") && test -b "/dev/${c}n1"; }
         step "the host plugs in a function with MSI (QMP device_add)"
         wait_host msi-plug 120
-        wait_until 30 msi_disk "$userial" ||
-            fail "no disk of the function with MSI ($userial) after the host plugged it in"
-        mc=$(ctrl_of "$userial")
+        wait_until 30 msi_disk "$unqn" ||
+            fail "no disk of the function with MSI ($unqn) after the host plugged it in"
+        mc=$(nvme_ctrl_for "$unqn")
         mfn=$(readlink -f "/sys/class/nvme/$mc/device")
         fact msi_irqs "$(cat "$mfn"/msi_irqs/* | sort -u | tr '\n' ' ' | sed 's/ $//')"
         fact msi_queues "$(ls "/sys/block/${mc}n1/mq" | wc -l)"
@@ -281,13 +273,13 @@ if [ "$(param failure 0)" = 1 ]; then
         step "the host removes it (QMP device_del)"
         wait_host unplug 120
         wait_until 30 sh -c "! test -e $mfn" || fail "the function is still on the bus after device_del"
-        ! ctrl_of "$userial" >/dev/null || fail "the controller is still there after device_del"
+        ! nvme_ctrl_for "$unqn" >/dev/null || fail "the controller is still there after device_del"
         fact unplugged yes
         step "the host plugs it in again"
         wait_host msi-replug 120
-        wait_until 30 msi_disk "$userial" ||
+        wait_until 30 msi_disk "$unqn" ||
             fail "no disk of the function with MSI after it was plugged in again"
-        mc=$(ctrl_of "$userial")
+        mc=$(nvme_ctrl_for "$unqn")
         dd if="/dev/${mc}n1" of=/tmp/backm bs=1M count=4 iflag=direct 2>/dev/null || fail "read after the function came back"
         cmp /tmp/patm /tmp/backm || fail "the 4 MiB differ after the function was removed and plugged in again"
         fact msi_replug_verified yes
@@ -305,8 +297,8 @@ if [ "$(param failure 0)" = 1 ]; then
         fact stopped_disk "$(test -b "/dev/${mc}n1" && echo "${mc}n1" || echo gone)"
         step "the host's recovery: device_del, nacred started again, device_add"
         wait_host recover 120
-        wait_until 30 msi_disk "$userial" || fail "no disk of the function with MSI after the recovery"
-        mc=$(ctrl_of "$userial")
+        wait_until 30 msi_disk "$unqn" || fail "no disk of the function with MSI after the recovery"
+        mc=$(nvme_ctrl_for "$unqn")
         dd if="/dev/${mc}n1" of=/tmp/backs bs=1M count=4 skip=4 iflag=direct 2>/dev/null || fail "read after the recovery"
         cmp /tmp/pats /tmp/backs || fail "the 4 MiB flushed before nacred's stop differ after the recovery"
         fact stopped_recovered yes

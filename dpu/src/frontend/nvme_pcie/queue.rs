@@ -250,7 +250,7 @@ impl Cq {
         let mut i = 0;
         while i < (n as u64).min(size) {
             let at = (tail + i) % size * CQE_LEN;
-            prefetch_write(ring.wrapping_add(at as usize));
+            prefetch::<true>(ring.wrapping_add(at as usize));
             i += lines_per_entry - (tail + i) % lines_per_entry;
         }
     }
@@ -374,7 +374,7 @@ pub fn fetch(
     {
         for i in 0..n.min(max as u32) {
             let at = (*head as u64 + i as u64) % sq.size as u64 * SQE_LEN;
-            prefetch_read(ring.wrapping_add(at as usize));
+            prefetch::<false>(ring.wrapping_add(at as usize));
         }
     }
     while *head as u32 != tail && out.len() < max {
@@ -397,37 +397,28 @@ fn ring_ptr(mem: &GuestMemoryMmap, base: u64, len: u64) -> Option<*const u8> {
     Some(s.ptr_guard().as_ptr())
 }
 
-/// A hint that the line at `p` is about to be written (x86 PREFETCHW, Arm PRFM PSTL1KEEP).
+/// A hint that the line at `p` is about to be written (`WRITE`: x86 PREFETCHW, Arm PRFM
+/// PSTL1KEEP) or read (x86 PREFETCHT0, Arm PRFM PLDL1KEEP).
 #[inline(always)]
-fn prefetch_write(p: *const u8) {
+fn prefetch<const WRITE: bool>(p: *const u8) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch never faults and changes no memory, whatever the address.
     unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0};
-        _mm_prefetch::<_MM_HINT_ET0>(p as *const i8)
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0, _MM_HINT_T0};
+        if WRITE {
+            _mm_prefetch::<_MM_HINT_ET0>(p as *const i8)
+        } else {
+            _mm_prefetch::<_MM_HINT_T0>(p as *const i8)
+        }
     }
     #[cfg(target_arch = "aarch64")]
     // SAFETY: as above.
     unsafe {
-        std::arch::asm!("prfm pstl1keep, [{0}]", in(reg) p, options(nostack, readonly, preserves_flags))
-    }
-    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-    let _ = p;
-}
-
-/// A hint that the line at `p` is about to be read.
-#[inline(always)]
-fn prefetch_read(p: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch never faults and changes no memory, whatever the address.
-    unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        _mm_prefetch::<_MM_HINT_T0>(p as *const i8)
-    }
-    #[cfg(target_arch = "aarch64")]
-    // SAFETY: as above.
-    unsafe {
-        std::arch::asm!("prfm pldl1keep, [{0}]", in(reg) p, options(nostack, readonly, preserves_flags))
+        if WRITE {
+            std::arch::asm!("prfm pstl1keep, [{0}]", in(reg) p, options(nostack, readonly, preserves_flags))
+        } else {
+            std::arch::asm!("prfm pldl1keep, [{0}]", in(reg) p, options(nostack, readonly, preserves_flags))
+        }
     }
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let _ = p;

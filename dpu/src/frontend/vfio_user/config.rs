@@ -314,16 +314,18 @@ fn get32(b: &[u8], off: usize) -> u32 {
 mod tests {
     use super::*;
 
+    const NVME_LIKE: Identity = Identity {
+        vendor: 0x4e58,
+        device: 1,
+        revision: 0,
+        class: [1, 8, 2],
+        subsystem_vendor: 0x4e58,
+        subsystem: 1,
+    };
+
     #[test]
     fn identity_capabilities_and_bar_sizing() {
-        let id = Identity {
-            vendor: 0x4e58,
-            device: 1,
-            revision: 0,
-            class: [1, 8, 2],
-            subsystem_vendor: 0x4e58,
-            subsystem: 1,
-        };
+        let id = NVME_LIKE;
         let mut c = ConfigSpace::new(id, Interrupts::Msix(33), 0x4000, 0x1000);
         let mut b = [0u8; CONFIG_LEN];
         c.read(0, &mut b);
@@ -354,14 +356,7 @@ mod tests {
 
     #[test]
     fn an_msi_function_has_no_msix_and_no_bar4_or_bar5() {
-        let id = Identity {
-            vendor: 0x4e58,
-            device: 1,
-            revision: 0,
-            class: [1, 8, 2],
-            subsystem_vendor: 0x4e58,
-            subsystem: 1,
-        };
+        let id = NVME_LIKE;
         let mut c = ConfigSpace::new(id, Interrupts::Msi(32), 0x4000, 0x1000);
         let mut b = [0u8; CONFIG_LEN];
         c.read(0, &mut b);
