@@ -540,9 +540,9 @@ impl PcieController {
         }
     }
 
-    /// Completions were posted to `cq`: raise its vector now if interrupts are on and
+    /// `n` completions were posted to `cq`: raise its vector now if interrupts are on and
     /// coalescing does not hold it back (or the running poller pass takes it).
-    fn signal(&self, cq: &Cq) {
+    fn signal(&self, cq: &Cq, n: u32) {
         if !cq.ien {
             return;
         }
@@ -553,7 +553,7 @@ impl PcieController {
         } else {
             self.epoch
         };
-        if co.posted(cq.iv, cq.qid == 0, 1, now) {
+        if co.posted(cq.iv, cq.qid == 0, n, now) {
             drop(co);
             self.interrupt(cq.iv);
         }
@@ -620,8 +620,8 @@ impl PcieController {
             },
         );
         match posted {
-            Ok(true) => self.signal(cq),
-            Ok(false) => {}
+            Ok(0) => {}
+            Ok(n) => self.signal(cq, n),
             Err(f) => self.set_fatal(f),
         }
     }
@@ -684,11 +684,11 @@ impl PcieController {
         cache.pass_started = 0;
         for cq in &cache.cqs {
             match cq.flush(&cache.mem, &self.doorbells) {
-                Ok(true) => {
+                Ok(0) => {}
+                Ok(n) => {
                     work = true;
-                    self.signal(cq);
+                    self.signal(cq, n);
                 }
-                Ok(false) => {}
                 Err(f) => return self.fatal_pass(f),
             }
         }
@@ -714,9 +714,13 @@ impl PcieController {
                 *pass_started = crate::telemetry::clock::now_ns();
                 lock(&self.coalescing).begin_pass();
             }
-            if entries.len() >= queue::PREFETCH_FROM && pair.sq.qid != 0 {
+            // From as many commands as make the prefetch worth it, an I/O queue's completions
+            // of this batch are written a cache line at a time (queue::HeldBack); a host at a
+            // low queue depth gets each as it comes.
+            let held = (entries.len() >= queue::PREFETCH_FROM && pair.sq.qid != 0).then(|| {
                 pair.cq.prefetch(mem, entries.len());
-            }
+                queue::HeldBack::begin(&pair.cq)
+            });
             for (sqhd, raw) in entries.drain(..) {
                 work = true;
                 let cmd = Command::decode(&raw);
@@ -726,6 +730,13 @@ impl PcieController {
                     self.admin_command(mem, sqhd, &cmd, prp1, prp2);
                 } else {
                     self.io_command(mem, pair, namespaces, sqhd, &cmd, prp1, prp2);
+                }
+            }
+            if let Some(held) = held {
+                match held.post(&pair.cq, mem, &self.doorbells) {
+                    Ok(0) => {}
+                    Ok(n) => self.signal(&pair.cq, n),
+                    Err(f) => return self.fatal_pass(f),
                 }
             }
         }
