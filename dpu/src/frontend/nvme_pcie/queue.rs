@@ -374,8 +374,20 @@ impl Cq {
 
     fn drain(&self, st: &mut CqState, mem: &GuestMemoryMmap, db: &Doorbells) -> Result<u32, Fatal> {
         let mut posted = 0;
+        // The ring, looked up once for all the entries (None if it is not whole in one mapped
+        // region: each entry is then looked up on its own).
+        let ring = mem
+            .get_slice(
+                GuestAddress(self.base),
+                self.size as usize * CQE_LEN as usize,
+            )
+            .ok();
         while let Some(c) = st.pending.front().copied() {
-            let next = (st.tail + 1) % self.size;
+            let next = if st.tail + 1 == self.size {
+                0
+            } else {
+                st.tail + 1
+            };
             if next as u32 == st.head {
                 // Full by the head last read: read it again before waiting.
                 self.read_head(st, mem, db)?;
@@ -383,7 +395,7 @@ impl Cq {
                     break;
                 }
             }
-            let at = self.base + st.tail as u64 * CQE_LEN;
+            let at = st.tail as u64 * CQE_LEN;
             let mut b = [0u8; 12];
             b[0..4].copy_from_slice(&c.dw0.to_le_bytes());
             b[8..10].copy_from_slice(&c.sqhd.to_le_bytes());
@@ -392,9 +404,19 @@ impl Cq {
             // Dwords 0-2 first, then Dword 3 with the phase tag: the host takes the entry as
             // posted once it sees the new phase. A queue outside mapped memory loses the
             // completion (the host broke its own queue), never memory outside the mapping.
-            if mem.write_slice(&b, GuestAddress(at)).is_ok() {
-                std::sync::atomic::fence(Ordering::Release);
-                let _ = mem.write_obj(dw3, GuestAddress(at + 12));
+            match &ring {
+                Some(r) => {
+                    if r.write_slice(&b, at as usize).is_ok() {
+                        std::sync::atomic::fence(Ordering::Release);
+                        let _ = r.write_obj(dw3, at as usize + 12);
+                    }
+                }
+                None => {
+                    if mem.write_slice(&b, GuestAddress(self.base + at)).is_ok() {
+                        std::sync::atomic::fence(Ordering::Release);
+                        let _ = mem.write_obj(dw3, GuestAddress(self.base + at + 12));
+                    }
+                }
             }
             st.pending.pop_front();
             st.tail = next;
@@ -428,22 +450,28 @@ pub fn fetch(
     // transfers overlap rather than follow one another through the copies below.
     // (Not for a few: the copy below asks for those as soon.)
     let n = (tail + sq.size as u32 - *head as u32) % sq.size as u32;
-    if let Some(ring) = (n as usize >= PREFETCH_FROM)
-        .then(|| ring_ptr(mem, sq.base, sq.size as u64 * SQE_LEN))
-        .flatten()
-    {
+    // The ring, looked up once for all the entries (None if it is not whole in one mapped
+    // region: each entry is then looked up on its own).
+    let ring = mem
+        .get_slice(GuestAddress(sq.base), sq.size as usize * SQE_LEN as usize)
+        .ok();
+    if let Some(ring) = ring.as_ref().filter(|_| n as usize >= PREFETCH_FROM) {
+        let p = ring.ptr_guard().as_ptr();
         for i in 0..n.min(max as u32) {
             let at = (*head as u64 + i as u64) % sq.size as u64 * SQE_LEN;
-            prefetch::<false>(ring.wrapping_add(at as usize));
+            prefetch::<false>(p.wrapping_add(at as usize));
         }
     }
     while *head as u32 != tail && out.len() < max {
         let mut e = [0u8; SQE_LEN as usize];
-        let at = sq.base + *head as u64 * SQE_LEN;
-        *head = (*head + 1) % sq.size;
+        let at = *head as u64 * SQE_LEN;
+        *head = if *head + 1 == sq.size { 0 } else { *head + 1 };
         // An entry outside mapped memory reads as zeros: opcode 0 on the admin queue is
         // Delete I/O SQ of QID 0, refused; on an I/O queue a Flush of NSID 0, refused.
-        let _ = mem.read_slice(&mut e, GuestAddress(at));
+        match &ring {
+            Some(r) => _ = r.read_slice(&mut e, at as usize),
+            None => _ = mem.read_slice(&mut e, GuestAddress(sq.base + at)),
+        }
         out.push((*head, e));
     }
     db.consumed(2 * sq.qid as usize, *head as u32, mem);
@@ -492,6 +520,67 @@ mod tests {
     fn fetched(sq: &Sq, mem: &GuestMemoryMmap, db: &Doorbells) -> Result<usize, Fatal> {
         let mut out = Vec::new();
         fetch(sq, mem, db, 64, &mut out).map(|()| out.len())
+    }
+
+    /// A queue is read and written through one lookup of its ring when the ring lies in one
+    /// mapped region, and entry by entry when it spans two: both ways give the same entries,
+    /// and the wrap goes back to the first.
+    #[test]
+    fn queues_across_two_mapped_regions_read_and_write_the_same_entries() {
+        // Two regions that meet at 0x1000: a ring at 0xF80 spans both.
+        let mem = GuestMemoryMmap::<()>::from_ranges(&[
+            (GuestAddress(0), 0x1000),
+            (GuestAddress(0x1000), 0x1000),
+        ])
+        .unwrap();
+        assert!(mem.get_slice(GuestAddress(0xF80), 0x100).is_err());
+        assert!(mem.get_slice(GuestAddress(0xFC0), 0x80).is_err());
+        let mut page = vec![0u32; DOORBELL_SLOTS];
+        // SAFETY: `page` outlives `db` and holds DOORBELL_SLOTS aligned u32s.
+        let db = unsafe { Doorbells::new(page.as_mut_ptr() as *mut u8) };
+        // (submission ring, completion ring): both spanning the two regions, then both in one.
+        for (base, cq_base) in [(0xF80u64, 0xFC0u64), (0x1400, 0x1800)] {
+            let sq = Sq {
+                qid: 1,
+                base,
+                size: 4,
+                cqid: 1,
+                head: Mutex::new(0),
+                retired: AtomicBool::new(false),
+            };
+            for i in 0..4u64 {
+                mem.write_obj(0xA0 + i as u8, GuestAddress(base + i * SQE_LEN + 1))
+                    .unwrap();
+            }
+            // Three entries, then two more across the wrap.
+            let mut out = Vec::new();
+            db.store(2 * 4, &3u32.to_le_bytes());
+            fetch(&sq, &mem, &db, 64, &mut out).unwrap();
+            let seen: Vec<(u16, u8)> = out.iter().map(|(hd, e)| (*hd, e[1])).collect();
+            assert_eq!(seen, [(1, 0xA0), (2, 0xA1), (3, 0xA2)], "ring at {base:#x}");
+            db.store(2 * 4, &1u32.to_le_bytes());
+            fetch(&sq, &mem, &db, 64, &mut out).unwrap();
+            let seen: Vec<(u16, u8)> = out.iter().map(|(hd, e)| (*hd, e[1])).collect();
+            assert_eq!(seen, [(0, 0xA3), (1, 0xA0)], "ring at {base:#x}");
+            // Completions: five through a queue of 8 (16 bytes each).
+            let cq = Cq::new(1, cq_base, 8, 0, false);
+            for cid in 0..5 {
+                let c = Pending {
+                    dw0: 0,
+                    sqhd: 0,
+                    sqid: 1,
+                    cid,
+                    status: Status::SUCCESS,
+                };
+                assert_eq!(cq.post(&mem, &db, c).unwrap(), 1);
+            }
+            for i in 0..5u64 {
+                let dw3 = mem
+                    .read_obj::<u32>(GuestAddress(cq.base + i * CQE_LEN + 12))
+                    .unwrap();
+                assert_eq!((dw3 & 0xFFFF, dw3 >> 16 & 1), (i as u32, 1));
+            }
+        }
     }
 
     /// Held back, a queue's completions are written a cache line (four entries) at a time,
