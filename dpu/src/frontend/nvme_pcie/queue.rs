@@ -516,6 +516,17 @@ fn prefetch<const WRITE: bool>(p: *const u8) {
 mod tests {
     use super::*;
 
+    /// A successful completion of command `cid` of submission queue 1.
+    fn success(cid: u16) -> Pending {
+        Pending {
+            dw0: 0,
+            sqhd: 0,
+            sqid: 1,
+            cid,
+            status: Status::SUCCESS,
+        }
+    }
+
     /// How many entries a fetch takes.
     fn fetched(sq: &Sq, mem: &GuestMemoryMmap, db: &Doorbells) -> Result<usize, Fatal> {
         let mut out = Vec::new();
@@ -565,14 +576,7 @@ mod tests {
             // Completions: five through a queue of 8 (16 bytes each).
             let cq = Cq::new(1, cq_base, 8, 0, false);
             for cid in 0..5 {
-                let c = Pending {
-                    dw0: 0,
-                    sqhd: 0,
-                    sqid: 1,
-                    cid,
-                    status: Status::SUCCESS,
-                };
-                assert_eq!(cq.post(&mem, &db, c).unwrap(), 1);
+                assert_eq!(cq.post(&mem, &db, success(cid)).unwrap(), 1);
             }
             for i in 0..5u64 {
                 let dw3 = mem
@@ -594,13 +598,7 @@ mod tests {
         let db = unsafe { Doorbells::new(page.as_mut_ptr() as *mut u8) };
         let cq = Cq::new(1, 0x1000, 16, 0, true);
         let other = Cq::new(2, 0x2000, 16, 0, true);
-        let c = |cid| Pending {
-            dw0: 0,
-            sqhd: 0,
-            sqid: 1,
-            cid,
-            status: Status::SUCCESS,
-        };
+        let c = success;
         // The phase tag of entry i: 1 once written (first pass through the queue).
         let phase = |base: u64, i: u64| {
             mem.read_obj::<u32>(GuestAddress(base + i * 16 + 12))
@@ -661,13 +659,7 @@ mod tests {
         // SAFETY: `page` outlives `db` and holds DOORBELL_SLOTS aligned u32s.
         let db = unsafe { Doorbells::new(page.as_mut_ptr() as *mut u8) };
         let cq = Cq::new(1, 0x1000, 4, 0, true);
-        let c = |cid| Pending {
-            dw0: 0,
-            sqhd: 0,
-            sqid: 1,
-            cid,
-            status: Status::SUCCESS,
-        };
+        let c = success;
         for cid in 0..5 {
             cq.post(&mem, &db, c(cid)).unwrap();
         }
@@ -718,13 +710,7 @@ mod tests {
         // SAFETY: `page` outlives `db` and holds DOORBELL_SLOTS aligned u32s.
         let db = unsafe { Doorbells::new(page.as_mut_ptr() as *mut u8) };
         let cq = Cq::new(1, 0x1000, 16, 1, false);
-        let c = |cid| Pending {
-            dw0: 0,
-            sqhd: 0,
-            sqid: 1,
-            cid,
-            status: Status::SUCCESS,
-        };
+        let c = success;
         for cid in 0..10 {
             cq.post(&mem, &db, c(cid)).unwrap();
         }
@@ -786,13 +772,7 @@ mod tests {
         assert_eq!(fetched(&sq(1), &mem, &db).unwrap_err(), Fatal::Doorbell);
         // CQ 1's head from the shadow: it frees the entries the register does not.
         let cq = Cq::new(1, 0x1000, 2, 0, true);
-        let c = Pending {
-            dw0: 0,
-            sqhd: 0,
-            sqid: 1,
-            cid: 1,
-            status: Status::SUCCESS,
-        };
+        let c = success(1);
         assert_eq!(cq.post(&mem, &db, c).unwrap(), 1);
         assert_eq!(cq.post(&mem, &db, c).unwrap(), 0, "a queue of 2 holds 1");
         mem.write_obj(1u32, GuestAddress(shadow + 3 * 4)).unwrap();
