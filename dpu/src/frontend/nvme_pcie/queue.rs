@@ -405,17 +405,10 @@ impl Cq {
             // posted once it sees the new phase. A queue outside mapped memory loses the
             // completion (the host broke its own queue), never memory outside the mapping.
             match &ring {
-                Some(r) => {
-                    if r.write_slice(&b, at as usize).is_ok() {
-                        std::sync::atomic::fence(Ordering::Release);
-                        let _ = r.write_obj(dw3, at as usize + 12);
-                    }
-                }
+                Some(r) => write_cqe(r, at as usize, at as usize + 12, &b, dw3),
                 None => {
-                    if mem.write_slice(&b, GuestAddress(self.base + at)).is_ok() {
-                        std::sync::atomic::fence(Ordering::Release);
-                        let _ = mem.write_obj(dw3, GuestAddress(self.base + at + 12));
-                    }
+                    let at = self.base + at;
+                    write_cqe(mem, GuestAddress(at), GuestAddress(at + 12), &b, dw3)
                 }
             }
             st.pending.pop_front();
@@ -426,6 +419,15 @@ impl Cq {
             posted += 1;
         }
         Ok(posted)
+    }
+}
+
+/// Write a completion entry: Dwords 0-2 (`b`) at `at`, then Dword 3 (`dw3`, with the phase
+/// tag) at `dw3_at`, in the ring's slice or through the memory map.
+fn write_cqe<A, M: Bytes<A>>(m: &M, at: A, dw3_at: A, b: &[u8; 12], dw3: u32) {
+    if m.write_slice(b, at).is_ok() {
+        std::sync::atomic::fence(Ordering::Release);
+        let _ = m.write_obj(dw3, dw3_at);
     }
 }
 
