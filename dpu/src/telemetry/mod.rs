@@ -19,7 +19,7 @@ pub mod http;
 pub mod trace;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, OnceLock, Weak};
 
 use prometheus::proto::{
@@ -181,6 +181,50 @@ impl Arrival {
     /// Time since arrival, on this thread's batch clock.
     pub fn elapsed_ns(&self) -> u64 {
         clock::now_ns().saturating_sub(self.start)
+    }
+}
+
+/// An [`Arrival`] kept by a completion object that the request's completion may read on
+/// another thread: relaxed atomic fields, which are plain loads and stores on x86 and Arm.
+/// The request's submission and its completion order the writes before the reads (a volume
+/// that completes elsewhere hands the request over through a lock or a queue), so a
+/// completion reads what its request's submitter stored.
+#[derive(Default)]
+pub struct ArrivalCell {
+    start: AtomicU64,
+    bytes: AtomicU64,
+    /// [`op_index`] + 1; 0 when empty.
+    kind: AtomicU8,
+}
+
+impl ArrivalCell {
+    pub fn set(&self, a: Option<Arrival>) {
+        if let Some(a) = a {
+            self.start.store(a.start, Ordering::Relaxed);
+            self.bytes.store(a.bytes, Ordering::Relaxed);
+        }
+        let kind = a.map_or(0, |a| op_index(a.kind) as u8 + 1);
+        self.kind.store(kind, Ordering::Relaxed);
+    }
+
+    pub fn take(&self) -> Option<Arrival> {
+        // A load and a store, not a swap: the cell has one reader at a time (the request's
+        // completion), and a swap would be a locked instruction.
+        let kind = self.kind.load(Ordering::Relaxed);
+        self.kind.store(0, Ordering::Relaxed);
+        let kind = match kind {
+            0 => return None,
+            1 => IoKind::Read,
+            2 => IoKind::Write,
+            3 => IoKind::Flush,
+            4 => IoKind::Discard,
+            _ => IoKind::WriteZeroes,
+        };
+        Some(Arrival {
+            start: self.start.load(Ordering::Relaxed),
+            bytes: self.bytes.load(Ordering::Relaxed),
+            kind,
+        })
     }
 }
 

@@ -135,8 +135,8 @@ impl Then {
         None
     }
 
-    #[cfg(test)]
-    fn is_empty(&self) -> bool {
+    /// No request follows the current one.
+    pub fn is_empty(&self) -> bool {
         self.0.is_empty()
     }
 

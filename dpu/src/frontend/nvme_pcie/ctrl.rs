@@ -29,10 +29,11 @@ use super::prp;
 use super::queue::{self, Cq, Doorbells, Fatal, Pending, Sq, SQE_LEN};
 use super::sgl;
 use crate::frontend::nvme::ctrl::{AdminReply, CtrlQueue, TargetController};
-use crate::frontend::nvme::io::{self, Arrived, Plan, Then};
+use crate::frontend::nvme::io::{self, Plan, Then};
 use crate::frontend::nvme::{limits, lock, Namespace, Subsystem, TargetInner};
 use crate::frontend::nvmf_tcp::PollPolicy;
 use crate::frontend::vfio_user::config::Interrupts;
+use crate::telemetry::{ArrivalCell, VolumeMetrics};
 use crate::volume::{IoCompletion, IoKind, IoRequest, IoResult};
 
 /// BAR0 registers not in `registers` (§3.1.4).
@@ -131,12 +132,19 @@ struct QueuePair {
     spare: Option<Slot>,
     /// Where the search for a free slot starts: completions mostly come back in order.
     next: usize,
+    /// Moves when the memory map or the namespace table changes: an object made before
+    /// holds a map or a volume's statistics that may be gone, and is let go once free.
+    epoch: u64,
+    /// Objects of an earlier epoch are still at the volumes.
+    stale: bool,
 }
 
 /// A pooled completion object, and the same object as the volumes take it.
 struct Slot {
     this: Arc<Inflight>,
     done: Arc<dyn IoCompletion>,
+    /// The [`QueuePair::epoch`] it was made in.
+    epoch: u64,
 }
 
 /// Slots looked at for a free one before another is made (or, with the queue's worth in use,
@@ -152,27 +160,64 @@ impl QueuePair {
             slots: Vec::new(),
             spare: None,
             next: 0,
+            epoch: 0,
+            stale: false,
+        }
+    }
+
+    /// The memory map or the namespaces changed: let go of the completion objects that hold
+    /// the old ones (those still at the volumes once they are free, [`QueuePair::sweep`]).
+    fn renew(&mut self) {
+        self.epoch += 1;
+        self.stale = true;
+        self.sweep();
+    }
+
+    /// Let go of the free objects of an earlier epoch.
+    fn sweep(&mut self) {
+        let epoch = self.epoch;
+        let keep = |s: &Slot| s.epoch == epoch || s.this.busy.load(Ordering::Acquire);
+        self.slots.retain(keep);
+        if self.spare.as_ref().is_some_and(|s| !keep(s)) {
+            self.spare = None;
+        }
+        self.stale = self
+            .slots
+            .iter()
+            .chain(&self.spare)
+            .any(|s| s.epoch != epoch);
+        if self.next >= self.slots.len() {
+            self.next = 0;
         }
     }
 
     /// A completion object not in use, marked in use: a pooled one while the queue has
     /// fewer commands at the volumes than entries, else a one-off (a host may keep more
     /// commands outstanding than its queue holds, and each still completes). The volumes
-    /// clone what they keep past their `submit`.
-    fn take(&mut self) -> &Slot {
+    /// clone what they keep past their `submit`. A new object holds `mem` and `metrics`
+    /// (the command's volume's statistics) for as long as it lives.
+    fn take(&mut self, mem: &Arc<GuestMemoryMmap>, metrics: Option<&Arc<VolumeMetrics>>) -> &Slot {
         let n = self.slots.len();
         for _ in 0..n.min(SLOT_SCAN) {
             let i = self.next;
             self.next = if i + 1 == n { 0 } else { i + 1 };
-            if !self.slots[i].this.busy.load(Ordering::Acquire) {
-                self.slots[i].this.busy.store(true, Ordering::Relaxed);
+            let slot = &self.slots[i];
+            if slot.epoch == self.epoch && !slot.this.busy.load(Ordering::Acquire) {
+                slot.this.busy.store(true, Ordering::Relaxed);
                 return &self.slots[i];
             }
         }
-        let this = Inflight::new(self.dev.clone(), self.sq.clone(), self.cq.clone());
+        let this = Inflight::new(
+            self.dev.clone(),
+            self.sq.clone(),
+            self.cq.clone(),
+            mem.clone(),
+            metrics.cloned(),
+        );
         let slot = Slot {
             done: this.clone(),
             this,
+            epoch: self.epoch,
         };
         if n < self.sq.size as usize {
             self.slots.push(slot);
@@ -646,7 +691,12 @@ impl PcieController {
                     .iter()
                     .position(|p| Arc::ptr_eq(&p.sq, sq) && Arc::ptr_eq(&p.cq, cq))
                 {
-                    Some(i) => old.swap_remove(i),
+                    Some(i) => {
+                        let mut pair = old.swap_remove(i);
+                        // The memory map may be another.
+                        pair.renew();
+                        pair
+                    }
                     None => QueuePair::new(Arc::downgrade(self), sq.clone(), cq.clone()),
                 };
                 cache.sqs.push(pair);
@@ -692,8 +742,13 @@ impl PcieController {
                 Err(f) => return self.fatal_pass(f),
             }
         }
+        let ns_gen = cache.ns_gen;
         self.subsys
             .refresh_namespace_table(&mut cache.ns_gen, &mut cache.namespaces);
+        if cache.ns_gen != ns_gen {
+            // A volume's statistics may be gone.
+            cache.sqs.iter_mut().for_each(QueuePair::renew);
+        }
         // The statistics' clock is read once for the pass's commands, not per command; the
         // coalescing pass (vectors raised once, at its end) begins with the first command.
         let mut batch = None;
@@ -706,6 +761,9 @@ impl PcieController {
             ..
         } = cache;
         for pair in sqs.iter_mut() {
+            if pair.stale {
+                pair.sweep();
+            }
             if let Err(f) = queue::fetch(&pair.sq, mem, &self.doorbells, FETCH_BATCH, entries) {
                 return self.fatal_pass(f);
             }
@@ -1006,90 +1064,200 @@ impl PcieController {
         if let Some(spans) = spans {
             req.segments = spans;
         }
-        let slot = pair.take();
-        {
-            let mut cmd = lock(&slot.this.cmd);
-            cmd.mem = Some(mem.clone());
-            cmd.at = Origin { sqhd, cid: c.cid };
-            cmd.read = io.is_read();
-            cmd.then = std::mem::take(&mut io.then);
-            cmd.arrived = io.arrive();
+        let metrics = io.ns.path.metrics();
+        let slot = pair.take(mem, metrics);
+        let this = &slot.this;
+        let mut at = Origin {
+            sqhd,
+            cid: c.cid,
+            read: io.is_read(),
+            then: false,
+            metrics: Kept::None,
+        };
+        if let Some(m) = metrics {
+            this.arrival.set(Some(m.arrive(io.kind, io.len)));
+            at.metrics = if this.metrics.as_ref().is_some_and(|k| Arc::ptr_eq(k, m)) {
+                Kept::Fixed
+            } else {
+                // Another namespace's volume than the one the object was made for.
+                lock(&this.rare).metrics = Some(m.clone());
+                Kept::Rare
+            };
         }
+        if !io.then.is_empty() {
+            lock(&this.rare).then = std::mem::take(&mut io.then);
+            at.then = true;
+        }
+        this.set_origin(at);
         io.ns.path.submit(req, &slot.done);
     }
 }
 
-/// Where a command came from: the submission queue head after it was fetched, and its
-/// Command Identifier, both of which its completion entry carries.
-#[derive(Clone, Copy, Default)]
+/// Where a command came from (the submission queue head after it was fetched, and its
+/// Command Identifier: both go in its completion entry), and what its completion has to look
+/// at besides.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 struct Origin {
     sqhd: u16,
     cid: u16,
+    /// A failure is reported as a read's.
+    read: bool,
+    /// Requests follow the first ([`Rare::then`]).
+    then: bool,
+    /// Where the statistics handle of the command's volume is.
+    metrics: Kept,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kept {
+    /// The volume has no statistics layer.
+    None,
+    /// [`Inflight::metrics`]: the volume the object was made for.
+    Fixed,
+    /// [`Rare::metrics`].
+    Rare,
+}
+
+impl Origin {
+    fn pack(self) -> u64 {
+        let metrics = match self.metrics {
+            Kept::None => 0,
+            Kept::Fixed => 1,
+            Kept::Rare => 2,
+        };
+        self.sqhd as u64
+            | (self.cid as u64) << 16
+            | (self.read as u64) << 32
+            | (self.then as u64) << 33
+            | metrics << 34
+    }
+
+    fn unpack(v: u64) -> Self {
+        Origin {
+            sqhd: v as u16,
+            cid: (v >> 16) as u16,
+            read: v >> 32 & 1 != 0,
+            then: v >> 33 & 1 != 0,
+            metrics: match v >> 34 & 3 {
+                0 => Kept::None,
+                1 => Kept::Fixed,
+                _ => Kept::Rare,
+            },
+        }
+    }
 }
 
 /// A command's completion object while the command is at the volumes; pooled per queue
-/// ([`QueuePair`]). What it holds of the command lives in `cmd`, among it the guest memory
-/// map the command's data spans point into: its completion is posted in the same map, so
-/// the mapping outlives the request even if the client unmaps it meanwhile.
+/// ([`QueuePair`]). It holds the guest memory map the command's data spans point into (its
+/// completion is posted in the same map, so the mapping outlives the request even if the
+/// client unmaps it meanwhile) and the statistics of the volume it was made for, both for
+/// its life, so neither costs a reference count per command.
+///
+/// What changes from command to command is in relaxed atomics (plain loads and stores): the
+/// poller writes them before it submits the command, the completion reads them, and the
+/// request's way through the volume orders the two (a volume that completes on another
+/// thread hands the request over through a lock or a queue). `busy` orders the completion's
+/// reads before the poller's next writes. What most commands lack is behind a lock.
 struct Inflight {
     me: Weak<Inflight>,
     dev: Weak<PcieController>,
     /// The queues the command came from and completes on.
     sq: Arc<Sq>,
     cq: Arc<Cq>,
+    mem: Arc<GuestMemoryMmap>,
+    metrics: Option<Arc<VolumeMetrics>>,
     /// A command holds it, from the poller's taking it to the posting of its completion.
     busy: AtomicBool,
-    cmd: Mutex<InflightCommand>,
+    /// [`Origin::pack`].
+    origin: AtomicU64,
+    /// The command's arrival in its volume's statistics.
+    arrival: ArrivalCell,
+    rare: Mutex<Rare>,
 }
 
+/// What few commands have.
 #[derive(Default)]
-struct InflightCommand {
-    mem: Option<Arc<GuestMemoryMmap>>,
-    at: Origin,
-    read: bool,
+struct Rare {
     /// The command's requests still to run.
     then: Then,
-    /// Its arrival in its volume's statistics.
-    arrived: Arrived,
+    /// The statistics of a volume other than the one the object was made for.
+    metrics: Option<Arc<VolumeMetrics>>,
 }
 
 impl Inflight {
     /// A completion object, in use.
-    fn new(dev: Weak<PcieController>, sq: Arc<Sq>, cq: Arc<Cq>) -> Arc<Self> {
+    fn new(
+        dev: Weak<PcieController>,
+        sq: Arc<Sq>,
+        cq: Arc<Cq>,
+        mem: Arc<GuestMemoryMmap>,
+        metrics: Option<Arc<VolumeMetrics>>,
+    ) -> Arc<Self> {
         Arc::new_cyclic(|me| Inflight {
             me: me.clone(),
             dev,
             sq,
             cq,
+            mem,
+            metrics,
             busy: AtomicBool::new(true),
-            cmd: Mutex::new(InflightCommand::default()),
+            origin: AtomicU64::new(0),
+            arrival: ArrivalCell::default(),
+            rare: Mutex::new(Rare::default()),
         })
+    }
+
+    fn set_origin(&self, at: Origin) {
+        self.origin.store(at.pack(), Ordering::Relaxed);
     }
 }
 
 impl IoCompletion for Inflight {
     fn complete(&self, _tag: u64, result: IoResult) {
-        let (mem, at, read) = {
-            let mut cmd = lock(&self.cmd);
-            let next = cmd.then.next(result.is_ok());
+        let at = Origin::unpack(self.origin.load(Ordering::Relaxed));
+        if at.then {
+            let next = lock(&self.rare).then.next(result.is_ok());
             if let Some((vol, req)) = next {
-                drop(cmd);
                 if let Some(me) = self.me.upgrade() {
                     let d: Arc<dyn IoCompletion> = me;
                     vol.submit(req, &d);
                 }
                 return;
             }
-            if let Some((m, a)) = cmd.arrived.take() {
-                m.complete(&a, result.is_err());
-            }
-            (cmd.mem.take(), cmd.at, cmd.read)
-        };
-        if let (Some(dev), Some(mem)) = (self.dev.upgrade(), &mem) {
-            let status = io::status(&result, read);
-            dev.post(mem, &self.sq, &self.cq, at.sqhd, at.cid, status, 0);
         }
-        drop(mem);
+        if let Some(a) = self.arrival.take() {
+            match at.metrics {
+                Kept::None => {}
+                Kept::Fixed => {
+                    if let Some(m) = &self.metrics {
+                        m.complete(&a, result.is_err());
+                    }
+                }
+                Kept::Rare => {
+                    if let Some(m) = lock(&self.rare).metrics.take() {
+                        m.complete(&a, result.is_err());
+                    }
+                }
+            }
+        }
+        let status = io::status(&result, at.read);
+        let post = |dev: &PcieController| {
+            dev.post(&self.mem, &self.sq, &self.cq, at.sqhd, at.cid, status, 0)
+        };
+        // On the poller's thread (a volume that completes within its submit), through the
+        // poller's own handle on the controller; elsewhere through a new one.
+        let by_poller = POLLING.with_borrow(|p| match p {
+            Some(dev) if std::ptr::eq(Arc::as_ptr(dev), self.dev.as_ptr()) => {
+                post(dev);
+                true
+            }
+            _ => false,
+        });
+        if !by_poller {
+            if let Some(dev) = self.dev.upgrade() {
+                post(&dev);
+            }
+        }
         // The completion is posted: the poller may give this object to another command.
         self.busy.store(false, Ordering::Release);
     }
@@ -1216,6 +1384,30 @@ impl BusyClock {
     }
 }
 
+thread_local! {
+    /// The controller a poller thread is polling, while it holds a handle on it: completions
+    /// that run on the poller's thread post through it rather than upgrade their own weak
+    /// handle (two atomic instructions per command).
+    static POLLING: std::cell::RefCell<Option<Arc<PcieController>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// While alive, [`POLLING`] names the controller this thread polls.
+struct Polling;
+
+impl Polling {
+    fn begin(dev: &Arc<PcieController>) -> Self {
+        POLLING.set(Some(dev.clone()));
+        Polling
+    }
+}
+
+impl Drop for Polling {
+    fn drop(&mut self) {
+        POLLING.take();
+    }
+}
+
 /// The poller's loop: busy while there is work, spinning for a while once there is none,
 /// then sleeping in growing steps (up to 1 ms, or one 100 µs unit of aggregation time while
 /// a coalesced interrupt waits: each pass raises the vectors whose time has come) so an idle
@@ -1242,6 +1434,7 @@ pub(super) fn poller(dev: Weak<PcieController>, policy: PollPolicy) {
     let mut clock = BusyClock::default();
     loop {
         let Some(d) = dev.upgrade() else { return };
+        let polling = Polling::begin(&d);
         let mut pause = None;
         for _ in 0..HOLD_PASSES {
             if d.stop.load(Ordering::Relaxed) {
@@ -1301,6 +1494,7 @@ pub(super) fn poller(dev: Weak<PcieController>, policy: PollPolicy) {
             clock.paused();
         }
         clock.publish(&d.poll_counters);
+        drop(polling);
         drop(d);
         match pause {
             None => {}
@@ -1377,17 +1571,79 @@ mod tests {
     #[test]
     fn completion_objects_are_pooled_per_queue_and_reused_once_free() {
         let mut p = pair(4);
-        let taken: Vec<*const Inflight> = (0..4).map(|_| Arc::as_ptr(&p.take().this)).collect();
+        let mem = Arc::new(GuestMemoryMmap::new());
+        let take = |p: &mut QueuePair| Arc::as_ptr(&p.take(&mem, None).this);
+        let taken: Vec<*const Inflight> = (0..4).map(|_| take(&mut p)).collect();
         assert_eq!(p.slots.len(), 4);
         let distinct: std::collections::BTreeSet<_> = taken.iter().collect();
         assert_eq!(distinct.len(), 4, "four commands in flight, four objects");
         // All four busy: a one-off, not kept in the pool.
-        let extra = Arc::as_ptr(&p.take().this);
+        let extra = take(&mut p);
         assert!(!taken.contains(&extra));
         assert_eq!(p.slots.len(), 4);
         // The second command completes: its object is the next one handed out.
         p.slots[1].this.busy.store(false, Ordering::Release);
-        assert_eq!(Arc::as_ptr(&p.take().this), taken[1]);
+        assert_eq!(take(&mut p), taken[1]);
         assert!(p.slots.iter().all(|s| s.this.busy.load(Ordering::Acquire)));
+    }
+
+    /// After the memory map or the namespace table changed, no object made before is handed
+    /// out again, and each lets go of the old map and statistics once its command is done.
+    #[test]
+    fn objects_of_an_old_map_or_namespace_table_are_let_go_once_free() {
+        let mut p = pair(4);
+        let old = Arc::new(GuestMemoryMmap::new());
+        let telemetry = Arc::new(crate::telemetry::Telemetry::new());
+        let stats = telemetry.volume("v", None);
+        p.take(&old, Some(&stats));
+        let second = Arc::as_ptr(&p.take(&old, Some(&stats)).this);
+        assert_eq!((Arc::strong_count(&old), Arc::strong_count(&stats)), (3, 3));
+        // The first command is done, the second still at its volume, when the map changes.
+        p.slots[0].this.busy.store(false, Ordering::Release);
+        p.renew();
+        assert_eq!(p.slots.len(), 1, "the free object is let go at once");
+        assert_eq!(Arc::as_ptr(&p.slots[0].this), second);
+        assert!(p.stale);
+        let new = Arc::new(GuestMemoryMmap::new());
+        // (The first object is gone: a new one may reuse its address, so look at the map.)
+        let third = Arc::as_ptr(&p.take(&new, None).this);
+        assert!(third != second);
+        assert_eq!(p.slots.len(), 2);
+        assert!(Arc::ptr_eq(&p.slots[1].this.mem, &new));
+        // The second command completes: the next pass's sweep lets go of its object.
+        p.slots[0].this.busy.store(false, Ordering::Release);
+        p.sweep();
+        assert!(!p.stale);
+        assert_eq!(p.slots.len(), 1);
+        assert_eq!((Arc::strong_count(&old), Arc::strong_count(&stats)), (1, 1));
+    }
+
+    #[test]
+    fn origin_packs_every_field() {
+        for at in [
+            Origin {
+                sqhd: 0,
+                cid: 0,
+                read: false,
+                then: false,
+                metrics: Kept::None,
+            },
+            Origin {
+                sqhd: u16::MAX,
+                cid: u16::MAX,
+                read: true,
+                then: true,
+                metrics: Kept::Rare,
+            },
+            Origin {
+                sqhd: 0x1234,
+                cid: 0xBEEF,
+                read: false,
+                then: true,
+                metrics: Kept::Fixed,
+            },
+        ] {
+            assert_eq!(Origin::unpack(at.pack()), at);
+        }
     }
 }
