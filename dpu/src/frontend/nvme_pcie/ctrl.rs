@@ -775,10 +775,8 @@ impl PcieController {
             // From as many commands as make the prefetch worth it, an I/O queue's completions
             // of this batch are written a cache line at a time (queue::HeldBack); a host at a
             // low queue depth gets each as it comes.
-            let held = (entries.len() >= queue::PREFETCH_FROM && pair.sq.qid != 0).then(|| {
-                pair.cq.prefetch(mem, entries.len());
-                queue::HeldBack::begin(&pair.cq)
-            });
+            let held = (entries.len() >= queue::PREFETCH_FROM && pair.sq.qid != 0)
+                .then(|| queue::HeldBack::begin(&pair.cq, mem, entries.len()));
             for (sqhd, raw) in entries.drain(..) {
                 work = true;
                 let cmd = Command::decode(&raw);
@@ -791,7 +789,7 @@ impl PcieController {
                 }
             }
             if let Some(held) = held {
-                match held.post(&pair.cq, mem, &self.doorbells) {
+                match held.post(mem, &self.doorbells) {
                     Ok(0) => {}
                     Ok(n) => self.signal(&pair.cq, n),
                     Err(f) => return self.fatal_pass(f),

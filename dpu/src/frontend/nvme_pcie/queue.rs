@@ -17,7 +17,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use nacre_shared::nvme::Status;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
@@ -178,10 +178,24 @@ impl Sq {
 const CQES_PER_LINE: u64 = 64 / CQE_LEN;
 
 thread_local! {
-    /// The completion queue whose completions this thread holds back (see [`HeldBack`]), and
-    /// whether it holds any now.
-    static HELD_BACK: std::cell::Cell<(*const Cq, bool)> =
-        const { std::cell::Cell::new((std::ptr::null(), false)) };
+    /// The completions this thread holds back (see [`HeldBack`]).
+    static HELD_BACK: std::cell::RefCell<Held> = const {
+        std::cell::RefCell::new(Held {
+            cq: std::ptr::null(),
+            at: 0,
+            entries: Vec::new(),
+        })
+    };
+}
+
+struct Held {
+    /// The queue (compared, never dereferenced), or null.
+    cq: *const Cq,
+    /// Where the next held entry goes in the ring, as far as this thread knows: the queue's
+    /// tail and waiting entries when the hold began, and the entries held since (another
+    /// thread's posts meanwhile only move the line boundaries, which are a cost, not a rule).
+    at: u64,
+    entries: Vec<Pending>,
 }
 
 /// While it lives, completions posted to its queue on this thread are written a cache line's
@@ -195,33 +209,53 @@ thread_local! {
 /// entries written together pay one, and the host still sees its completions a line at a
 /// time within the pass rather than all at its end (which measured slower: the host then
 /// waits for the whole pass before it submits again).
-pub struct HeldBack(());
+///
+/// Held entries wait in the thread's own list, so a completion takes the queue's lock once a
+/// line, not once an entry.
+pub struct HeldBack {
+    cq: Arc<Cq>,
+}
 
 impl HeldBack {
-    pub fn begin(cq: &Cq) -> Self {
-        HELD_BACK.with(|h| h.set((cq, false)));
-        HeldBack(())
+    /// Hold `cq`'s completions on this thread; `n` are coming (the pass's commands): the
+    /// cache lines of the next `n` entries are asked for, for writing ([`Cq::prefetch`]).
+    pub fn begin(cq: &Arc<Cq>, mem: &GuestMemoryMmap, n: usize) -> Self {
+        let at = {
+            let st = crate::frontend::nvme::lock(&cq.state);
+            cq.prefetch(&st, mem, n);
+            st.tail as u64 + st.pending.len() as u64
+        };
+        HELD_BACK.with_borrow_mut(|h| {
+            h.cq = Arc::as_ptr(cq);
+            h.at = at;
+            h.entries.clear();
+        });
+        HeldBack { cq: cq.clone() }
     }
 
-    /// Post what `cq` (the queue given to [`HeldBack::begin`]) still holds, as far as the
-    /// host has room: how many entries were posted.
-    pub fn post(self, cq: &Cq, mem: &GuestMemoryMmap, db: &Doorbells) -> Result<u32, Fatal> {
-        let (_, held) = HELD_BACK.with(|h| h.get());
-        drop(self);
-        if !held {
+    /// Post what the queue still holds, as far as the host has room: how many entries were
+    /// posted.
+    pub fn post(self, mem: &GuestMemoryMmap, db: &Doorbells) -> Result<u32, Fatal> {
+        if HELD_BACK.with_borrow(|h| h.entries.is_empty()) {
             return Ok(0);
         }
-        let mut st = crate::frontend::nvme::lock(&cq.state);
-        if st.retired || st.pending.is_empty() {
+        let mut st = crate::frontend::nvme::lock(&self.cq.state);
+        if !self.cq.take_held(&mut st) {
             return Ok(0);
         }
-        cq.drain(&mut st, mem, db)
+        self.cq.drain(&mut st, mem, db)
     }
 }
 
 impl Drop for HeldBack {
+    /// The hold ends; what it still holds (a pass that ended early) waits on the queue for
+    /// the next pass's [`Cq::flush`].
     fn drop(&mut self) {
-        HELD_BACK.with(|h| h.set((std::ptr::null(), false)));
+        if !HELD_BACK.with_borrow(|h| h.entries.is_empty()) {
+            let mut st = crate::frontend::nvme::lock(&self.cq.state);
+            self.cq.take_held(&mut st);
+        }
+        HELD_BACK.with_borrow_mut(|h| h.cq = std::ptr::null());
     }
 }
 
@@ -292,8 +326,8 @@ impl Cq {
     /// cache lines of the next `n` entries for writing now, so the line transfers (the host
     /// read those lines when it last consumed them) overlap the commands' work instead of
     /// stalling each completion's store. A hint only: nothing is written here.
-    pub fn prefetch(&self, mem: &GuestMemoryMmap, n: usize) {
-        let tail = crate::frontend::nvme::lock(&self.state).tail as u64;
+    fn prefetch(&self, st: &CqState, mem: &GuestMemoryMmap, n: usize) {
+        let tail = st.tail as u64;
         let size = self.size as u64;
         let Some(ring) = ring_ptr(mem, self.base, size * CQE_LEN) else {
             return;
@@ -311,20 +345,46 @@ impl Cq {
     /// queue's completions back, until they fill the entry's cache line). Returns how many
     /// entries were posted (the caller then raises the interrupt).
     pub fn post(&self, mem: &GuestMemoryMmap, db: &Doorbells, c: Pending) -> Result<u32, Fatal> {
-        let mut st = crate::frontend::nvme::lock(&self.state);
-        if st.retired {
-            return Ok(0);
-        }
-        st.pending.push_back(c);
-        let (held_back, _) = HELD_BACK.with(|h| h.get());
-        if std::ptr::eq(held_back, self) {
-            let hold = (st.tail as u64 + st.pending.len() as u64) % CQES_PER_LINE != 0;
-            HELD_BACK.with(|h| h.set((held_back, hold)));
-            if hold {
-                return Ok(0);
+        // Held on this thread: kept in its list until the entries fill their line.
+        let held = HELD_BACK.with_borrow_mut(|h| {
+            std::ptr::eq(h.cq, self).then(|| {
+                h.entries.push(c);
+                h.at += 1;
+                h.at % CQES_PER_LINE == 0
+            })
+        });
+        let mut st = match held {
+            Some(false) => return Ok(0),
+            Some(true) => {
+                let mut st = crate::frontend::nvme::lock(&self.state);
+                if !self.take_held(&mut st) {
+                    return Ok(0);
+                }
+                st
             }
-        }
+            None => {
+                let mut st = crate::frontend::nvme::lock(&self.state);
+                if st.retired {
+                    return Ok(0);
+                }
+                st.pending.push_back(c);
+                st
+            }
+        };
         self.drain(&mut st, mem, db)
+    }
+
+    /// Move what this thread holds for this queue onto its waiting entries (dropped if the
+    /// queue is retired); whether any wait now.
+    fn take_held(&self, st: &mut CqState) -> bool {
+        HELD_BACK.with_borrow_mut(|h| {
+            if st.retired {
+                h.entries.clear();
+            } else {
+                st.pending.extend(h.entries.drain(..));
+            }
+        });
+        !st.pending.is_empty()
     }
 
     /// The queue was deleted: its memory is the host's again, so nothing more is written
@@ -598,7 +658,7 @@ mod tests {
         let mut page = vec![0u32; DOORBELL_SLOTS];
         // SAFETY: `page` outlives `db` and holds DOORBELL_SLOTS aligned u32s.
         let db = unsafe { Doorbells::new(page.as_mut_ptr() as *mut u8) };
-        let cq = Cq::new(1, 0x1000, 16, 0, true);
+        let cq = Arc::new(Cq::new(1, 0x1000, 16, 0, true));
         let other = Cq::new(2, 0x2000, 16, 0, true);
         let c = success;
         // The phase tag of entry i: 1 once written (first pass through the queue).
@@ -611,7 +671,7 @@ mod tests {
         let written = |base: u64| (0..16).filter(|&i| phase(base, i) == 1).count();
         // Entry 1 first, so the first line is filled by entries 1-3.
         cq.post(&mem, &db, c(0)).unwrap();
-        let held = HeldBack::begin(&cq);
+        let held = HeldBack::begin(&cq, &mem, 0);
         assert_eq!(cq.post(&mem, &db, c(1)).unwrap(), 0);
         assert_eq!(cq.post(&mem, &db, c(2)).unwrap(), 0);
         assert_eq!(written(0x1000), 1, "held back until the line is full");
@@ -630,7 +690,7 @@ mod tests {
             assert_eq!(cq.post(&mem, &db, c(cid)).unwrap(), 0);
         }
         assert_eq!(written(0x1000), 4);
-        assert_eq!(held.post(&cq, &mem, &db).unwrap(), 3, "what the line held");
+        assert_eq!(held.post(&mem, &db).unwrap(), 3, "what the line held");
         assert_eq!(written(0x1000), 7);
         // In order: entry i holds command i.
         for i in 0..7 {
@@ -643,7 +703,7 @@ mod tests {
         assert_eq!(cq.post(&mem, &db, c(7)).unwrap(), 1);
         // A hold dropped without `post` ends too; nothing it held is lost (the next pass's
         // flush posts it).
-        let held = HeldBack::begin(&cq);
+        let held = HeldBack::begin(&cq, &mem, 0);
         assert_eq!(cq.post(&mem, &db, c(8)).unwrap(), 0);
         drop(held);
         assert_eq!(written(0x1000), 8);
@@ -651,7 +711,14 @@ mod tests {
         assert_eq!(cq.post(&mem, &db, c(9)).unwrap(), 1);
         assert_eq!(written(0x1000), 10);
         // Nothing held: `post` has nothing to write.
-        assert_eq!(HeldBack::begin(&cq).post(&cq, &mem, &db).unwrap(), 0);
+        assert_eq!(HeldBack::begin(&cq, &mem, 0).post(&mem, &db).unwrap(), 0);
+        // Entries held when the queue is deleted are never written: its memory is the
+        // host's again.
+        let held = HeldBack::begin(&cq, &mem, 0);
+        assert_eq!(cq.post(&mem, &db, c(10)).unwrap(), 0);
+        cq.retire();
+        assert_eq!(held.post(&mem, &db).unwrap(), 0);
+        assert_eq!(written(0x1000), 10);
     }
 
     #[test]
