@@ -38,13 +38,42 @@ pub const NSID_ALL: u32 = 0xFFFF_FFFF;
 /// The namespaces a controller's I/O queue sees: a queue's own copy of the table, or the
 /// subsystem's (looked up per command).
 pub trait Namespaces {
-    fn get(&self, nsid: u32) -> Option<Arc<Namespace>>;
+    fn get(&self, nsid: u32) -> Option<NsRef<'_>>;
     fn all(&self) -> Vec<Arc<Namespace>>;
 }
 
+/// A command's namespace: borrowed from the queue's table while the command is planned and
+/// submitted (no reference count per command: a polled queue's commands cost a few tens of
+/// nanoseconds, and two atomic instructions are a good part of that), or a handle of the
+/// command's own ([`Plan::into_owned`], for a transport that keeps the plan past its table's
+/// borrow).
+pub enum NsRef<'a> {
+    Table(&'a Arc<Namespace>),
+    Own(Arc<Namespace>),
+}
+
+impl NsRef<'_> {
+    pub fn into_owned(self) -> NsRef<'static> {
+        match self {
+            NsRef::Table(ns) => NsRef::Own(ns.clone()),
+            NsRef::Own(ns) => NsRef::Own(ns),
+        }
+    }
+}
+
+impl std::ops::Deref for NsRef<'_> {
+    type Target = Arc<Namespace>;
+    fn deref(&self) -> &Arc<Namespace> {
+        match self {
+            NsRef::Table(ns) => ns,
+            NsRef::Own(ns) => ns,
+        }
+    }
+}
+
 impl Namespaces for BTreeMap<u32, Arc<Namespace>> {
-    fn get(&self, nsid: u32) -> Option<Arc<Namespace>> {
-        BTreeMap::get(self, &nsid).cloned()
+    fn get(&self, nsid: u32) -> Option<NsRef<'_>> {
+        BTreeMap::get(self, &nsid).map(NsRef::Table)
     }
     fn all(&self) -> Vec<Arc<Namespace>> {
         self.values().cloned().collect()
@@ -52,8 +81,8 @@ impl Namespaces for BTreeMap<u32, Arc<Namespace>> {
 }
 
 impl Namespaces for Subsystem {
-    fn get(&self, nsid: u32) -> Option<Arc<Namespace>> {
-        self.namespace(nsid)
+    fn get(&self, nsid: u32) -> Option<NsRef<'_>> {
+        self.namespace(nsid).map(NsRef::Own)
     }
     fn all(&self) -> Vec<Arc<Namespace>> {
         self.namespace_table().into_values().collect()
@@ -65,18 +94,31 @@ impl Namespaces for Subsystem {
 pub type Arrived = Option<(Arc<VolumeMetrics>, Arrival)>;
 
 /// What an I/O command does; see the module's table.
-pub enum Plan {
+pub enum Plan<'a> {
     Done(Status),
-    Read(Io),
-    Write(Io),
-    Run(Io),
-    Ranges(Arc<Namespace>, DatasetManagement),
+    Read(Io<'a>),
+    Write(Io<'a>),
+    Run(Io<'a>),
+    Ranges(NsRef<'a>, DatasetManagement),
+}
+
+impl Plan<'_> {
+    /// The same plan, holding its namespace by a handle of its own.
+    pub fn into_owned(self) -> Plan<'static> {
+        match self {
+            Plan::Done(s) => Plan::Done(s),
+            Plan::Read(io) => Plan::Read(io.into_owned()),
+            Plan::Write(io) => Plan::Write(io.into_owned()),
+            Plan::Run(io) => Plan::Run(io.into_owned()),
+            Plan::Ranges(ns, d) => Plan::Ranges(ns.into_owned(), d),
+        }
+    }
 }
 
 /// The requests one command becomes: a first one through its namespace's path, then the
 /// rest, each after the previous one succeeded.
-pub struct Io {
-    pub ns: Arc<Namespace>,
+pub struct Io<'a> {
+    pub ns: NsRef<'a>,
     pub kind: IoKind,
     pub offset: u64,
     /// Bytes of the first request (for reads and writes, the host data).
@@ -84,14 +126,24 @@ pub struct Io {
     pub then: Then,
 }
 
-impl Io {
-    fn new(ns: Arc<Namespace>, kind: IoKind, offset: u64, len: u64) -> Self {
+impl<'a> Io<'a> {
+    fn new(ns: NsRef<'a>, kind: IoKind, offset: u64, len: u64) -> Self {
         Io {
             ns,
             kind,
             offset,
             len,
             then: Then::default(),
+        }
+    }
+
+    pub fn into_owned(self) -> Io<'static> {
+        Io {
+            ns: self.ns.into_owned(),
+            kind: self.kind,
+            offset: self.offset,
+            len: self.len,
+            then: self.then,
         }
     }
 
@@ -159,7 +211,7 @@ fn flush(ns: &Namespace) -> (Arc<dyn BlockDevice>, IoRequest) {
 }
 
 /// Decide what the I/O command `c` does on the namespaces `nss` (NVM Command Set 1.0 §3.2).
-pub fn plan(c: &Command, nss: &impl Namespaces) -> Plan {
+pub fn plan<'a>(c: &Command, nss: &'a impl Namespaces) -> Plan<'a> {
     if c.fuse() != 0 {
         // Fused operations (Compare and Write) are not supported (FUSES = 0).
         return Plan::Done(Status::INVALID_FIELD);
@@ -169,7 +221,7 @@ pub fn plan(c: &Command, nss: &impl Namespaces) -> Plan {
         let Some((first, rest)) = all.split_first() else {
             return Plan::Done(Status::SUCCESS);
         };
-        let mut io = Io::new(first.clone(), IoKind::Flush, 0, 0);
+        let mut io = Io::new(NsRef::Own(first.clone()), IoKind::Flush, 0, 0);
         io.then = Then::of(rest.iter().map(|ns| flush(ns)).collect());
         return Plan::Run(io);
     }
@@ -214,7 +266,7 @@ pub fn plan(c: &Command, nss: &impl Namespaces) -> Plan {
 /// Dataset Management once its range list (`data`) is here (NVM Command Set 1.0 §3.2.3):
 /// only Attribute – Deallocate acts, one Discard per non-empty range; the other attributes
 /// are hints nacre may ignore. Gives [`Plan::Done`] or [`Plan::Run`].
-pub fn deallocate(ns: Arc<Namespace>, d: &DatasetManagement, data: &[u8]) -> Plan {
+pub fn deallocate<'a>(ns: NsRef<'a>, d: &DatasetManagement, data: &[u8]) -> Plan<'a> {
     let Some(ranges) = d.ranges(data) else {
         return Plan::Done(Status::DATA_SGL_LENGTH_INVALID);
     };
@@ -385,13 +437,13 @@ mod tests {
             );
         }
         assert_eq!(data.len(), 3 * RANGE_LEN);
-        let Plan::Run(io) = deallocate(ns.clone(), &d, &data) else {
+        let Plan::Run(io) = deallocate(NsRef::Table(&ns), &d, &data) else {
             panic!("discards");
         };
         assert_eq!((io.kind, io.offset, io.len), (IoKind::Discard, 4096, 4096));
         assert_eq!(steps(io.then), vec![(IoKind::Discard, 512_000, 512)]);
         // A short list, and a list without Deallocate.
-        let short = deallocate(ns.clone(), &d, &data[..RANGE_LEN]);
+        let short = deallocate(NsRef::Table(&ns), &d, &data[..RANGE_LEN]);
         assert_eq!(done(short), Status::DATA_SGL_LENGTH_INVALID);
         let hint = DatasetManagement {
             deallocate: false,

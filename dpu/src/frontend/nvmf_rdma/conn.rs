@@ -584,7 +584,9 @@ impl Conn {
                 io::deallocate(ns, &d, &data)
             }
             p => p,
-        };
+        }
+        // Kept past the table's borrow (submit takes the queue).
+        .into_owned();
         match plan {
             Plan::Done(st) => Some(st),
             Plan::Read(io) => {
@@ -612,7 +614,7 @@ impl Conn {
     }
 
     /// Submit `io`'s first request from slot `s`; its data (if any) is the slot's buffer.
-    fn submit(&mut self, s: usize, mut io: Io) -> Option<Status> {
+    fn submit(&mut self, s: usize, mut io: Io<'static>) -> Option<Status> {
         let len = io.len as usize;
         let seg = matches!(io.kind, IoKind::Read | IoKind::Write).then(|| {
             // SAFETY: slot s is held until the volume calls `complete` for tag s, so the

@@ -272,11 +272,13 @@ impl Conn {
             return Some(Status::INVALID_OPCODE);
         }
         self.refresh_namespaces();
+        // The plan keeps its namespace past the table's borrow (submit takes the queue).
         let plan = match io::plan(cmd, &self.ns) {
             // The range list came with the command (in the capsule or by R2T).
             Plan::Ranges(ns, d) => io::deallocate(ns, &d, data.as_slice()),
             p => p,
-        };
+        }
+        .into_owned();
         match plan {
             Plan::Done(s) => Some(s),
             Plan::Read(io) => {
@@ -313,7 +315,7 @@ impl Conn {
 
     /// Submit `io`'s first request through its namespace's path; reads and writes move
     /// their data through the slot's buffer (a write's `data` becomes it).
-    fn submit(&mut self, mut io: Io, cid: u16, data: Payload<'_>) -> Option<Status> {
+    fn submit(&mut self, mut io: Io<'static>, cid: u16, data: Payload<'_>) -> Option<Status> {
         let Some(tag) = self.alloc_slot() else {
             warn!("host exceeded its queue size");
             return Some(Status::INTERNAL_ERROR);
