@@ -198,13 +198,11 @@ pub struct ArrivalCell {
 }
 
 impl ArrivalCell {
-    pub fn set(&self, a: Option<Arrival>) {
-        if let Some(a) = a {
-            self.start.store(a.start, Ordering::Relaxed);
-            self.bytes.store(a.bytes, Ordering::Relaxed);
-        }
-        let kind = a.map_or(0, |a| op_index(a.kind) as u8 + 1);
-        self.kind.store(kind, Ordering::Relaxed);
+    pub fn set(&self, a: Arrival) {
+        self.start.store(a.start, Ordering::Relaxed);
+        self.bytes.store(a.bytes, Ordering::Relaxed);
+        self.kind
+            .store(op_index(a.kind) as u8 + 1, Ordering::Relaxed);
     }
 
     pub fn take(&self) -> Option<Arrival> {

@@ -1073,7 +1073,7 @@ impl PcieController {
             metrics: Kept::None,
         };
         if let Some(m) = metrics {
-            this.arrival.set(Some(m.arrive(io.kind, io.len)));
+            this.arrival.set(m.arrive(io.kind, io.len));
             at.metrics = if this.metrics.as_ref().is_some_and(|k| Arc::ptr_eq(k, m)) {
                 Kept::Fixed
             } else {
